@@ -1,0 +1,58 @@
+"""Split a model's parameters into matrix-optimizer and AdamW groups.
+
+Shape alone cannot tell a hidden projection from an embedding or an output head (all are
+2-D), so routing is by layer type and name: weights of tracked layers (``nn.Linear``)
+go to the matrix optimizer unless their name matches ``exclude`` or they are shared with
+an ``nn.Embedding`` (tied LM heads); everything else (embeddings, heads, norms, biases)
+goes to AdamW.
+"""
+
+import re
+from typing import Any
+
+from torch import nn
+
+from dobb.stats import TRACKED_LAYERS
+
+# Names of output heads and embeddings in common model families (GPT-2, Llama, BERT, ...).
+DEFAULT_EXCLUDE = (
+    r"(^|\.)(lm_head|head|output|wte|wpe|embed_tokens|embed_positions|embeddings?)(\.|$)"
+)
+
+
+def param_groups(
+    model: nn.Module,
+    algorithm: str = "dobb",
+    *,
+    exclude: str = DEFAULT_EXCLUDE,
+    matrix_options: dict[str, Any] | None = None,
+    scalar_algorithm: str = "adamw",
+    scalar_options: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Named parameter groups: ``[{algorithm: matrix...}, {algorithm: scalar...}]``.
+
+    Args:
+        exclude: regex searched in each parameter's name; matching layer weights go to the
+            scalar group. Pass your model's head/embedding names if they differ.
+        matrix_options / scalar_options: extra keys for each group (e.g. ``{"lr": 3e-3}``).
+    """
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    layer_weights = {
+        id(getattr(m, attr))
+        for m in model.modules()
+        for layer_type, attr in TRACKED_LAYERS.items()
+        if isinstance(m, layer_type) and getattr(m, attr, None) is not None
+    }
+    pattern = re.compile(exclude)
+    matrix, scalar = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_matrix = id(p) in layer_weights and id(p) not in tied and not pattern.search(name)
+        (matrix if is_matrix else scalar).append((name, p))
+    groups = []
+    if matrix:
+        groups.append({"params": matrix, "algorithm": algorithm, **(matrix_options or {})})
+    if scalar:
+        groups.append({"params": scalar, "algorithm": scalar_algorithm, **(scalar_options or {})})
+    return groups

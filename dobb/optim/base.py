@@ -1,0 +1,223 @@
+"""Scaffolding shared by every matrix optimizer in dobb.
+
+A ``MatrixOptimizer`` owns the parts that are the same for Dobb, Dion and Muon: parameter
+groups routed by an ``algorithm`` key (the subclass's own name for hidden matrices,
+``"adamw"`` or ``"lion"`` for everything else), group validation, the non-finite-gradient
+check that runs before any state is touched, ``step(closure)``, and a ``load_state_dict``
+that keeps state dtypes. Subclasses write only their matrix update.
+"""
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dobb.optim.scalar import (
+    SCALAR_ALGORITHMS,
+    SCALAR_DEFAULTS,
+    adamw_update,
+    init_scalar_state,
+    lion_update,
+)
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support
+    DTensor = ()
+
+GROUP_KEYS = {"params", "algorithm", "param_names", "initial_lr"}
+NONFINITE_MODES = ("raise", "skip")
+
+
+def local(t: Tensor) -> Tensor:
+    """The rank-local tensor behind a DTensor; a plain tensor unchanged."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_dtype(param: Tensor) -> torch.dtype:
+    """fp32, or the parameter's dtype where that is wider (fp64 params keep fp64 state)."""
+    return torch.promote_types(param.dtype, torch.float32)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient (or activation statistic) held NaN or Inf; no state was changed."""
+
+
+class MatrixOptimizer(torch.optim.Optimizer):
+    """Base class: routing, validation and the step loop; subclasses add the matrix math.
+
+    Subclasses set ``algorithm`` (their group name) and implement ``_init_matrix_state``
+    and ``_update_matrix`` (or override ``_matrix_step`` to batch work across parameters).
+
+    Args (shared by all subclasses):
+        nonfinite: ``"raise"`` (default) raises ``NonFiniteGradientError`` naming the first
+            bad parameter; ``"skip"`` skips the whole step. Either way no state changes.
+    """
+
+    algorithm: str
+
+    def __init__(self, params, defaults: dict[str, Any], *, nonfinite: str = "raise"):
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self._names: dict[Tensor, str] = {}
+        super().__init__(params, {"algorithm": self.algorithm, **defaults})
+
+    # ----------------------------------------------------------------- groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate a group before ``torch.optim`` fills in the defaults."""
+        algorithm = param_group.get("algorithm", self.algorithm)
+        allowed = self._allowed_algorithms()
+        if algorithm not in allowed:
+            raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {allowed}")
+        if algorithm in SCALAR_ALGORITHMS:
+            for key, value in SCALAR_DEFAULTS[algorithm].items():
+                param_group.setdefault(key, value)
+            keys = GROUP_KEYS | {"lr", "weight_decay"} | set(SCALAR_DEFAULTS[algorithm])
+        else:
+            keys = GROUP_KEYS | set(self.defaults)
+        unknown = sorted(set(param_group) - keys)
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {unknown} in a parameter group with algorithm={algorithm!r}; "
+                f"allowed: {sorted(keys - GROUP_KEYS)}"
+            )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if algorithm in SCALAR_ALGORITHMS:  # scalar groups do not carry matrix defaults
+            for key in set(group) - keys:
+                del group[key]
+        index = len(self.param_groups) - 1
+        names = group.get("param_names") or [None] * len(group["params"])
+        for j, (p, name) in enumerate(zip(group["params"], names, strict=True)):
+            self._names[p] = name or f"param_groups[{index}]['params'][{j}] {tuple(p.shape)}"
+        self._validate_group(group)
+
+    def _allowed_algorithms(self) -> tuple[str, ...]:
+        return (self.algorithm, *SCALAR_ALGORITHMS)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Check hyperparameters; subclasses extend this for their own keys."""
+        if not group["lr"] >= 0:
+            raise ValueError(f"invalid learning rate: {group['lr']} (must be >= 0)")
+        if not group["weight_decay"] >= 0:
+            raise ValueError(f"invalid weight_decay: {group['weight_decay']} (must be >= 0)")
+        if group["algorithm"] in SCALAR_ALGORITHMS:
+            for i, beta in enumerate(group["betas"]):
+                if not 0.0 <= beta < 1.0:
+                    raise ValueError(f"invalid beta parameter at index {i}: {beta}")
+            if group.get("eps", 0.0) < 0:
+                raise ValueError(f"invalid eps: {group['eps']} (must be >= 0)")
+            return
+        for p in group["params"]:
+            if p.ndim != 2:
+                raise ValueError(
+                    f"{self.name_of(p)} has {p.ndim} dimension(s), but algorithm="
+                    f"{self.algorithm!r} needs 2-D weight matrices; put it in a group with "
+                    "algorithm='adamw' (dobb.param_groups does this for a model)"
+                )
+
+    def name_of(self, param: Tensor) -> str:
+        """The parameter's name if groups were built from named parameters, else its index."""
+        return self._names.get(param, f"parameter of shape {tuple(param.shape)}")
+
+    # ------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        matrix_groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
+        if not self._inputs_finite(matrix_groups):
+            self.skipped_steps += 1
+            self._discard_step_inputs()
+            return loss
+        self._prepare(matrix_groups)  # may raise; nothing has been changed yet
+        for group in self.param_groups:
+            if group["algorithm"] in SCALAR_ALGORITHMS:
+                self._scalar_step(group)
+        if matrix_groups:
+            self._matrix_step(matrix_groups)
+        return loss
+
+    def _inputs_finite(self, matrix_groups) -> bool:
+        """True if every gradient (and subclass input) is finite; raise or report otherwise."""
+        tensors = [(p, local(p.grad)) for g in self.param_groups for p in g["params"]]
+        tensors = [(p, t) for p, t in tensors if t is not None] + self._extra_inputs(matrix_groups)
+        if not tensors:
+            return True
+        finite = torch.stack([torch.isfinite(t).all() for _, t in tensors])
+        if bool(finite.all()):
+            return True
+        bad = self.name_of(tensors[int((~finite).nonzero()[0])][0])
+        if self.nonfinite == "skip":
+            return False
+        raise NonFiniteGradientError(
+            f"non-finite values (NaN or Inf) in the gradient or statistics of {bad}; no state "
+            "was changed. Lower the learning rate, clip gradients, or construct the optimizer "
+            "with nonfinite='skip' to skip such steps."
+        )
+
+    def _extra_inputs(self, matrix_groups) -> list[tuple[Tensor, Tensor]]:
+        """Further (param, tensor) pairs that must be finite (Dobb: activation statistics)."""
+        return []
+
+    def _discard_step_inputs(self) -> None:
+        """Called when a step is skipped (Dobb drops that step's statistics)."""
+
+    def _prepare(self, matrix_groups) -> None:
+        """Check preconditions before any state changes (Dobb: statistics present)."""
+
+    def _scalar_step(self, group: dict[str, Any]) -> None:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(init_scalar_state(p, group["algorithm"]))
+            state["step"] += 1
+            param, grad, hp = local(p), local(p.grad), {"lr": group["lr"]}
+            hp.update(betas=group["betas"], weight_decay=group["weight_decay"])
+            if group["algorithm"] == "adamw":
+                step = state["step"].item()
+                exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
+                adamw_update(param, grad, exp_avg, exp_avg_sq, step, eps=group["eps"], **hp)
+            else:
+                lion_update(param, grad, local(state["exp_avg"]), **hp)
+
+    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
+        """Update every matrix parameter; override to batch work across parameters."""
+        for group in groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(self._init_matrix_state(p, group))
+                self._update_matrix(p, state, group)
+
+    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _update_matrix(self, param: Tensor, state: dict[str, Any], group: dict) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ checkpoints
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load state, keeping each saved tensor's dtype.
+
+        ``torch.optim.Optimizer`` casts floating state to the parameter's dtype, which would
+        turn fp32 state of bf16 parameters (and Dobb's bases) into bf16; we undo that.
+        """
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = dict(zip(ids, (p for g in self.param_groups for p in g["params"]), strict=True))
+        for index, entry in saved.items():
+            state = self.state[params[index]]
+            for key, value in entry.items():
+                if isinstance(value, Tensor) and state[key].dtype != value.dtype:
+                    state[key] = state[key].to(value.dtype)

@@ -1,0 +1,297 @@
+"""Dobb: Distributed Optimizer with Block-diagonal Eigenbases (arXiv 2610.39412).
+
+Each hidden weight ``W`` (``d_out x d_in``) is preconditioned on its input side only, with
+a block-diagonal approximation of the input-activation second moment ``E[xᵀx]``. Momentum
+is projected into each block's eigenbasis, normalized by an elementwise sign and rotated
+back. A row of the update depends only on the same row of the momentum, so row-sharded
+(FSDP, column-parallel TP) matrices are updated with no communication.
+"""
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from dobb.blocks import BlockStack, block_stacks, refresh_bases
+from dobb.optim.base import MatrixOptimizer, local, state_dtype
+from dobb.stats import TRACKED_LAYERS, BlockStatistics, statistics_hook
+
+UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
+BASIS_METHODS = ("eigh", "power_qr")
+MISSING_STATS_MODES = ("raise", "identity")
+STACK_KEYS = (("cov", "basis"), ("cov_tail", "basis_tail"))  # at most two block sizes
+
+
+def dobb_update(
+    param: Tensor,
+    grad: Tensor,
+    momentum: Tensor,
+    bases: list[Tensor],
+    stacks: tuple[BlockStack, ...],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    scale: float,
+) -> None:
+    """One Dobb update of a ``(rows, d_in)`` matrix (a whole matrix or a row shard).
+
+    ``bases[i]`` is ``(count, size, size)``: the orthonormal basis ``Q_b`` of each block in
+    ``stacks[i]``. Updates ``param`` and ``momentum`` in place.
+    """
+    grad = grad.to(momentum.dtype)
+    # M <- mu M + (1 - mu) G
+    momentum.lerp_(grad, 1 - beta)
+    # N = (1 - mu) G + mu M  (Nesterov),  else  N = M
+    direction = grad.lerp(momentum, beta) if nesterov else momentum
+    # W <- W (1 - lr wd)
+    param.mul_(1 - lr * weight_decay)
+    for basis, s in zip(bases, stacks, strict=True):
+        blocks = direction[:, s.start : s.stop].unflatten(1, (s.count, s.size)).transpose(0, 1)
+        # U_b = sign(N_b Q_b) Q_bᵀ   (count, rows, size)
+        update = torch.bmm(torch.bmm(blocks, basis).sign_(), basis.mT)
+        # W_b <- W_b - lr alpha U_b
+        target = param[:, s.start : s.stop].unflatten(1, (s.count, s.size))
+        target.add_(update.transpose(0, 1), alpha=-lr * scale)
+
+
+class Dobb(MatrixOptimizer):
+    r"""Block-diagonal eigenbasis sign descent for hidden weight matrices.
+
+    .. code-block:: text
+
+        per matrix W (d_out x d_in), input blocks I_b of near-equal size s, step t:
+          C_b <- S_b (first step with statistics)  else  C_b <- beta2 C_b + (1 - beta2) S_b
+                 where S_b = mean over this step's tokens of x[I_b]ᵀ x[I_b]
+          if (t - 1) % k == 0:  Q_b <- eigenvectors(C_b)          (all blocks batched)
+          M <- mu M + (1 - mu) G;   N = (1 - mu) G + mu M  (Nesterov)  or  N = M
+          U[:, I_b] = sign(N[:, I_b] Q_b) Q_bᵀ                    (RMS(U) = 1)
+          W <- W (1 - lr wd) - lr alpha U
+
+    Call ``opt.track(model)`` once so forward pre-hooks collect the statistics. Parameter
+    groups with ``algorithm="adamw"`` or ``"lion"`` (see ``dobb.param_groups``) take the
+    embeddings, the LM head, norms and biases.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate; with ``update_scale=0.2`` the update's RMS is ``0.2 lr``, as for
+            AdamW, so AdamW learning rates transfer.
+        momentum: ``mu`` (default 0.95). nesterov: use Nesterov momentum (default True).
+        weight_decay: decoupled weight decay (multiplied by ``lr``).
+        num_blocks: blocks per input dimension, ``B`` (default 16; ``B >= d_in`` gives
+            blocks of size 1, i.e. Signum).
+        stats_beta: EMA factor ``beta2`` of the second-moment blocks (default 0.95).
+        basis_interval: refresh the bases every ``k`` steps (default 10).
+        update_scale: ``alpha``: a number, or ``"adamw"`` (0.2), ``"lion"`` (1.0), or
+            ``"muon"`` (``1/sqrt(d_in)``: the RMS of Muon's spectrally scaled orthogonal
+            update ``sqrt(max(1, d_out/d_in)) U Vᵀ``).
+        basis_method: ``"eigh"`` (default) or ``"power_qr"``: one warm-started orthogonal
+            iteration per refresh (``eigh`` on the first one).
+        missing_stats: ``"raise"`` (default) if a Dobb matrix has no statistics at a step
+            with ``lr > 0``; ``"identity"`` keeps the current basis (identity before any
+            statistics: Signum). A zero-``lr`` step never needs statistics (DCP issues one
+            to build optimizer state).
+        nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients or statistics.
+    """
+
+    algorithm = "dobb"
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        num_blocks: int = 16,
+        stats_beta: float = 0.95,
+        basis_interval: int = 10,
+        update_scale: float | str = 0.2,
+        *,
+        basis_method: str = "eigh",
+        missing_stats: str = "raise",
+        nonfinite: str = "raise",
+    ):
+        if missing_stats not in MISSING_STATS_MODES:
+            raise ValueError(f"missing_stats must be one of {MISSING_STATS_MODES}")
+        self.missing_stats = missing_stats
+        self._stats: dict[Tensor, BlockStatistics] = {}
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            num_blocks=num_blocks,
+            stats_beta=stats_beta,
+            basis_interval=basis_interval,
+            update_scale=update_scale,
+            basis_method=basis_method,
+        )
+        super().__init__(params, defaults, nonfinite=nonfinite)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        super()._validate_group(group)
+        if group["algorithm"] != self.algorithm:
+            return
+        for key in ("momentum", "stats_beta"):
+            if not 0.0 <= group[key] < 1.0:
+                raise ValueError(f"invalid {key}: {group[key]} (must be in [0, 1))")
+        for key in ("num_blocks", "basis_interval"):
+            if not (isinstance(group[key], int) and group[key] >= 1):
+                raise ValueError(f"invalid {key}: {group[key]!r} (must be an integer >= 1)")
+        scale = group["update_scale"]
+        if scale not in UPDATE_SCALE_MODES and not (isinstance(scale, float | int) and scale > 0):
+            raise ValueError(
+                f"invalid update_scale: {scale!r} (a positive number or one of "
+                f"{UPDATE_SCALE_MODES})"
+            )
+        if group["basis_method"] not in BASIS_METHODS:
+            raise ValueError(f"invalid basis_method: {group['basis_method']!r}")
+        for p in group["params"]:
+            self._stacks(p, group)
+
+    def _stacks(self, param: Tensor, group: dict[str, Any]) -> tuple[BlockStack, ...]:
+        """Blocks of this rank's columns of ``param``."""
+        return block_stacks(param.shape[1], group["num_blocks"])
+
+    # ------------------------------------------------------------- statistics
+    def track(self, model: nn.Module) -> list[RemovableHandle]:
+        """Hook every layer of ``model`` whose weight is in a Dobb group.
+
+        Layer types come from ``dobb.stats.TRACKED_LAYERS`` (``nn.Linear`` by default).
+        Returns the hook handles (``handle.remove()`` stops tracking that layer).
+        """
+        groups = {
+            p: g for g in self.param_groups if g["algorithm"] == self.algorithm for p in g["params"]
+        }
+        handles = []
+        for module in model.modules():
+            attr = next((a for t, a in TRACKED_LAYERS.items() if isinstance(module, t)), None)
+            weight = getattr(module, attr, None) if attr else None
+            if weight is None or weight not in groups:
+                continue
+            if weight in self._stats:
+                raise ValueError(f"{self.name_of(weight)} is already tracked")
+            stacks = self._stacks(weight, groups[weight])
+            stats = BlockStatistics(stacks, state_dtype(weight), local(weight).device)
+            self._stats[weight] = stats
+            handles.append(module.register_forward_pre_hook(statistics_hook(stats)))
+        if not handles:
+            raise ValueError(
+                "track() found no layer whose weight is in a Dobb group; known layer types: "
+                f"{[t.__name__ for t in TRACKED_LAYERS]}"
+            )
+        return handles
+
+    def _extra_inputs(self, matrix_groups):
+        return [(p, t) for p, s in self._stats.items() if s.tokens for t in s.sums]
+
+    def _discard_step_inputs(self) -> None:
+        for stats in self._stats.values():
+            stats.reset()
+
+    def _prepare(self, matrix_groups) -> None:
+        if self.missing_stats == "identity":
+            return
+        for group in matrix_groups:
+            if group["lr"] == 0:
+                continue
+            for p in group["params"]:
+                stats = self._stats.get(p)
+                if p.grad is not None and (stats is None or stats.tokens == 0):
+                    raise RuntimeError(
+                        f"{self.name_of(p)} has no activation statistics for this step. "
+                        "Call opt.track(model) before the forward pass (it hooks nn.Linear "
+                        "layers), route the parameter to algorithm='adamw', or construct "
+                        "Dobb with missing_stats='identity'."
+                    )
+
+    # ------------------------------------------------------------------- step
+    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        dtype, device = state_dtype(param), local(param).device
+        state = {
+            "step": torch.tensor(0.0),
+            "stats_steps": torch.tensor(0.0),
+            "momentum": torch.zeros_like(param, dtype=dtype),
+        }
+        for (cov_key, basis_key), s in zip(STACK_KEYS, self._stacks(param, group)):
+            state[cov_key] = torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device)
+            eye = torch.eye(s.size, dtype=dtype, device=device)
+            state[basis_key] = eye.repeat(s.count, 1, 1)
+        return state
+
+    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
+        active = []
+        for group in groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(self._init_matrix_state(p, group))
+                state["step"] += 1
+                stats = self._stats.get(p)
+                means = stats.pop_mean() if stats is not None else None
+                if means is not None:
+                    self._fold_statistics(state, means, group["stats_beta"])
+                active.append((p, state, group))
+        due = [
+            (state, group)
+            for _, state, group in active
+            if (int(state["step"]) - 1) % group["basis_interval"] == 0 and state["stats_steps"] > 0
+        ]
+        self._refresh(due)
+        for p, state, group in active:
+            stacks = self._stacks(p, group)
+            bases = [state[basis_key] for _, basis_key in STACK_KEYS[: len(stacks)]]
+            dobb_update(
+                local(p),
+                local(p.grad),
+                local(state["momentum"]),
+                bases,
+                stacks,
+                lr=group["lr"],
+                beta=group["momentum"],
+                nesterov=group["nesterov"],
+                weight_decay=group["weight_decay"],
+                scale=self._scale(p, group),
+            )
+
+    @staticmethod
+    def _fold_statistics(state: dict[str, Any], means: list[Tensor], beta: float) -> None:
+        """``C_b <- S_b`` the first time, else ``C_b <- beta C_b + (1 - beta) S_b``."""
+        first = state["stats_steps"] == 0
+        for (cov_key, _), mean in zip(STACK_KEYS, means):
+            if first:
+                state[cov_key].copy_(mean)
+            else:
+                state[cov_key].lerp_(mean, 1 - beta)
+        state["stats_steps"] += 1
+
+    def _refresh(self, due: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+        """Recompute the bases of ``due`` matrices, batching equal block sizes together."""
+        for method in BASIS_METHODS:
+            keys = [
+                (state, cov_key, basis_key)
+                for state, group in due
+                if method == ("eigh" if state["stats_steps"] == 1 else group["basis_method"])
+                for cov_key, basis_key in STACK_KEYS
+                if cov_key in state
+            ]
+            if not keys:
+                continue
+            covs = [state[c] for state, c, _ in keys]
+            bases = refresh_bases(covs, [state[b] for state, _, b in keys], method)
+            for (state, _, basis_key), basis in zip(keys, bases):
+                state[basis_key].copy_(basis)
+
+    @staticmethod
+    def _scale(param: Tensor, group: dict[str, Any]) -> float:
+        """``alpha`` for this matrix (``param.shape`` is global, also for DTensors)."""
+        scale = group["update_scale"]
+        if scale == "muon":
+            return 1.0 / math.sqrt(param.shape[1])
+        return {"adamw": 0.2, "lion": 1.0}.get(scale, scale)

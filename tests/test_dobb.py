@@ -1,0 +1,442 @@
+"""Dobb on one device: the invariants of DESIGN §2, the torch.optim contract, bad input."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import dobb
+from dobb.blocks import block_stacks, eigenbasis, power_qr_basis
+from dobb.optim.dobb import dobb_update
+
+
+def mlp(dtype=torch.float32, d_in=12, hidden=20, d_out=6, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out)).to(dtype)
+
+
+def make_opt(model, **kwargs):
+    """Dobb on every Linear weight, AdamW on biases; tracked."""
+    groups = dobb.param_groups(model, exclude="^$")
+    opt = dobb.Dobb(groups, **{"lr": 0.01, "num_blocks": 4, **kwargs})
+    opt.track(model)
+    return opt
+
+
+def train(model, opt, steps, seed=1, batch=16):
+    """``steps`` steps regressing onto a fixed random linear teacher; returns the losses."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype, d_in = model[0].weight.dtype, model[0].in_features
+    teacher = torch.randn(d_in, model[-1].out_features, generator=gen, dtype=dtype)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(batch, d_in, generator=gen, dtype=dtype)
+        y = x @ teacher
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def one_step_update(weight, x, grad, **kwargs):
+    """Dobb's first-step update -(W' - W)/lr of a lone Linear with input ``x``."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False).to(weight.dtype)
+    layer.weight.data.copy_(weight)
+    opt = dobb.Dobb([layer.weight], **{"lr": 1.0, "update_scale": 1.0, **kwargs})
+    opt.track(layer)
+    layer(x)
+    layer.weight.grad = grad.clone()
+    opt.step()
+    return weight - layer.weight.detach()
+
+
+# ------------------------------------------------------------------ invariants
+def test_block_stacks_near_equal_and_contiguous():
+    assert [(s.start, s.size, s.count) for s in block_stacks(10, 4)] == [(0, 3, 2), (6, 2, 2)]
+    assert [(s.size, s.count) for s in block_stacks(64, 16)] == [(4, 16)]
+    assert [(s.size, s.count) for s in block_stacks(5, 9)] == [(1, 5)]  # B > d_in: size 1
+
+
+def test_block_size_one_is_signum():
+    torch.manual_seed(0)
+    w, x, g = torch.randn(5, 7), torch.randn(9, 7), torch.randn(5, 7)
+    update = one_step_update(w, x, g, num_blocks=7)
+    mu = 0.95
+    nesterov = (1 - mu) * g + mu * ((1 - mu) * g)
+    torch.testing.assert_close(update, nesterov.sign())
+
+
+def test_identity_basis_is_signum():
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 4, bias=False)
+    w = layer.weight.detach().clone()
+    opt = dobb.Dobb([layer.weight], lr=0.1, update_scale=1.0, missing_stats="identity")
+    layer.weight.grad = torch.randn(4, 8)
+    opt.step()  # no statistics were ever seen: Q_b = I
+    torch.testing.assert_close(w - layer.weight.detach(), 0.1 * layer.weight.grad.sign())
+
+
+def test_diagonal_second_moment_is_signum():
+    torch.manual_seed(0)
+    w, g = torch.randn(3, 8), torch.randn(3, 8)
+    x = torch.diag(torch.arange(1.0, 9.0))  # C = diag(1..64)/8: distinct eigenvalues
+    update = one_step_update(w, x, g, num_blocks=2, nesterov=False)
+    torch.testing.assert_close(update, g.sign())
+
+
+def random_orthogonal(n, generator, dtype=torch.float64):
+    return torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=dtype)).Q
+
+
+def test_block_orthogonal_equivariance():
+    """x' = x R, W' = W R with block-diagonal orthogonal R  =>  U' = U R."""
+    gen = torch.Generator().manual_seed(0)
+    d_in, blocks = 12, 3
+    r = torch.block_diag(*[random_orthogonal(d_in // blocks, gen) for _ in range(blocks)])
+    w = torch.randn(5, d_in, generator=gen, dtype=torch.float64)
+    x = torch.randn(40, d_in, generator=gen, dtype=torch.float64) * torch.linspace(0.5, 3, d_in)
+    g = torch.randn(5, d_in, generator=gen, dtype=torch.float64)
+    update = one_step_update(w, x, g, num_blocks=blocks)
+    rotated = one_step_update(w @ r, x @ r, g @ r, num_blocks=blocks)
+    torch.testing.assert_close(rotated, update @ r, rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(update, torch.sign(g))  # the basis really rotated the update
+
+
+@pytest.mark.parametrize("num_blocks", [1, 3, 5])
+def test_update_rms_is_one_before_scaling(num_blocks):
+    torch.manual_seed(0)
+    param, grad = torch.zeros(6, 13), torch.randn(6, 13)
+    stacks = block_stacks(13, num_blocks)
+    bases = [
+        eigenbasis(torch.randn(s.count, s.size, s.size).mT @ torch.randn(s.size, s.size))
+        for s in stacks
+    ]
+    bases = [eigenbasis(b @ b.mT) for b in bases]
+    dobb_update(param, grad, torch.zeros_like(param), bases, stacks, lr=1.0, beta=0.9,
+                nesterov=True, weight_decay=0.0, scale=1.0)  # fmt: skip
+    assert math.isclose(param.pow(2).mean().sqrt().item(), 1.0, rel_tol=1e-6)
+
+
+def test_matches_per_block_reference_with_ragged_blocks():
+    """Three steps against a loop written straight from DESIGN §2 (fp64, explicit blocks)."""
+    gen = torch.Generator().manual_seed(3)
+    d_out, d_in, num_blocks, lr, mu, beta2 = 4, 10, 4, 0.05, 0.9, 0.8
+    layer = nn.Linear(d_in, d_out, bias=False).double()
+    w = layer.weight.detach().clone()
+    opt = dobb.Dobb([layer.weight], lr=lr, momentum=mu, num_blocks=num_blocks,
+                    stats_beta=beta2, basis_interval=2, weight_decay=0.1)  # fmt: skip
+    opt.track(layer)
+    sizes = [3, 3, 2, 2]
+    m, covs, bases = torch.zeros_like(w), [None] * 4, [None] * 4
+    for t in range(1, 4):
+        x = torch.randn(7, d_in, generator=gen, dtype=torch.float64)
+        g = torch.randn(d_out, d_in, generator=gen, dtype=torch.float64)
+        layer(x)
+        layer.weight.grad = g.clone()
+        opt.step()
+        m = mu * m + (1 - mu) * g
+        n = (1 - mu) * g + mu * m
+        u = torch.empty_like(w)
+        for b, start in enumerate([0, 3, 6, 8]):
+            cols = slice(start, start + sizes[b])
+            s_b = x[:, cols].T @ x[:, cols] / x.shape[0]
+            covs[b] = s_b if t == 1 else beta2 * covs[b] + (1 - beta2) * s_b
+            if (t - 1) % 2 == 0:
+                bases[b] = torch.linalg.eigh(covs[b])[1]
+            u[:, cols] = torch.sign(n[:, cols] @ bases[b]) @ bases[b].T
+        w = w * (1 - lr * 0.1) - lr * 0.2 * u
+    torch.testing.assert_close(layer.weight.detach(), w, rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------- statistics
+def test_statistics_ema_and_refresh_schedule():
+    layer = nn.Linear(4, 3, bias=False)
+    opt = dobb.Dobb([layer.weight], lr=0.01, num_blocks=2, stats_beta=0.5, basis_interval=3)
+    opt.track(layer)
+    gen = torch.Generator().manual_seed(0)
+    expected, bases = None, []
+    for t in range(1, 6):
+        x = torch.randn(5, 4, generator=gen) * torch.tensor([1.0, 2.0, 3.0, 4.0])
+        layer(x[:2]), layer(x[2:])  # two micro-batches, token-averaged together
+        layer.weight.grad = torch.randn(3, 4, generator=gen)
+        opt.step()
+        s = torch.stack([x[:, :2].T @ x[:, :2], x[:, 2:].T @ x[:, 2:]]) / 5
+        expected = s if t == 1 else 0.5 * expected + 0.5 * s
+        state = opt.state[layer.weight]
+        torch.testing.assert_close(state["cov"], expected)
+        bases.append(state["basis"].clone())
+    assert torch.equal(bases[0], bases[1]) and torch.equal(bases[1], bases[2])
+    assert not torch.equal(bases[2], bases[3])  # refreshed at t = 4 = 1 + 3
+    assert torch.equal(bases[3], bases[4])
+
+
+def test_hooks_ignore_eval_mode_and_no_grad():
+    layer = nn.Linear(4, 3)
+    opt = dobb.Dobb([layer.weight], lr=0.1, num_blocks=2)
+    opt.track(layer)
+    with torch.no_grad():
+        layer(torch.randn(2, 4))
+    layer.eval()
+    layer(torch.randn(2, 4))
+    layer.weight.grad = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="no activation statistics"):
+        opt.step()
+
+
+def test_gradient_accumulation_counts_every_micro_batch():
+    full, micro = mlp(), mlp()
+    opt_full, opt_micro = make_opt(full), make_opt(micro)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 6, generator=gen)
+        opt_full.zero_grad()
+        nn.functional.mse_loss(full(x), y).backward()
+        opt_full.step()
+        opt_micro.zero_grad()
+        for xs, ys in [(x[:3], y[:3]), (x[3:], y[3:])]:
+            (nn.functional.mse_loss(micro(xs), ys) * len(xs) / 8).backward()
+        opt_micro.step()
+    for a, b in zip(full.parameters(), micro.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_power_qr_converges_to_eigenbasis():
+    gen = torch.Generator().manual_seed(0)
+    q = random_orthogonal(6, gen, torch.float32)
+    cov = (q * torch.tensor([9.0, 5, 3, 2, 1, 0.5])) @ q.T
+    basis = torch.eye(6)[None]
+    for _ in range(200):
+        basis = power_qr_basis(cov[None], basis)
+    overlap = (basis[0].T @ eigenbasis(cov[None])[0]).abs()
+    torch.testing.assert_close(overlap, torch.eye(6), atol=1e-3, rtol=0)
+
+
+def test_power_qr_method_trains():
+    model = mlp()
+    losses = train(model, make_opt(model, lr=0.1, basis_method="power_qr", basis_interval=2), 30)
+    assert losses[-1] < 0.9 * losses[0]
+
+
+def test_eigenbasis_of_singular_blocks_is_orthonormal():
+    cov = torch.zeros(3, 5, 5)
+    cov[1] = torch.ones(5, 5)
+    basis = eigenbasis(cov)
+    torch.testing.assert_close(basis.mT @ basis, torch.eye(5).expand(3, 5, 5), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------ torch.optim contract
+def test_trains_a_tiny_model():
+    model = mlp()
+    losses = train(model, make_opt(model, lr=0.1), 40)
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_closure_returns_loss():
+    model = mlp()
+    opt = make_opt(model)
+    x, y = torch.randn(4, 12), torch.randn(4, 6)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    assert opt.step(closure) is not None
+    assert opt.state[model[0].weight]["step"] == 1
+
+
+def test_lr_scheduler_drives_the_step():
+    model = mlp()
+    opt = make_opt(model, lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step >= 1 else 1.0)
+    train(model, opt, 1)
+    sched.step()
+    before = copy.deepcopy(model.state_dict())
+    train(model, opt, 1)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+def test_resume_equals_uninterrupted():
+    reference = mlp()
+    train(reference, make_opt(reference, basis_interval=3), 8, seed=5)
+
+    model = mlp()
+    opt = make_opt(model, basis_interval=3)
+    train(model, opt, 4, seed=5)
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    resumed = mlp(seed=99)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = make_opt(resumed, basis_interval=3)
+    opt2.load_state_dict(checkpoint["opt"])
+    # continue with the same data stream: replay the generator past the first 4 batches
+    gen = torch.Generator().manual_seed(5)
+    teacher = torch.randn(12, 6, generator=gen)
+    for _ in range(4):
+        torch.randn(16, 12, generator=gen)
+    for _ in range(4):
+        x = torch.randn(16, 12, generator=gen)
+        y = x @ teacher
+        opt2.zero_grad()
+        nn.functional.mse_loss(resumed(x), y).backward()
+        opt2.step()
+    for a, b in zip(reference.parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_zero_grad_zero_lr_step_is_a_no_op():
+    """What DCP's state initialization does: zero grads, lr = 0, no forward pass."""
+    model = mlp()
+    opt = make_opt(model)
+    before = copy.deepcopy(model.state_dict())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step(closure=None)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    for state in opt.state.values():
+        assert all(torch.isfinite(v).all() for v in state.values())
+
+
+@pytest.mark.parametrize(
+    "dtype, state_dtype",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
+def test_state_precision_and_dtype_survives_load(dtype, state_dtype):
+    model = mlp(dtype)
+    opt = make_opt(model)
+    train(model, opt, 2)
+    state = opt.state[model[0].weight]
+    assert state["momentum"].dtype == state["basis"].dtype == state_dtype
+    opt2 = make_opt(copy.deepcopy(model))
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.state[opt2.param_groups[0]["params"][0]]["cov"].dtype == state_dtype
+
+
+def test_adamw_group_matches_torch_adamw():
+    model, reference = mlp(), mlp()
+    opt = dobb.Dobb([{"params": model.parameters(), "algorithm": "adamw", "weight_decay": 0.1}],
+                    lr=3e-3)  # fmt: skip
+    ref = torch.optim.AdamW(reference.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    train(model, opt, 5)
+    train(reference, ref, 5)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_lion_group_follows_its_rule():
+    p = nn.Parameter(torch.randn(5))
+    opt = dobb.Dobb([{"params": [p], "algorithm": "lion", "weight_decay": 0.5}], lr=0.1)
+    w, m = p.detach().clone(), torch.zeros(5)
+    for _ in range(3):
+        g = torch.randn(5)
+        p.grad = g.clone()
+        opt.step()
+        w = w * (1 - 0.1 * 0.5) - 0.1 * torch.sign(0.9 * m + 0.1 * g)
+        m = 0.99 * m + 0.01 * g
+        torch.testing.assert_close(p.detach(), w)
+
+
+def test_param_groups_route_heads_embeddings_and_tied_weights():
+    class TinyLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(11, 8)
+            self.fc = nn.Linear(8, 8)
+            self.ln = nn.LayerNorm(8)
+            self.lm_head = nn.Linear(8, 11, bias=False)
+            self.lm_head.weight = self.wte.weight  # tied
+
+    groups = dobb.param_groups(TinyLM())
+    names = {g["algorithm"]: [n for n, _ in g["params"]] for g in groups}
+    assert names["dobb"] == ["fc.weight"]
+    assert sorted(names["adamw"]) == ["fc.bias", "ln.bias", "ln.weight", "wte.weight"]
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"lr": -1.0}, "invalid learning rate"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"basis_interval": 0}, "basis_interval"),
+        ({"update_scale": "huge"}, "update_scale"),
+        ({"basis_method": "svd"}, "basis_method"),
+        ({"nonfinite": "ignore"}, "nonfinite"),
+        ({"missing_stats": "zeros"}, "missing_stats"),
+    ],
+)
+def test_bad_hyperparameters_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dobb.Dobb([nn.Parameter(torch.zeros(2, 2))], **{"lr": 0.1, **kwargs})
+
+
+def test_bad_groups_raise():
+    model = mlp()
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['betas'\]"):
+        dobb.Dobb([{"params": [model[0].weight], "betas": (0.9, 0.9)}], lr=0.1)
+    with pytest.raises(ValueError, match=r"unknown algorithm 'sgd'"):
+        dobb.Dobb([{"params": [model[0].weight], "algorithm": "sgd"}], lr=0.1)
+    with pytest.raises(ValueError, match=r"bias has 1 dimension.*algorithm='adamw'"):
+        dobb.Dobb(list(model[0].named_parameters()), lr=0.1)
+
+
+def test_missing_statistics_names_the_parameter():
+    model = mlp()
+    opt = dobb.Dobb([{"params": list(model.named_parameters())[:1]}], lr=0.1)
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    with pytest.raises(RuntimeError, match=r"0\.weight has no activation statistics.*track"):
+        opt.step()
+    assert not opt.state  # nothing was touched
+
+
+def test_track_errors():
+    model = mlp()
+    opt = dobb.Dobb([model[0].weight], lr=0.1)
+    opt.track(model)
+    with pytest.raises(ValueError, match="already tracked"):
+        opt.track(model)
+    with pytest.raises(ValueError, match="no layer"):
+        dobb.Dobb([model[0].weight], lr=0.1).track(nn.Sequential(nn.ReLU()))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gradient_raises_and_keeps_state(bad):
+    model = mlp()
+    opt = make_opt(model)
+    train(model, opt, 2)
+    params = copy.deepcopy(list(model.parameters()))
+    state = copy.deepcopy(opt.state_dict())
+    model(torch.randn(3, 12)).sum().backward()
+    model[2].weight.grad[0, 0] = bad
+    with pytest.raises(dobb.NonFiniteGradientError, match=r"2\.weight"):
+        opt.step()
+    for a, b in zip(model.parameters(), params):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(opt.state_dict()["state"], state["state"], rtol=0, atol=0)
+
+
+def test_nonfinite_skip_mode_skips_the_step():
+    model = mlp()
+    opt = make_opt(model, nonfinite="skip")
+    train(model, opt, 1)
+    params = copy.deepcopy(list(model.parameters()))
+    model(torch.full((3, 12), float("nan"))).sum().backward()  # NaN statistics and grads
+    opt.step()
+    assert opt.skipped_steps == 1
+    for a, b in zip(model.parameters(), params):
+        assert torch.equal(a, b)
+    train(model, opt, 1)  # the dropped statistics do not poison the next step
+    assert all(torch.isfinite(p).all() for p in model.parameters())
