@@ -1,0 +1,1 @@
+"""Training harness: the GPT model family and its data."""
