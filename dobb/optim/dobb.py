@@ -15,12 +15,21 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from dobb.blocks import BlockStack, block_stacks, refresh_bases
+from dobb.distributed.sharding import (
+    average_,
+    block_state_like,
+    column_shard_degree,
+    data_parallel_groups,
+    local_block_stacks,
+    local_columns,
+)
 from dobb.optim.base import MatrixOptimizer, local, state_dtype
 from dobb.stats import TRACKED_LAYERS, BlockStatistics, statistics_hook
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 BASIS_METHODS = ("eigh", "power_qr")
 MISSING_STATS_MODES = ("raise", "identity")
+STATS_SYNC_MODES = ("refresh", "step")
 STACK_KEYS = (("cov", "basis"), ("cov_tail", "basis_tail"))  # at most two block sizes
 
 
@@ -94,7 +103,21 @@ class Dobb(MatrixOptimizer):
             with ``lr > 0``; ``"identity"`` keeps the current basis (identity before any
             statistics: Signum). A zero-``lr`` step never needs statistics (DCP issues one
             to build optimizer state).
-        nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients or statistics.
+        data_parallel: where ranks see different tokens: None (one process), a ProcessGroup
+            (DDP), or a DeviceMesh whose every axis is a data axis, e.g. the FSDP mesh or
+            ``mesh["dp_replicate", "dp_shard"]`` (HSDP, FSDP x TP); never the TP axis.
+            Statistics ``C_b`` are averaged over it.
+        stats_sync: ``"refresh"`` (default) averages ``C_b`` only when bases are refreshed
+            (exact: the EMA is linear, so averaging later gives the same result);
+            ``"step"`` averages every step.
+        nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients or statistics (checked
+            per rank: under sharding, rely on a global grad-norm check to skip in step).
+
+    Sharding: DTensor parameters are updated on their local shard. Row shards (FSDP
+    ``Shard(0)``, column-parallel TP) need nothing; column shards (row-parallel TP
+    ``Shard(1)``) must hold whole blocks, else construction raises. ``state_dict()``
+    averages the statistics first (a collective when ``data_parallel`` is set), so that a
+    checkpoint holds one consistent copy.
     """
 
     algorithm = "dobb"
@@ -113,11 +136,17 @@ class Dobb(MatrixOptimizer):
         *,
         basis_method: str = "eigh",
         missing_stats: str = "raise",
+        data_parallel=None,
+        stats_sync: str = "refresh",
         nonfinite: str = "raise",
     ):
         if missing_stats not in MISSING_STATS_MODES:
             raise ValueError(f"missing_stats must be one of {MISSING_STATS_MODES}")
+        if stats_sync not in STATS_SYNC_MODES:
+            raise ValueError(f"stats_sync must be one of {STATS_SYNC_MODES}, got {stats_sync!r}")
         self.missing_stats = missing_stats
+        self.stats_sync = stats_sync
+        self._data_parallel_groups = data_parallel_groups(data_parallel)
         self._stats: dict[Tensor, BlockStatistics] = {}
         defaults = dict(
             lr=lr,
@@ -154,8 +183,16 @@ class Dobb(MatrixOptimizer):
             self._stacks(p, group)
 
     def _stacks(self, param: Tensor, group: dict[str, Any]) -> tuple[BlockStack, ...]:
-        """Blocks of this rank's columns of ``param``."""
-        return block_stacks(param.shape[1], group["num_blocks"])
+        """Blocks of this rank's columns of ``param`` (all of them unless column-sharded)."""
+        stacks = block_stacks(param.shape[1], group["num_blocks"])
+        start, stop = local_columns(param)
+        if (start, stop) == (0, param.shape[1]):
+            return stacks
+        describe = (
+            f"{self.name_of(param)} of shape {tuple(param.shape)}, columns split over "
+            f"{column_shard_degree(param)} ranks, num_blocks={group['num_blocks']}"
+        )
+        return local_block_stacks(stacks, start, stop, describe)
 
     # ------------------------------------------------------------- statistics
     def track(self, model: nn.Module) -> list[RemovableHandle]:
@@ -218,9 +255,10 @@ class Dobb(MatrixOptimizer):
             "momentum": torch.zeros_like(param, dtype=dtype),
         }
         for (cov_key, basis_key), s in zip(STACK_KEYS, self._stacks(param, group)):
-            state[cov_key] = torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device)
-            eye = torch.eye(s.size, dtype=dtype, device=device)
-            state[basis_key] = eye.repeat(s.count, 1, 1)
+            cov = torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device)
+            basis = torch.eye(s.size, dtype=dtype, device=device).repeat(s.count, 1, 1)
+            state[cov_key] = block_state_like(cov, param)
+            state[basis_key] = block_state_like(basis, param)
         return state
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
@@ -243,10 +281,14 @@ class Dobb(MatrixOptimizer):
             for _, state, group in active
             if (int(state["step"]) - 1) % group["basis_interval"] == 0 and state["stats_steps"] > 0
         ]
+        synced = (
+            [state for _, state, _ in active] if self.stats_sync == "step" else [s for s, _ in due]
+        )
+        self._average_statistics(synced)
         self._refresh(due)
         for p, state, group in active:
             stacks = self._stacks(p, group)
-            bases = [state[basis_key] for _, basis_key in STACK_KEYS[: len(stacks)]]
+            bases = [local(state[basis_key]) for _, basis_key in STACK_KEYS[: len(stacks)]]
             dobb_update(
                 local(p),
                 local(p.grad),
@@ -266,10 +308,24 @@ class Dobb(MatrixOptimizer):
         first = state["stats_steps"] == 0
         for (cov_key, _), mean in zip(STACK_KEYS, means):
             if first:
-                state[cov_key].copy_(mean)
+                local(state[cov_key]).copy_(mean)
             else:
-                state[cov_key].lerp_(mean, 1 - beta)
+                local(state[cov_key]).lerp_(mean, 1 - beta)
         state["stats_steps"] += 1
+
+    def _average_statistics(self, states: list[dict[str, Any]]) -> None:
+        """Average ``C_b`` over the data-parallel ranks (the only communication of Dobb)."""
+        covs = [local(state[cov]) for state in states for cov, _ in STACK_KEYS if cov in state]
+        average_(covs, self._data_parallel_groups)
+
+    def synchronize_statistics(self) -> None:
+        """Average every matrix's ``C_b`` now (exact at any time; a collective under DP)."""
+        self._average_statistics([s for s in self.state.values() if "cov" in s])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state, with statistics averaged first so every rank saves the same ``C_b``."""
+        self.synchronize_statistics()
+        return super().state_dict()
 
     def _refresh(self, due: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
         """Recompute the bases of ``due`` matrices, batching equal block sizes together."""
@@ -283,10 +339,10 @@ class Dobb(MatrixOptimizer):
             ]
             if not keys:
                 continue
-            covs = [state[c] for state, c, _ in keys]
-            bases = refresh_bases(covs, [state[b] for state, _, b in keys], method)
+            covs = [local(state[c]) for state, c, _ in keys]
+            bases = refresh_bases(covs, [local(state[b]) for state, _, b in keys], method)
             for (state, _, basis_key), basis in zip(keys, bases):
-                state[basis_key].copy_(basis)
+                local(state[basis_key]).copy_(basis)
 
     @staticmethod
     def _scale(param: Tensor, group: dict[str, Any]) -> float:

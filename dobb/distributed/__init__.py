@@ -1,0 +1,5 @@
+"""Distributed helpers: communication accounting."""
+
+from dobb.distributed.comm import CommEvent, CommRecorder
+
+__all__ = ["CommEvent", "CommRecorder"]

@@ -1,0 +1,150 @@
+"""CommRecorder counts exactly the collectives issued inside it; run_ranks fails loudly."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from dobb.distributed import CommRecorder
+
+
+def _all_reduce(mesh):
+    t = torch.arange(10, dtype=torch.float64) + dist.get_rank()
+    dist.all_reduce(t)
+    return t
+
+
+def _all_gather_into_tensor(mesh):
+    out = torch.empty(6)
+    dist.all_gather_into_tensor(out, torch.arange(3.0) + dist.get_rank())
+    return out
+
+
+def _all_gather_list(mesh):
+    out = [torch.empty(3), torch.empty(3)]
+    dist.all_gather(out, torch.arange(3.0) + dist.get_rank())
+    return torch.cat(out)
+
+
+def _reduce_scatter_tensor(mesh):
+    out = torch.empty(4)
+    dist.reduce_scatter_tensor(out, torch.arange(8.0) * (dist.get_rank() + 1))
+    return out
+
+
+def _all_to_all_single(mesh):
+    out = torch.empty(4, dtype=torch.int64)
+    dist.all_to_all_single(out, torch.arange(4) + 10 * dist.get_rank())
+    return out
+
+
+def _broadcast(mesh):
+    t = torch.arange(5, dtype=torch.bfloat16) + dist.get_rank()
+    dist.broadcast(t, src=0)
+    return t
+
+
+def _full_tensor(mesh):
+    local = torch.arange(8.0).reshape(2, 4) + dist.get_rank()
+    return DTensor.from_local(local, mesh, [Shard(0)]).full_tensor()
+
+
+# name -> (issue it on 2 ranks, expected (kind, group size, numel, bytes))
+CASES = {
+    "all_reduce": (_all_reduce, ("all_reduce", 2, 10, 80)),
+    "all_gather_into_tensor": (_all_gather_into_tensor, ("all_gather", 2, 6, 24)),
+    "all_gather_list": (_all_gather_list, ("all_gather", 2, 6, 24)),
+    "reduce_scatter_tensor": (_reduce_scatter_tensor, ("reduce_scatter", 2, 8, 32)),
+    "all_to_all_single": (_all_to_all_single, ("all_to_all", 2, 4, 32)),
+    "broadcast": (_broadcast, ("broadcast", 2, 5, 10)),
+    "dtensor_full_tensor": (_full_tensor, ("all_gather", 2, 16, 64)),
+}
+
+
+def _record_each_case(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    events = {}
+    for name, (issue, _) in CASES.items():
+        expected = issue(mesh)
+        with CommRecorder() as rec:
+            out = issue(mesh)
+        assert torch.equal(out, expected), f"{name} changed its result under the recorder"
+        events[name] = rec.events
+    with CommRecorder() as rec:
+        torch.ones(3).add_(1)
+    for issue, _ in CASES.values():
+        issue(mesh)
+    events["outside"] = rec.events
+    return events
+
+
+@pytest.fixture(scope="module")
+def two_rank_events():
+    return run_ranks(_record_each_case, 2)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_records_one_collective_with_its_bytes(two_rank_events, name):
+    for events in two_rank_events:
+        assert [(e.kind, e.group_size, e.numel, e.nbytes) for e in events[name]] == [CASES[name][1]]
+
+
+def test_records_nothing_outside_the_block(two_rank_events):
+    assert all(events["outside"] == [] for events in two_rank_events)
+
+
+def test_summary_and_count(two_rank_events):
+    rec = CommRecorder()
+    rec.events = [e for events in two_rank_events[0].values() for e in events]
+    assert rec.count() == len(CASES)
+    assert rec.count("all_gather") == 3
+    assert rec.total_bytes == sum(expected[3] for _, expected in CASES.values())
+    assert f"{rec.total_bytes}" in rec.summary().splitlines()[-1]
+
+
+def _record_on_2d_mesh(rank, world_size):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_shard", "tensor"))
+    shard = DTensor.from_local(torch.ones(3, 5), mesh["tensor"], [Shard(0)])
+    with CommRecorder() as rec:
+        shard.full_tensor()
+        dist.all_reduce(torch.ones(7))
+    return rec.events, mesh["tensor"].get_group().group_name
+
+
+def test_group_size_comes_from_the_op_on_4_ranks():
+    for events, tensor_group in run_ranks(_record_on_2d_mesh, 4):
+        gather, reduce = events
+        assert (gather.kind, gather.group_size, gather.numel) == ("all_gather", 2, 30)
+        assert gather.group_name == tensor_group
+        assert (reduce.kind, reduce.group_size, reduce.nbytes) == ("all_reduce", 4, 28)
+
+
+def _raise_on_rank_1(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
+
+
+def test_run_ranks_reraises_a_rank_exception():
+    with pytest.raises(ValueError, match="boom on rank 1") as info:
+        run_ranks(_raise_on_rank_1, 2)
+    assert "raised on rank 1" in info.value.__notes__[0]
+    assert "_raise_on_rank_1" in info.value.__notes__[0]
+
+
+def _hang_rank_0_at_a_barrier(rank, world_size):
+    if rank == 0:
+        dist.barrier()
+    else:
+        time.sleep(600)
+
+
+def test_run_ranks_times_out_on_a_hung_rank():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 10"):
+        run_ranks(_hang_rank_0_at_a_barrier, 2, timeout=10)
+    assert time.monotonic() - start < 20
