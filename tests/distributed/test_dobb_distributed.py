@@ -1,0 +1,175 @@
+"""Shard-local Dobb under DDP, FSDP2, HSDP, TP and FSDP x TP equals the single-device run."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import run_ranks
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+import dobb
+from dobb.distributed import CommRecorder
+
+D, BATCH, STEPS = 16, 8, 4
+HYPER = dict(lr=0.02, num_blocks=4, basis_interval=2, weight_decay=0.1)
+# (world size, mesh shape, mesh axis names) per layout; hidden width 18 gives uneven shards.
+LAYOUTS = {
+    "ddp": (None, None, 18),
+    "fsdp": (None, ("data_shard",), 18),
+    "hsdp": ((2, 2), ("data_replicate", "data_shard"), 18),
+    "tp": (None, ("tensor",), 32),
+    "fsdp_tp": ((2, 2), ("data_shard", "tensor"), 32),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(D, hidden)
+        self.fc2 = nn.Linear(hidden, D)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def global_batch(step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(BATCH, 3, D, generator=gen) * torch.linspace(0.5, 2.0, D)
+    return x, torch.sin(x.flip(-1))
+
+
+def parallelize(model, layout, world):
+    """Apply ``layout``; return (model, data-parallel mesh/group, dp rank, dp size)."""
+    shape, names, _ = LAYOUTS[layout]
+    if layout == "ddp":
+        return DistributedDataParallel(model), dist.group.WORLD, dist.get_rank(), world
+    mesh = init_device_mesh("cpu", shape or (world,), mesh_dim_names=names)
+    if "tensor" in names:
+        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        parallelize_module(model, mesh["tensor"], plan)
+        if layout == "tp":
+            return model, None, 0, 1
+    data = mesh["data_shard"] if layout == "fsdp_tp" else mesh
+    for module in (model.fc1, model.fc2, model):
+        fully_shard(module, mesh=data)
+    dp_rank = 0
+    for axis, coordinate in enumerate(data.get_coordinate()):  # row-major over data axes
+        dp_rank = dp_rank * data.size(axis) + coordinate
+    return model, data, dp_rank, data.size()
+
+
+def train_step(model, opt, step, dp_rank, dp_size):
+    x, y = global_batch(step)
+    rows = slice(dp_rank * BATCH // dp_size, (dp_rank + 1) * BATCH // dp_size)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+    with CommRecorder() as rec:
+        opt.step()
+    return [e.kind for e in rec.events]
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def compare_layout(rank, world, layout, stats_sync):
+    torch.manual_seed(0)
+    reference = MLP(LAYOUTS[layout][2])
+    model = copy.deepcopy(reference)
+    ref_opt = dobb.Dobb(dobb.param_groups(reference, exclude="^$"), **HYPER)
+    ref_opt.track(reference)
+    model, data_parallel, dp_rank, dp_size = parallelize(model, layout, world)
+    opt = dobb.Dobb(
+        dobb.param_groups(model, exclude="^$"),
+        **HYPER,
+        data_parallel=data_parallel,
+        stats_sync=stats_sync,
+    )
+    opt.track(model)
+    comms = []
+    for step in range(STEPS):
+        train_step(reference, ref_opt, step, 0, 1)
+        comms.append(train_step(model, opt, step, dp_rank, dp_size))
+    errors = [
+        ((full(p.detach()) - q).norm() / q.norm()).item()
+        for p, q in zip(model.parameters(), reference.parameters())
+    ]
+    bases = [full(s[k]) for s in opt.state.values() for k in ("basis", "basis_tail") if k in s]
+    return {"errors": errors, "comms": comms, "bases": bases}
+
+
+@pytest.mark.parametrize(
+    "layout, world",
+    [("ddp", 2), ("fsdp", 2), ("fsdp", 4), ("hsdp", 4), ("tp", 2), ("tp", 4), ("fsdp_tp", 4)],
+)
+def test_sharded_update_equals_single_device(layout, world):
+    results = run_ranks(compare_layout, world, layout, "refresh", timeout=120)
+    for result in results:
+        assert max(result["errors"]) <= 1e-6, result["errors"]
+    # only the statistics average, and only on basis-refresh steps (steps 1 and 3)
+    axes = {"ddp": 1, "fsdp": 1, "hsdp": 2, "tp": 0, "fsdp_tp": 1}[layout]
+    assert results[0]["comms"] == [["all_reduce"] * axes, [], ["all_reduce"] * axes, []]
+    for other in results[1:]:  # every replica holds bit-identical bases
+        for a, b in zip(results[0]["bases"], other["bases"]):
+            assert torch.equal(a, b)
+
+
+def test_sync_every_step_equals_sync_on_refresh():
+    every_step = run_ranks(compare_layout, 2, "fsdp", "step", timeout=120)
+    for result in every_step:
+        assert max(result["errors"]) <= 1e-6
+        assert result["comms"] == [["all_reduce"]] * STEPS
+
+
+def misaligned_blocks(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
+    model = parallelize_module(MLP(32), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    dobb.Dobb(dobb.param_groups(model, exclude="^$"), lr=0.1, num_blocks=3)
+
+
+def test_misaligned_row_parallel_blocks_raise_at_construction():
+    with pytest.raises(ValueError, match=r"fc2.weight of shape \(16, 32\).*2 ranks.*num_blocks=3"):
+        run_ranks(misaligned_blocks, 2, timeout=60)
+
+
+def checkpoint_run(rank, world, path, phase):
+    """phase "save": 2 steps, DCP save, 2 more; "load": DCP load, the last 2 steps."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model, data_parallel, dp_rank, dp_size = parallelize(MLP(18), "fsdp", world)
+    opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"), **HYPER, data_parallel=data_parallel)
+    opt.track(model)
+    if phase == "save":
+        for step in range(2):
+            train_step(model, opt, step, dp_rank, dp_size)
+        dcp.save(
+            {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=path,
+        )
+    else:
+        state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+    for step in range(2, 4):
+        train_step(model, opt, step, dp_rank, dp_size)
+    return [full(p.detach()) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("load_world", [4, 2])
+def test_dcp_resume_equals_uninterrupted(tmp_path, load_world):
+    uninterrupted = run_ranks(checkpoint_run, 4, str(tmp_path), "save", timeout=120)[0]
+    resumed = run_ranks(checkpoint_run, load_world, str(tmp_path), "load", timeout=120)[0]
+    for a, b in zip(uninterrupted, resumed):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
