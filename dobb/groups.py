@@ -1,10 +1,11 @@
 """Split a model's parameters into matrix-optimizer and AdamW groups.
 
 Shape alone cannot tell a hidden projection from an embedding or an output head (all are
-2-D), so routing is by layer type and name: weights of tracked layers (``nn.Linear``)
-go to the matrix optimizer unless their name matches ``exclude`` or they are shared with
-an ``nn.Embedding`` (tied LM heads); everything else (embeddings, heads, norms, biases)
-goes to AdamW.
+2-D), so routing is by layer type and name. Weights of tracked layers (``nn.Linear``,
+``transformers``' ``Conv1D``, types added with ``dobb.stats.register_layer``) go to the
+matrix optimizer unless their name matches ``exclude`` or they are shared with an
+``nn.Embedding`` (tied LM heads); everything else (embeddings, heads, norms, biases) goes
+to AdamW.
 """
 
 import re
@@ -12,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from dobb.stats import TRACKED_LAYERS
+from dobb.stats import layer_weights
 
 # Names of output heads and embeddings in common model families (GPT-2, Llama, BERT, ...).
 DEFAULT_EXCLUDE = (
@@ -37,18 +38,13 @@ def param_groups(
         matrix_options / scalar_options: extra keys for each group (e.g. ``{"lr": 3e-3}``).
     """
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    layer_weights = {
-        id(getattr(m, attr))
-        for m in model.modules()
-        for layer_type, attr in TRACKED_LAYERS.items()
-        if isinstance(m, layer_type) and getattr(m, attr, None) is not None
-    }
+    matrices = {id(weight) for _, weight, _ in layer_weights(model)}
     pattern = re.compile(exclude)
     matrix, scalar = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        is_matrix = id(p) in layer_weights and id(p) not in tied and not pattern.search(name)
+        is_matrix = id(p) in matrices and id(p) not in tied and not pattern.search(name)
         (matrix if is_matrix else scalar).append((name, p))
     groups = []
     if matrix:

@@ -6,6 +6,10 @@ flattened to ``(N, d_in)``) and ``n += N``. At the optimizer step the token aver
 ``S_b = A_b / n`` is taken and the accumulators reset.
 """
 
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -16,9 +20,43 @@ try:
 except ImportError:  # torch built without distributed support
     DTensor = ()
 
-# Layer types whose forward input feeds a weight of layout (d_out, d_in), and the name of
-# that weight. Extend with dobb.stats.TRACKED_LAYERS[MyLinear] = "weight".
-TRACKED_LAYERS: dict[type[nn.Module], str] = {nn.Linear: "weight"}
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Where a layer keeps its weight, and which weight dim multiplies the layer's input."""
+
+    weight: str = "weight"
+    input_dim: int = 1  # 1: (d_out, d_in) as nn.Linear;  0: (d_in, d_out) as GPT-2's Conv1D
+
+
+_LAYERS: dict[type[nn.Module], LayerSpec] = {nn.Linear: LayerSpec()}
+
+
+def register_layer(layer_type: type[nn.Module], weight: str = "weight", input_dim: int = 1):
+    """Let ``track`` and ``param_groups`` treat ``layer_type`` like ``nn.Linear``.
+
+    The layer's forward must compute ``x @ W.T`` (``input_dim=1``) or ``x @ W``
+    (``input_dim=0``) on its first positional input ``x``.
+    """
+    if input_dim not in (0, 1):
+        raise ValueError(f"input_dim must be 0 or 1, got {input_dim}")
+    _LAYERS[layer_type] = LayerSpec(weight, input_dim)
+
+
+def tracked_layers() -> dict[type[nn.Module], LayerSpec]:
+    """Registered layer types, plus ``transformers``' ``Conv1D`` once that is imported."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return {**_LAYERS, conv1d: LayerSpec(input_dim=0)} if conv1d else dict(_LAYERS)
+
+
+def layer_weights(model: nn.Module) -> Iterator[tuple[nn.Module, Tensor, LayerSpec]]:
+    """``(module, weight, spec)`` for every module of a tracked layer type in ``model``."""
+    layers = tracked_layers()
+    for module in model.modules():
+        spec = next((s for t, s in layers.items() if isinstance(module, t)), None)
+        weight = getattr(module, spec.weight, None) if spec else None
+        if weight is not None:
+            yield module, weight, spec
 
 
 class BlockStatistics:

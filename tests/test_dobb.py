@@ -440,3 +440,35 @@ def test_nonfinite_skip_mode_skips_the_step():
         assert torch.equal(a, b)
     train(model, opt, 1)  # the dropped statistics do not poison the next step
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class TransposedLinear(nn.Module):
+    """Stores its weight as (d_in, d_out) and computes x @ W, like GPT-2's Conv1D."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_transposed_layers_are_blocked_along_their_input_dim():
+    dobb.stats.register_layer(TransposedLinear, input_dim=0)
+    torch.manual_seed(0)
+    linear = nn.Linear(10, 7, bias=False)
+    transposed = TransposedLinear(linear.weight.detach().T)
+    opts = []
+    for layer in (linear, transposed):
+        opt = dobb.Dobb(dobb.param_groups(layer), lr=0.1, num_blocks=3, update_scale="muon")
+        opt.track(layer)
+        opts.append(opt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(6, 10, generator=gen)
+        for layer, opt in zip((linear, transposed), opts):
+            opt.zero_grad()
+            layer(x).pow(2).sum().backward()
+            opt.step()
+    torch.testing.assert_close(transposed.weight.detach(), linear.weight.detach().T)
+    assert opts[1].state[transposed.weight]["cov"].shape == (1, 4, 4)  # d_in = 10 = 4+3+3

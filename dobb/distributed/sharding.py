@@ -19,23 +19,23 @@ except ImportError:  # torch built without distributed support
     DeviceMesh = ()
 
 
-def local_columns(param: Tensor) -> tuple[int, int]:
-    """Global ``[start, stop)`` of the columns (dim 1) that this rank holds."""
+def local_range(param: Tensor, dim: int) -> tuple[int, int]:
+    """Global ``[start, stop)`` of the indices along ``dim`` that this rank holds."""
     if not isinstance(param, DTensor):
-        return 0, param.shape[1]
+        return 0, param.shape[dim]
     shape, offset = compute_local_shape_and_global_offset(
         param.shape, param.device_mesh, param.placements
     )
-    return offset[1], offset[1] + shape[1]
+    return offset[dim], offset[dim] + shape[dim]
 
 
-def column_shard_degree(param: Tensor) -> int:
-    """How many ranks split dim 1 of ``param`` (the row-parallel TP degree), 1 if none."""
+def shard_degree(param: Tensor, dim: int) -> int:
+    """How many ranks split ``dim`` of ``param`` (1 if it is not a sharded DTensor)."""
     if not isinstance(param, DTensor):
         return 1
     degree = 1
     for axis, placement in enumerate(param.placements):
-        if getattr(placement, "dim", None) in (1, -1):
+        if getattr(placement, "dim", None) in (dim, dim - param.ndim):
             degree *= param.device_mesh.size(axis)
     return degree
 
@@ -65,17 +65,18 @@ def local_block_stacks(
     return tuple(local)
 
 
-def block_state_like(local_stack: Tensor, param: Tensor) -> Tensor:
+def block_state_like(local_stack: Tensor, param: Tensor, input_dim: int) -> Tensor:
     """Wrap a per-block ``(count, s, s)`` stack as a DTensor on ``param``'s mesh.
 
-    Blocks are split like ``param``'s columns (Shard(0) where ``param`` is column-sharded)
-    and replicated elsewhere, so checkpoints save each rank's own blocks. Plain tensors for
+    Blocks are split like ``param``'s input dim (Shard(0) where that is sharded) and
+    replicated elsewhere, so checkpoints save each rank's own blocks. Plain tensors for
     plain parameters.
     """
     if not isinstance(param, DTensor):
         return local_stack
+    sharded = (input_dim, input_dim - param.ndim)
     placements = [
-        Shard(0) if getattr(p, "dim", None) in (1, -1) else Replicate() for p in param.placements
+        Shard(0) if getattr(p, "dim", None) in sharded else Replicate() for p in param.placements
     ]
     return DTensor.from_local(local_stack, param.device_mesh, placements, run_check=False)
 

@@ -18,13 +18,13 @@ from dobb.blocks import BlockStack, block_stacks, refresh_bases
 from dobb.distributed.sharding import (
     average_,
     block_state_like,
-    column_shard_degree,
     data_parallel_groups,
     local_block_stacks,
-    local_columns,
+    local_range,
+    shard_degree,
 )
 from dobb.optim.base import MatrixOptimizer, local, state_dtype
-from dobb.stats import TRACKED_LAYERS, BlockStatistics, statistics_hook
+from dobb.stats import BlockStatistics, layer_weights, statistics_hook, tracked_layers
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 BASIS_METHODS = ("eigh", "power_qr")
@@ -148,6 +148,7 @@ class Dobb(MatrixOptimizer):
         self.stats_sync = stats_sync
         self._data_parallel_groups = data_parallel_groups(data_parallel)
         self._stats: dict[Tensor, BlockStatistics] = {}
+        self._input_dims: dict[Tensor, int] = {}  # 0 for (d_in, d_out) weights; set by track
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -183,14 +184,15 @@ class Dobb(MatrixOptimizer):
             self._stacks(p, group)
 
     def _stacks(self, param: Tensor, group: dict[str, Any]) -> tuple[BlockStack, ...]:
-        """Blocks of this rank's columns of ``param`` (all of them unless column-sharded)."""
-        stacks = block_stacks(param.shape[1], group["num_blocks"])
-        start, stop = local_columns(param)
-        if (start, stop) == (0, param.shape[1]):
+        """Blocks of this rank's input columns of ``param`` (all unless they are sharded)."""
+        dim = self._input_dims.get(param, 1)
+        stacks = block_stacks(param.shape[dim], group["num_blocks"])
+        start, stop = local_range(param, dim)
+        if (start, stop) == (0, param.shape[dim]):
             return stacks
         describe = (
-            f"{self.name_of(param)} of shape {tuple(param.shape)}, columns split over "
-            f"{column_shard_degree(param)} ranks, num_blocks={group['num_blocks']}"
+            f"{self.name_of(param)} of shape {tuple(param.shape)}, input dim {dim} split over "
+            f"{shard_degree(param, dim)} ranks, num_blocks={group['num_blocks']}"
         )
         return local_block_stacks(stacks, start, stop, describe)
 
@@ -198,20 +200,21 @@ class Dobb(MatrixOptimizer):
     def track(self, model: nn.Module) -> list[RemovableHandle]:
         """Hook every layer of ``model`` whose weight is in a Dobb group.
 
-        Layer types come from ``dobb.stats.TRACKED_LAYERS`` (``nn.Linear`` by default).
-        Returns the hook handles (``handle.remove()`` stops tracking that layer).
+        Layer types: ``nn.Linear``, ``transformers``' ``Conv1D`` (weight stored as
+        ``(d_in, d_out)``: blocks run along its dim 0), and any type added with
+        ``dobb.stats.register_layer``. Returns the hook handles.
         """
         groups = {
             p: g for g in self.param_groups if g["algorithm"] == self.algorithm for p in g["params"]
         }
         handles = []
-        for module in model.modules():
-            attr = next((a for t, a in TRACKED_LAYERS.items() if isinstance(module, t)), None)
-            weight = getattr(module, attr, None) if attr else None
-            if weight is None or weight not in groups:
+        for module, weight, spec in layer_weights(model):
+            if weight not in groups:
                 continue
             if weight in self._stats:
                 raise ValueError(f"{self.name_of(weight)} is already tracked")
+            if spec.input_dim != 1:
+                self._input_dims[weight] = spec.input_dim
             stacks = self._stacks(weight, groups[weight])
             stats = BlockStatistics(stacks, state_dtype(weight), local(weight).device)
             self._stats[weight] = stats
@@ -219,7 +222,7 @@ class Dobb(MatrixOptimizer):
         if not handles:
             raise ValueError(
                 "track() found no layer whose weight is in a Dobb group; known layer types: "
-                f"{[t.__name__ for t in TRACKED_LAYERS]}"
+                f"{[t.__name__ for t in tracked_layers()]}"
             )
         return handles
 
@@ -257,8 +260,9 @@ class Dobb(MatrixOptimizer):
         for (cov_key, basis_key), s in zip(STACK_KEYS, self._stacks(param, group)):
             cov = torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device)
             basis = torch.eye(s.size, dtype=dtype, device=device).repeat(s.count, 1, 1)
-            state[cov_key] = block_state_like(cov, param)
-            state[basis_key] = block_state_like(basis, param)
+            dim = self._input_dims.get(param, 1)
+            state[cov_key] = block_state_like(cov, param, dim)
+            state[basis_key] = block_state_like(basis, param, dim)
         return state
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
@@ -289,17 +293,19 @@ class Dobb(MatrixOptimizer):
         for p, state, group in active:
             stacks = self._stacks(p, group)
             bases = [local(state[basis_key]) for _, basis_key in STACK_KEYS[: len(stacks)]]
+            # (d_in, d_out) weights (Conv1D) are updated through their transpose
+            orient = (lambda t: t.mT) if self._input_dims.get(p, 1) == 0 else (lambda t: t)
             dobb_update(
-                local(p),
-                local(p.grad),
-                local(state["momentum"]),
+                orient(local(p)),
+                orient(local(p.grad)),
+                orient(local(state["momentum"])),
                 bases,
                 stacks,
                 lr=group["lr"],
                 beta=group["momentum"],
                 nesterov=group["nesterov"],
                 weight_decay=group["weight_decay"],
-                scale=self._scale(p, group),
+                scale=self._scale(p.shape[self._input_dims.get(p, 1)], group),
             )
 
     @staticmethod
@@ -345,9 +351,9 @@ class Dobb(MatrixOptimizer):
                 local(state[basis_key]).copy_(basis)
 
     @staticmethod
-    def _scale(param: Tensor, group: dict[str, Any]) -> float:
-        """``alpha`` for this matrix (``param.shape`` is global, also for DTensors)."""
+    def _scale(d_in: int, group: dict[str, Any]) -> float:
+        """``alpha`` for a matrix with (global) input width ``d_in``."""
         scale = group["update_scale"]
         if scale == "muon":
-            return 1.0 / math.sqrt(param.shape[1])
+            return 1.0 / math.sqrt(d_in)
         return {"adamw": 0.2, "lion": 1.0}.get(scale, scale)
