@@ -53,15 +53,19 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        # separate q, k, v (not one packed qkv) so column-parallel TP splits whole heads
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        # (B, T, C) -> (B, nh, T, hs)
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        # (B, T, C) -> (B, nh, T, hs); under TP, nh counts this rank's heads only
+        q, k, v = (
+            f(x).view(B, T, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, nh, T, hs) -> (B, T, C)

@@ -45,7 +45,7 @@ def test_gpt2_param_counts_on_meta_device(name, millions):
 def test_layout_names_and_tied_head():
     model = tiny()
     names = {n for n, _ in model.named_parameters()}
-    assert {"wte.weight", "wpe.weight", "blocks.0.attn.qkv.weight"} <= names
+    assert {"wte.weight", "wpe.weight", "blocks.0.attn.q.weight"} <= names
     assert {
         "blocks.1.attn.proj.weight",
         "blocks.1.mlp.fc.weight",
