@@ -1,7 +1,22 @@
 """dobb: shard-local block-diagonal eigenbasis preconditioning for LLM training."""
 
 from dobb.groups import param_groups
-from dobb.optim import Dobb, MatrixOptimizer, NonFiniteGradientError
+from dobb.optim import (
+    Dion,
+    Dobb,
+    MatrixOptimizer,
+    Muon,
+    NonFiniteGradientError,
+    build_optimizer,
+)
 
-__all__ = ["Dobb", "MatrixOptimizer", "NonFiniteGradientError", "param_groups"]
+__all__ = [
+    "Dion",
+    "Dobb",
+    "MatrixOptimizer",
+    "Muon",
+    "NonFiniteGradientError",
+    "build_optimizer",
+    "param_groups",
+]
 __version__ = "0.1.0"

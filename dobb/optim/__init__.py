@@ -1,6 +1,22 @@
 """The optimizers: Dobb, and the baselines it is compared against."""
 
 from dobb.optim.base import MatrixOptimizer, NonFiniteGradientError
-from dobb.optim.dobb import Dobb
+from dobb.optim.dion import Dion, dion_update
+from dobb.optim.dobb import Dobb, dobb_update
+from dobb.optim.muon import Muon, muon_update, newton_schulz
+from dobb.optim.registry import OPTIMIZERS, build_optimizer, get_entry
 
-__all__ = ["Dobb", "MatrixOptimizer", "NonFiniteGradientError"]
+__all__ = [
+    "OPTIMIZERS",
+    "Dion",
+    "Dobb",
+    "MatrixOptimizer",
+    "Muon",
+    "NonFiniteGradientError",
+    "build_optimizer",
+    "dion_update",
+    "dobb_update",
+    "get_entry",
+    "muon_update",
+    "newton_schulz",
+]

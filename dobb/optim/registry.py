@@ -1,0 +1,203 @@
+"""Build any optimizer of the comparison by name: one registry for harness, benchmarks, tests.
+
+``build_optimizer("dion", model)`` routes the model's hidden ``nn.Linear`` weights to the
+matrix optimizer and everything else (embeddings, LM head, norms, biases) to an AdamW (or
+Lion) group of the same optimizer object, through ``dobb.param_groups``; ``"adamw"`` is
+plain ``torch.optim.AdamW`` over every parameter. Dobb is also hooked to the model
+(``opt.track(model)``), so each step needs a forward pass in training mode before it.
+
+Starting learning rates for a small GPT; not tuned (a sweep will replace them):
+
+==========  ======  =========  ===========================================================
+name        lr      scalar lr  why
+==========  ======  =========  ===========================================================
+dobb        1e-3    1e-3       update RMS is 0.2 lr, as AdamW's, so AdamW rates transfer
+muon        0.02    1e-3       Keller's default; lr in spectral norm per update
+dion        0.02    1e-3       Muon-like scale (sqrt(d_out/d_in) P Qᵀ); reference uses 0.01
+adamw       1e-3    -          betas (0.9, 0.95), as the scalar groups of the others
+==========  ======  =========  ===========================================================
+
+Every other hyperparameter is the class default (see each class). Each entry also lists
+small valid constructor inputs and invalid ones with the expected error, in the spirit of
+PyTorch's ``optim_db``, so tests can run over the whole registry.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dobb.groups import param_groups
+from dobb.optim.base import MatrixOptimizer
+from dobb.optim.dion import Dion
+from dobb.optim.dobb import Dobb
+from dobb.optim.muon import Muon
+from dobb.optim.scalar import SCALAR_ALGORITHMS
+
+
+@dataclass(frozen=True)
+class ErrorInput:
+    """Constructor overrides that must fail with ``error`` whose message matches ``regex``."""
+
+    overrides: dict[str, Any]
+    error: type[Exception]
+    regex: str
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    """How to build one optimizer, with its starting hyperparameters and test inputs."""
+
+    name: str
+    cls: type[torch.optim.Optimizer]
+    lr: float
+    """Starting learning rate for a small GPT (hidden matrices, or all params for AdamW)."""
+    scalar_lr: float | None = None
+    """Learning rate of the AdamW/Lion group of a matrix optimizer; None for AdamW itself."""
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    """Constructor arguments other than ``lr`` that differ from the class defaults."""
+    small_inputs: tuple[dict[str, Any], ...] = ({},)
+    """Valid constructor overrides, small enough for CPU tests."""
+    error_inputs: tuple[ErrorInput, ...] = ()
+    """Invalid constructor overrides and the error each must raise."""
+
+    @property
+    def is_matrix(self) -> bool:
+        """True for optimizers built on ``MatrixOptimizer`` (routing, NaN checks, groups)."""
+        return issubclass(self.cls, MatrixOptimizer)
+
+    @property
+    def needs_statistics(self) -> bool:
+        """True if each step needs activation statistics from forward passes (Dobb)."""
+        return issubclass(self.cls, Dobb)
+
+
+# Errors every MatrixOptimizer raises (from dobb.optim.base).
+MATRIX_ERRORS = (
+    ErrorInput({"lr": -1.0}, ValueError, "invalid learning rate"),
+    ErrorInput({"weight_decay": -0.1}, ValueError, "invalid weight_decay"),
+    ErrorInput({"nonfinite": "ignore"}, ValueError, "nonfinite must be one of"),
+)
+
+OPTIMIZERS: dict[str, OptimizerEntry] = {
+    entry.name: entry
+    for entry in (
+        OptimizerEntry(
+            name="dobb",
+            cls=Dobb,
+            lr=1e-3,
+            scalar_lr=1e-3,
+            small_inputs=(
+                {},
+                {"num_blocks": 4, "basis_interval": 2},
+                {"basis_method": "power_qr", "basis_interval": 1, "nesterov": False},
+                {"update_scale": "muon", "weight_decay": 0.1},
+            ),
+            error_inputs=MATRIX_ERRORS
+            + (
+                ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
+                ErrorInput({"num_blocks": 0}, ValueError, "invalid num_blocks"),
+                ErrorInput({"update_scale": "huge"}, ValueError, "invalid update_scale"),
+                ErrorInput({"basis_method": "svd"}, ValueError, "invalid basis_method"),
+            ),
+        ),
+        OptimizerEntry(
+            name="muon",
+            cls=Muon,
+            lr=0.02,
+            scalar_lr=1e-3,
+            small_inputs=(
+                {},
+                {"ns_dtype": torch.float32, "nesterov": False},
+                {"adjust_lr": "match_rms_adamw", "weight_decay": 0.1},
+            ),
+            error_inputs=MATRIX_ERRORS
+            + (
+                ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
+                ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
+                ErrorInput({"ns_dtype": torch.int32}, ValueError, "invalid ns_dtype"),
+                ErrorInput({"adjust_lr": "sqrt"}, ValueError, "invalid adjust_lr"),
+            ),
+        ),
+        OptimizerEntry(
+            name="dion",
+            cls=Dion,
+            lr=0.02,
+            scalar_lr=1e-3,
+            small_inputs=(
+                {},
+                {"rank": 4, "mu": 1.0},
+                {"orthogonalize": "cholesky_qr", "rank_fraction": 0.5, "weight_decay": 0.0},
+            ),
+            error_inputs=MATRIX_ERRORS
+            + (
+                ErrorInput({"mu": 1.5}, ValueError, "invalid mu"),
+                ErrorInput({"rank_fraction": 0.0}, ValueError, "invalid rank_fraction"),
+                ErrorInput({"rank": 0}, ValueError, "invalid rank"),
+                ErrorInput({"orthogonalize": "svd"}, ValueError, "invalid orthogonalize"),
+            ),
+        ),
+        OptimizerEntry(
+            name="adamw",
+            cls=torch.optim.AdamW,
+            lr=1e-3,
+            hyperparameters={"betas": (0.9, 0.95)},
+            small_inputs=({}, {"weight_decay": 0.1}),
+            error_inputs=(
+                ErrorInput({"lr": -1.0}, ValueError, "Invalid learning rate"),
+                ErrorInput({"betas": (1.0, 0.95)}, ValueError, "Invalid beta parameter at index 0"),
+            ),
+        ),
+    )
+}
+
+
+def get_entry(name: str) -> OptimizerEntry:
+    """The registry entry called ``name``; ``ValueError`` listing the known names if none."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
+    return OPTIMIZERS[name]
+
+
+def build_optimizer(
+    name: str,
+    model: nn.Module,
+    lr: float | None = None,
+    *,
+    scalar_lr: float | None = None,
+    scalar_algorithm: str = "adamw",
+    **overrides: Any,
+) -> torch.optim.Optimizer:
+    """Build optimizer ``name`` for ``model`` (and hook Dobb's statistics to it).
+
+    Args:
+        lr: learning rate of the hidden matrices (of all parameters for ``"adamw"``);
+            default: the entry's starting value.
+        scalar_lr / scalar_algorithm: learning rate and algorithm (``"adamw"`` or
+            ``"lion"``) of the group holding embeddings, head, norms and biases.
+        overrides: further constructor arguments, e.g. ``rank_fraction=0.25`` for Dion.
+    """
+    entry = get_entry(name)
+    kwargs = {"lr": entry.lr if lr is None else lr, **entry.hyperparameters, **overrides}
+    if not entry.is_matrix:
+        if scalar_lr is not None or scalar_algorithm != "adamw":
+            raise ValueError(
+                f"{name!r} has no separate scalar group; drop scalar_lr/scalar_algorithm"
+            )
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return entry.cls(params, **kwargs)
+    if scalar_algorithm not in SCALAR_ALGORITHMS:
+        raise ValueError(
+            f"scalar_algorithm must be one of {SCALAR_ALGORITHMS}, got {scalar_algorithm!r}"
+        )
+    groups = param_groups(
+        model,
+        entry.cls.algorithm,
+        scalar_algorithm=scalar_algorithm,
+        scalar_options={"lr": entry.scalar_lr if scalar_lr is None else scalar_lr},
+    )
+    optimizer = entry.cls(groups, **kwargs)
+    if entry.needs_statistics:
+        optimizer.track(model)
+    return optimizer

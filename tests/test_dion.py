@@ -1,0 +1,235 @@
+"""Dion: the power step, error feedback, orthonormalization, and Algorithm 1 itself."""
+
+import math
+
+import pytest
+import torch
+
+from dobb.optim.dion import (
+    Dion,
+    dion_update,
+    error_feedback,
+    orthonormalize,
+    power_step,
+    randomized_cholesky_qr,
+)
+
+SHAPES = [(24, 16), (16, 24)]  # tall and wide
+
+
+def with_singular_values(shape, values, seed=0, dtype=torch.float64):
+    """``U diag(values) Vᵀ`` with random orthonormal ``U``, ``V``; returns (M, U, V)."""
+    g = torch.Generator().manual_seed(seed)
+    k = len(values)
+    U = torch.linalg.qr(torch.randn(shape[0], k, generator=g, dtype=dtype)).Q
+    V = torch.linalg.qr(torch.randn(shape[1], k, generator=g, dtype=dtype)).Q
+    return U @ torch.diag(torch.tensor(values, dtype=dtype)) @ V.T, U, V
+
+
+def directions(M, rank, steps, mu=1.0, **options):
+    """Dion's update direction ``P Qᵀ`` at each step: ``M`` as the first gradient, then 0."""
+    p = torch.nn.Parameter(torch.zeros_like(M))
+    opt = Dion([p], lr=1.0, mu=mu, weight_decay=0.0, rank=rank, **options)
+    scale = math.sqrt(M.shape[0] / M.shape[1])
+    out = []
+    for t in range(steps):
+        before = p.detach().clone()
+        p.grad = M.clone() if t == 0 else torch.zeros_like(M)
+        opt.step()
+        out.append((before - p.detach()) / scale)  # W <- W - lr scale P Qᵀ
+    return out, opt.state[p]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_direction_converges_to_polar_factor_of_best_rank_r(shape):
+    # mu = 1 keeps B fixed, so the warm-started power steps converge; r = 4 of 6 values
+    M, U, V = with_singular_values(shape, [8.0, 6.0, 4.0, 2.0, 0.5, 0.25])
+    polar_r = U[:, :4] @ V[:, :4].T
+    steps, state = directions(M, rank=4, steps=40)
+    errors = [(d - polar_r).norm().item() for d in steps]
+    assert errors[-1] < 1e-8 and errors[-1] < errors[0]
+    torch.testing.assert_close(state["momentum"], M)  # mu = 1: nothing removed
+
+
+@pytest.mark.parametrize("rank", [3, 5])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rank_at_least_rank_of_M_recovers_its_polar_factor(shape, rank):
+    M, U, V = with_singular_values(shape, [3.0, 2.0, 1.0])  # rank(M) = 3
+    steps, _ = directions(M, rank=rank, steps=40)
+    torch.testing.assert_close(steps[-1], U @ V.T, atol=1e-6, rtol=0)
+    # and one step already captures all of M: with mu = 0 the buffer is emptied
+    _, state = directions(M, rank=rank, steps=1, mu=0.0)
+    assert state["momentum"].abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.9, 1.0])
+def test_error_feedback_removes_exactly_the_captured_component(mu):
+    g = torch.Generator().manual_seed(4)
+    B = torch.randn(32, 16, generator=g, dtype=torch.float64)
+    Q = torch.randn(16, 4, generator=g, dtype=torch.float64)
+    P, R = power_step(B, Q)
+    torch.testing.assert_close(P.T @ P, torch.eye(4, dtype=torch.float64))
+    torch.testing.assert_close(R, B.T @ P)
+    M = B.clone()
+    error_feedback(M, P, R, mu)
+    torch.testing.assert_close(M, B - (1 - mu) * P @ R.T)
+    # inside span(P) a (1 - mu) share is removed; outside it nothing changes
+    torch.testing.assert_close(P.T @ M, mu * P.T @ B)
+    outside = torch.eye(32, dtype=torch.float64) - P @ P.T
+    torch.testing.assert_close(outside @ M, outside @ B)
+
+
+def signs_aligned(A, B):
+    """``B`` with each column's sign flipped to agree with ``A`` (QR is unique up to signs)."""
+    return B * torch.sign(torch.sum(A * B, dim=0, keepdim=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cond", [1.0, 1e4])
+def test_householder_and_randomized_cholesky_qr_agree(cond, dtype):
+    values = torch.logspace(0, -math.log10(cond), 8).tolist()
+    P, _, _ = with_singular_values((300, 8), values, seed=5, dtype=dtype)
+    householder = orthonormalize(P, "qr")
+    cholesky = randomized_cholesky_qr(P, generator=torch.Generator().manual_seed(0))
+    assert cholesky is not None  # the sketch keeps Cholesky QR stable at cond 1e4 in fp32
+    eye = torch.eye(8, dtype=dtype)
+    torch.testing.assert_close(cholesky.T @ cholesky, eye, atol=1e-5 if cond == 1 else 1e-4, rtol=0)
+    # the last columns of any QR of P are only determined to about eps * cond(P)
+    tol = max(10 * torch.finfo(dtype).eps * cond, 1e-10)
+    torch.testing.assert_close(signs_aligned(householder, cholesky), householder, atol=tol, rtol=0)
+
+
+def test_cholesky_qr_falls_back_to_householder_on_rank_deficiency():
+    P = torch.randn(50, 4, generator=torch.Generator().manual_seed(6))
+    P[:, 3] = 0.0  # rank 3: the sketch's R is singular, so the Cholesky step fails
+    assert randomized_cholesky_qr(P) is None
+    basis = orthonormalize(P, "cholesky_qr")
+    torch.testing.assert_close(basis, torch.linalg.qr(P).Q)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(4), atol=1e-5, rtol=0)
+
+
+def paper_dion(W, grads, Q, *, lr, mu, weight_decay):
+    """Algorithm 1 of arXiv 2504.05295, transcribed literally (the test oracle)."""
+    W, M, Q = W.clone(), torch.zeros_like(W), Q.clone()
+    m, n = W.shape
+    for G in grads:
+        B = M + G
+        P = torch.linalg.qr(B @ Q).Q
+        R = B.T @ P
+        M = B - (1 - mu) * P @ R.T
+        Q = R / R.norm(dim=0, keepdim=True)
+        W = W * (1 - lr * weight_decay) - lr * math.sqrt(m / n) * P @ Q.T
+    return W, M
+
+
+@pytest.mark.parametrize("orthogonalize", ["qr", "cholesky_qr"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_algorithm_1(shape, orthogonalize):
+    g = torch.Generator().manual_seed(7)
+    w0 = torch.randn(shape, generator=g, dtype=torch.float64)
+    grads = [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(5)]
+    p = torch.nn.Parameter(w0.clone())
+    opt = Dion([p], lr=0.1, mu=0.9, weight_decay=0.1, rank=3, orthogonalize=orthogonalize)
+    p.grad = torch.zeros(shape, dtype=torch.float64)
+    opt.step()  # a zero step: builds state, keeps Q_0, only decays W
+    start, Q0 = p.detach().clone(), opt.state[p]["Q"].clone()
+    assert Q0.shape == (shape[1], 3)
+    for G in grads:
+        p.grad = G.clone()
+        opt.step()
+    W, M = paper_dion(start, grads, Q0, lr=0.1, mu=0.9, weight_decay=0.1)
+    # Householder vs Cholesky QR flip column signs of P, which cancel in P Rᵀ and P Qᵀ
+    torch.testing.assert_close(p.detach(), W, atol=1e-10, rtol=0)
+    torch.testing.assert_close(opt.state[p]["momentum"], M, atol=1e-10, rtol=0)
+    Q = opt.state[p]["Q"]
+    torch.testing.assert_close(Q.norm(dim=0), torch.ones(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("orthogonalize", ["qr", "cholesky_qr"])
+def test_zero_momentum_gives_no_nan(orthogonalize):
+    p = torch.nn.Parameter(torch.ones(12, 8))
+    opt = Dion([p], lr=0.1, weight_decay=0.5, rank=2, orthogonalize=orthogonalize)
+    for _ in range(2):
+        p.grad = torch.zeros(12, 8)
+        opt.step()
+    state = opt.state[p]
+    Q0 = state["Q"].clone()
+    torch.testing.assert_close(p.detach(), torch.full((12, 8), 0.95**2))  # decay only
+    assert not state["momentum"].any() and torch.isfinite(state["Q"]).all()
+    p.grad = torch.randn(12, 8)
+    opt.step()
+    assert torch.isfinite(p).all() and not torch.equal(state["Q"], Q0)
+
+
+@pytest.mark.parametrize(
+    "shape, rank_fraction, rank, expected",
+    [
+        ((64, 48), 1 / 16, None, 3),  # ceil(48 / 16)
+        ((30, 100), 0.1, None, 3),  # ceil(0.1 * 30)
+        ((30, 100), 0.01, None, 1),  # ceil rounds 0.3 up
+        ((100, 100), 0.07, None, 7),  # not 8, although 0.07 * 100 = 7.000000000000001
+        ((30, 100), 1 / 16, 5, 5),  # an absolute rank overrides the fraction
+        ((30, 100), 1 / 16, 64, 30),  # capped at min(d_out, d_in)
+    ],
+)
+def test_rank_from_rank_fraction(shape, rank_fraction, rank, expected):
+    assert Dion.rank_of(shape, {"rank_fraction": rank_fraction, "rank": rank}) == expected
+    p = torch.nn.Parameter(torch.zeros(shape))
+    opt = Dion([p], rank_fraction=rank_fraction, rank=rank)
+    p.grad = torch.ones(shape)
+    opt.step()
+    assert opt.state[p]["Q"].shape == (shape[1], expected)
+
+
+def test_initial_Q_is_the_same_on_every_replica_and_differs_per_matrix():
+    def first_Q(name, seed=0):
+        p = torch.nn.Parameter(torch.zeros(10, 6))
+        opt = Dion([{"params": [(name, p)]}], rank=2, seed=seed)
+        p.grad = torch.zeros(10, 6)
+        opt.step()
+        return opt.state[p]["Q"]
+
+    assert torch.equal(first_Q("blocks.0.fc.weight"), first_Q("blocks.0.fc.weight"))
+    assert not torch.equal(first_Q("blocks.0.fc.weight"), first_Q("blocks.1.fc.weight"))
+    assert not torch.equal(first_Q("blocks.0.fc.weight"), first_Q("blocks.0.fc.weight", seed=1))
+
+
+def test_defaults():
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    group = Dion([p]).param_groups[0]
+    assert (group["lr"], group["mu"], group["weight_decay"]) == (0.01, 0.95, 0.01)
+    assert (group["rank_fraction"], group["rank"], group["orthogonalize"]) == (1 / 16, None, "qr")
+
+
+def test_transposed_variant_is_dion_update_on_transposed_views():
+    # microsoft/dion runs wide matrices transposed (Q of shape (d_out, r)); dion_update
+    # computes that variant when given .mT views, as the distributed version may need
+    g = torch.Generator().manual_seed(8)
+    m, n, r = 12, 20, 3
+    W = torch.randn(m, n, generator=g, dtype=torch.float64)
+    Q = torch.randn(m, r, generator=g, dtype=torch.float64)
+    M = torch.zeros(m, n, dtype=torch.float64)
+    W_ref, M_ref, Q_ref = W.clone(), M.clone(), Q.clone()
+    scale = math.sqrt(m / n)
+    for _ in range(3):
+        G = torch.randn(m, n, generator=g, dtype=torch.float64)
+        dion_update(W.mT, G.mT, M.mT, Q, lr=0.1, mu=0.9, weight_decay=0.1, scale=scale)
+        B = M_ref + G  # Algorithm 1 on Bᵀ: P = orth(Bᵀ Q), R = B P
+        P = torch.linalg.qr(B.T @ Q_ref).Q
+        R = B @ P
+        M_ref = B - 0.1 * R @ P.T
+        Q_ref = R / R.norm(dim=0, keepdim=True)
+        W_ref = W_ref * (1 - 0.1 * 0.1) - 0.1 * scale * Q_ref @ P.T
+    torch.testing.assert_close(W, W_ref)
+    torch.testing.assert_close(M, M_ref)
+    torch.testing.assert_close(Q, Q_ref)
+
+
+def test_bf16_parameters_keep_fp32_state():
+    p = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.bfloat16))
+    opt = Dion([p], rank=2)
+    p.grad = torch.randn(16, 8, dtype=torch.bfloat16)
+    opt.step()
+    state = opt.state[p]
+    assert state["momentum"].dtype == state["Q"].dtype == torch.float32
+    assert p.dtype == torch.bfloat16 and torch.isfinite(p).all()

@@ -1,0 +1,244 @@
+"""Behaviour every optimizer in the registry must share, run over the whole registry."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dobb.optim.base import NonFiniteGradientError
+from dobb.optim.registry import OPTIMIZERS, build_optimizer
+
+VOCAB = 16
+MATRIX_NAMES = [name for name, entry in OPTIMIZERS.items() if entry.is_matrix]
+# (optimizer, algorithm of its scalar group): both scalar routes of every matrix optimizer
+CASES = [
+    pytest.param(name, scalar, id=f"{name}+{scalar}")
+    for name in MATRIX_NAMES
+    for scalar in ("adamw", "lion")
+] + [pytest.param(name, None, id=name) for name in OPTIMIZERS if name not in MATRIX_NAMES]
+MATRIX_CASES = [case for case in CASES if case.values[0] in MATRIX_NAMES]
+
+
+class TinyLM(nn.Module):
+    """Embedding -> Linear 16x32 (tall) -> GELU -> Linear 32x16 (wide) -> norm -> head."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, 16)
+        self.fc = nn.Linear(16, 32)
+        self.proj = nn.Linear(32, 16)
+        self.ln = nn.LayerNorm(16)
+        self.head = nn.Linear(16, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        return self.head(self.ln(x + self.proj(F.gelu(self.fc(x)))))
+
+
+def make(name, scalar, seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = TinyLM()
+    if scalar is not None:
+        overrides["scalar_algorithm"] = scalar
+    return model, build_optimizer(name, model, **overrides)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (4, 8), generator=g), torch.randint(
+        0, VOCAB, (4, 8), generator=g
+    )
+
+
+def loss_of(model, step):
+    x, y = batch(step)
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def train(model, opt, steps, first=0, fixed_batch=False):
+    losses = []
+    for t in range(first, first + steps):
+        opt.zero_grad()
+        loss = loss_of(model, 0 if fixed_batch else t)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_params(a, b, atol=0.0):
+    assert a.keys() == b.keys()
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=atol, rtol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def state_snapshot(opt):
+    return copy.deepcopy(opt.state_dict()["state"])
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for index in a:
+        assert a[index].keys() == b[index].keys()
+        for key, value in a[index].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, b[index][key]), (index, key)
+
+
+@pytest.mark.parametrize("name, scalar", CASES)
+def test_step_with_closure_returns_the_loss(name, scalar):
+    model, opt = make(name, scalar)
+    before, seen = params(model), []
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_of(model, 0)  # Dobb: this forward pass also feeds its statistics
+        loss.backward()
+        seen.append(loss)
+        return loss
+
+    assert opt.step(closure) is seen[0] and len(seen) == 1
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("name, scalar", CASES)
+def test_lr_scheduler_changes_the_lr_used(name, scalar):
+    entry = OPTIMIZERS[name]
+    model, opt = make(name, scalar)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    for t in range(2):
+        train(model, opt, 1, first=t)
+        scheduler.step()
+    halved = {"lr": entry.lr * 0.5}
+    if entry.is_matrix:
+        halved["scalar_lr"] = entry.scalar_lr * 0.5
+    reference, reference_opt = make(name, scalar, **halved)
+    train(reference, reference_opt, 2)
+    assert_same_params(params(model), params(reference))
+    full, full_opt = make(name, scalar)
+    train(full, full_opt, 2)
+    assert not torch.equal(params(full)["fc.weight"], params(model)["fc.weight"])
+
+
+@pytest.mark.parametrize(
+    "name, scalar, overrides",
+    [pytest.param(*case.values, {}, id=case.id) for case in CASES]
+    + [pytest.param("dion", "adamw", {"orthogonalize": "cholesky_qr"}, id="dion+cholesky_qr")],
+)
+def test_checkpoint_round_trip_continues_like_uninterrupted_training(name, scalar, overrides):
+    model, opt = make(name, scalar, **overrides)
+    train(model, opt, 3)
+    model_state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    train(model, opt, 3, first=3)
+    resumed, resumed_opt = make(name, scalar, seed=1, **overrides)  # other init, then loaded
+    resumed.load_state_dict(model_state)
+    resumed_opt.load_state_dict(opt_state)
+    train(resumed, resumed_opt, 3, first=3)
+    assert_same_params(params(resumed), params(model), atol=1e-6)
+
+
+@pytest.mark.parametrize("name, scalar", CASES)
+def test_zero_gradient_zero_lr_step_changes_nothing(name, scalar):
+    # what DCP's get_state_dict does to an optimizer with empty state
+    model, opt = make(name, scalar)
+    before = params(model)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step(closure=None)
+    assert_same_params(params(model), before)
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                assert torch.isfinite(value).all()
+
+
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_unknown_group_keys_and_algorithms_are_rejected(name):
+    cls = OPTIMIZERS[name].cls
+    w = nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="unknown key"):
+        cls([{"params": [w], "rank_fractoin": 0.5}], lr=0.01)
+    with pytest.raises(ValueError, match="unknown key"):
+        cls([{"params": [w], "algorithm": "adamw", "momentum": 0.9}], lr=0.01)
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        cls([{"params": [w], "algorithm": "sgd"}], lr=0.01)
+    with pytest.raises(ValueError, match="needs 2-D weight matrices"):
+        cls([nn.Parameter(torch.zeros(4))], lr=0.01)
+
+
+def nan_step(name, scalar, target, **overrides):
+    """Train 2 steps, then step with a NaN in ``target``'s gradient; return the pieces."""
+    model, opt = make(name, scalar, **overrides)
+    train(model, opt, 2)
+    before, state = params(model), state_snapshot(opt)
+    opt.zero_grad()
+    loss_of(model, 2).backward()
+    model.get_parameter(target).grad.view(-1)[0] = float("nan")
+    return model, opt, before, state
+
+
+@pytest.mark.parametrize("target", ["fc.weight", "fc.bias"])  # a matrix and a scalar param
+@pytest.mark.parametrize("name, scalar", MATRIX_CASES)
+def test_nonfinite_gradient_raises_and_changes_nothing(name, scalar, target):
+    model, opt, before, state = nan_step(name, scalar, target)
+    with pytest.raises(NonFiniteGradientError, match="fc"):
+        opt.step()
+    assert_same_params(params(model), before)
+    assert_same_state(state_snapshot(opt), state)
+
+
+@pytest.mark.parametrize("target", ["fc.weight", "fc.bias"])
+@pytest.mark.parametrize("name, scalar", MATRIX_CASES)
+def test_nonfinite_skip_mode_skips_the_step(name, scalar, target):
+    model, opt, before, state = nan_step(name, scalar, target, nonfinite="skip")
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert_same_params(params(model), before)
+    assert_same_state(state_snapshot(opt), state)
+    train(model, opt, 1, first=3)  # and training goes on
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name, scalar", CASES)
+def test_loss_decreases_on_a_tiny_model(name, scalar):
+    model, opt = make(name, scalar)
+    losses = train(model, opt, 40, fixed_batch=True)
+    assert losses[-1] < 0.9 * losses[0], (losses[0], losses[-1])
+
+
+SMALL_INPUTS = [
+    pytest.param(name, overrides, id=f"{name}-{i}")
+    for name, entry in OPTIMIZERS.items()
+    for i, overrides in enumerate(entry.small_inputs)
+]
+ERROR_INPUTS = [
+    pytest.param(name, error, id=f"{name}-{error.regex}")
+    for name, entry in OPTIMIZERS.items()
+    for error in entry.error_inputs
+]
+
+
+@pytest.mark.parametrize("name, overrides", SMALL_INPUTS)
+def test_small_inputs_train(name, overrides):
+    model, opt = make(name, None, **overrides)
+    losses = train(model, opt, 3)
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and losses[-1] == losses[-1]
+
+
+@pytest.mark.parametrize("name, error", ERROR_INPUTS)
+def test_error_inputs_raise(name, error):
+    with pytest.raises(error.error, match=error.regex):
+        make(name, None, **error.overrides)
+
+
+def test_unknown_optimizer_name_is_rejected():
+    with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
+        build_optimizer("sgd", TinyLM())
