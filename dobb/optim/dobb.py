@@ -149,6 +149,7 @@ class Dobb(MatrixOptimizer):
         self._data_parallel_groups = data_parallel_groups(data_parallel)
         self._stats: dict[Tensor, BlockStatistics] = {}
         self._input_dims: dict[Tensor, int] = {}  # 0 for (d_in, d_out) weights; set by track
+        self._layouts: dict[tuple, tuple[BlockStack, ...]] = {}
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -184,15 +185,25 @@ class Dobb(MatrixOptimizer):
             self._stacks(p, group)
 
     def _stacks(self, param: Tensor, group: dict[str, Any]) -> tuple[BlockStack, ...]:
-        """Blocks of this rank's input columns of ``param`` (all unless they are sharded)."""
+        """Blocks of this rank's input columns of ``param`` (all unless they are sharded).
+
+        Derived from shape, placements and ``num_blocks``, so cached here rather than kept in
+        the checkpointed state (DTensor offsets are slow to recompute every step).
+        """
         dim = self._input_dims.get(param, 1)
-        stacks = block_stacks(param.shape[dim], group["num_blocks"])
+        key = (id(param), dim, group["num_blocks"])
+        if key not in self._layouts:
+            self._layouts[key] = self._local_stacks(param, dim, group["num_blocks"])
+        return self._layouts[key]
+
+    def _local_stacks(self, param: Tensor, dim: int, num_blocks: int) -> tuple[BlockStack, ...]:
+        stacks = block_stacks(param.shape[dim], num_blocks)
         start, stop = local_range(param, dim)
         if (start, stop) == (0, param.shape[dim]):
             return stacks
         describe = (
             f"{self.name_of(param)} of shape {tuple(param.shape)}, input dim {dim} split over "
-            f"{shard_degree(param, dim)} ranks, num_blocks={group['num_blocks']}"
+            f"{shard_degree(param, dim)} ranks, num_blocks={num_blocks}"
         )
         return local_block_stacks(stacks, start, stop, describe)
 
