@@ -78,6 +78,8 @@ class BlockStatistics:
         x = x.detach().reshape(-1, x.shape[-1])  # (N, width)
         if x.shape[-1] != self.width:
             raise ValueError(f"activation has {x.shape[-1]} features, expected {self.width}")
+        if self.sums[0].device != x.device:  # the model moved after track()
+            self.sums = [total.to(x.device) for total in self.sums]
         offset = self.stacks[0].start
         for total, s in zip(self.sums, self.stacks):
             cols = x[:, s.start - offset : s.stop - offset].to(total.dtype)

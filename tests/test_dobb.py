@@ -472,3 +472,22 @@ def test_transposed_layers_are_blocked_along_their_input_dim():
             opt.step()
     torch.testing.assert_close(transposed.weight.detach(), linear.weight.detach().T)
     assert opts[1].state[transposed.weight]["cov"].shape == (1, 4, 4)  # d_in = 10 = 4+3+3
+
+
+def test_untrack_removes_the_hooks():
+    model = mlp()
+    opt = make_opt(model)
+    opt.untrack()
+    model(torch.randn(2, 12)).sum().backward()
+    with pytest.raises(RuntimeError, match="no activation statistics"):
+        opt.step()
+    opt.track(model)  # may be tracked again
+    train(model, opt, 1)
+
+
+def test_parameters_replaced_after_construction_are_reported():
+    model = mlp()
+    opt = make_opt(model)
+    opt.param_groups[0]["params"][0] = nn.Parameter(torch.zeros(20, 12))
+    with pytest.raises(RuntimeError, match="after construction"):
+        train(model, opt, 1)

@@ -131,6 +131,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         matrix_groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
+        replaced = [p for g in matrix_groups for p in g["params"] if p not in self._names]
+        if replaced:
+            raise RuntimeError(
+                f"{len(replaced)} parameter(s) of shape {tuple(replaced[0].shape)} were put into "
+                "param_groups after construction (e.g. by a wrapper that re-creates parameters, "
+                "such as accelerate's FSDP); build the optimizer after wrapping the model"
+            )
         if not self._inputs_finite(matrix_groups):
             self.skipped_steps += 1
             self._discard_step_inputs()

@@ -150,6 +150,8 @@ class Dobb(MatrixOptimizer):
         self._stats: dict[Tensor, BlockStatistics] = {}
         self._input_dims: dict[Tensor, int] = {}  # 0 for (d_in, d_out) weights; set by track
         self._layouts: dict[tuple, tuple[BlockStack, ...]] = {}
+        self._hooks: list[RemovableHandle] = []
+        self._unsynced: set[int] = set()  # ids of states with local statistics not yet averaged
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -213,7 +215,8 @@ class Dobb(MatrixOptimizer):
 
         Layer types: ``nn.Linear``, ``transformers``' ``Conv1D`` (weight stored as
         ``(d_in, d_out)``: blocks run along its dim 0), and any type added with
-        ``dobb.stats.register_layer``. Returns the hook handles.
+        ``dobb.stats.register_layer``. Returns the hook handles (``untrack`` removes all).
+        Statistics buffers follow the activations' device, so the model may move later.
         """
         groups = {
             p: g for g in self.param_groups if g["algorithm"] == self.algorithm for p in g["params"]
@@ -230,12 +233,20 @@ class Dobb(MatrixOptimizer):
             stats = BlockStatistics(stacks, state_dtype(weight), local(weight).device)
             self._stats[weight] = stats
             handles.append(module.register_forward_pre_hook(statistics_hook(stats)))
+        self._hooks += handles
         if not handles:
             raise ValueError(
                 "track() found no layer whose weight is in a Dobb group; known layer types: "
                 f"{[t.__name__ for t in tracked_layers()]}"
             )
         return handles
+
+    def untrack(self) -> None:
+        """Remove every hook ``track`` added and drop the pending statistics."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._stats.clear()
 
     def _extra_inputs(self, matrix_groups):
         return [(p, t) for p, s in self._stats.items() if s.tokens for t in s.sums]
@@ -290,6 +301,7 @@ class Dobb(MatrixOptimizer):
                 means = stats.pop_mean() if stats is not None else None
                 if means is not None:
                     self._fold_statistics(state, means, group["stats_beta"])
+                    self._unsynced.add(id(state))
                 active.append((p, state, group))
         due = [
             (state, group)
@@ -334,13 +346,30 @@ class Dobb(MatrixOptimizer):
         """Average ``C_b`` over the data-parallel ranks (the only communication of Dobb)."""
         covs = [local(state[cov]) for state in states for cov, _ in STACK_KEYS if cov in state]
         average_(covs, self._data_parallel_groups)
+        self._unsynced -= {id(state) for state in states}
 
     def synchronize_statistics(self) -> None:
-        """Average every matrix's ``C_b`` now (exact at any time; a collective under DP)."""
-        self._average_statistics([s for s in self.state.values() if "cov" in s])
+        """Average every ``C_b`` folded since its last average (a collective under DP).
+
+        Exact at any time, the EMA being linear. Every data-parallel rank must call it.
+        """
+        states = [s for s in self.state.values() if id(s) in self._unsynced]
+        if states:
+            self._average_statistics(states)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load state; saved statistics were averaged when saved (see ``state_dict``)."""
+        super().load_state_dict(state_dict)
+        self._unsynced.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """The state, with statistics averaged first so every rank saves the same ``C_b``."""
+        """The state, statistics averaged first so that every rank saves the same ``C_b``.
+
+        With ``stats_sync="refresh"`` this is a collective between refreshes: call it on all
+        data-parallel ranks (DCP and Lightning do). Trainers that save on one rank only
+        (Hugging Face ``Trainer`` under DDP) need ``stats_sync="step"``, which keeps the
+        statistics averaged after every step so that saving communicates nothing.
+        """
         self.synchronize_statistics()
         return super().state_dict()
 

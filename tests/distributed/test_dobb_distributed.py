@@ -105,7 +105,9 @@ def compare_layout(rank, world, layout, stats_sync):
         for p, q in zip(model.parameters(), reference.parameters())
     ]
     bases = [full(s[k]) for s in opt.state.values() for k in ("basis", "basis_tail") if k in s]
-    return {"errors": errors, "comms": comms, "bases": bases}
+    with CommRecorder() as rec:  # after a non-refresh step: averages unless synced every step
+        opt.state_dict()
+    return {"errors": errors, "comms": comms, "bases": bases, "save": rec.count()}
 
 
 @pytest.mark.parametrize(
@@ -119,6 +121,7 @@ def test_sharded_update_equals_single_device(layout, world):
     # only the statistics average, and only on basis-refresh steps (steps 1 and 3)
     axes = {"ddp": 1, "fsdp": 1, "hsdp": 2, "tp": 0, "fsdp_tp": 1}[layout]
     assert results[0]["comms"] == [["all_reduce"] * axes, [], ["all_reduce"] * axes, []]
+    assert results[0]["save"] == axes
     for other in results[1:]:  # every replica holds bit-identical bases
         for a, b in zip(results[0]["bases"], other["bases"]):
             assert torch.equal(a, b)
@@ -129,6 +132,7 @@ def test_sync_every_step_equals_sync_on_refresh():
     for result in every_step:
         assert max(result["errors"]) <= 1e-6
         assert result["comms"] == [["all_reduce"]] * STEPS
+        assert result["save"] == 0  # already averaged: saving on one rank cannot hang
 
 
 def misaligned_blocks(rank, world):
