@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,bench,bpe]"
+	$(PY) -m pip install -q -e ".[dev,bench,bpe,examples]"
 	touch $@
 
 .PHONY: test demo lint
