@@ -1,5 +1,5 @@
 # Two entry points, each doing its own setup in a local virtualenv:
-#   make demo   the main job (until the comparison harness lands: a small Dobb example)
+#   make demo   the main job: compare Dobb, Dion, Muon and AdamW on a small GPT
 #   make test   the test suite (what CI runs)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,7 +18,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 demo: $(VENV)/.installed
-	$(PY) examples/quickstart.py
+	$(PY) -m dobb compare
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -1,0 +1,5 @@
+"""`python -m dobb`: the `dobb` command."""
+
+from dobb.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""The `dobb` command.
+
+    dobb train [CONFIG.yaml] [key=value ...]     train one model (torchrun for several ranks)
+    dobb compare [--quick] [--lr-sweep] ...      the optimizer comparison (the main job)
+
+`python -m dobb` is the same command.
+"""
+
+import argparse
+import os
+import shlex
+import sys
+
+from dobb.train.config import ConfigError, load_config, parse_overrides
+
+
+def _csv(text: str) -> list[str]:
+    return [item for item in text.split(",") if item]
+
+
+def _lr_grid(text: str) -> tuple[str, list[float]]:
+    name, sep, values = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected NAME=LR,LR,... got {text!r}")
+    try:
+        return name, [float(v) for v in _csv(values)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad learning rate in {text!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dobb", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a GPT from a YAML config plus key=value overrides")
+    t.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+
+    c = sub.add_parser("compare", help="compare Dobb, Dion, Muon and AdamW on one small GPT")
+    c.add_argument("--quick", action="store_true", help="smoke run: tiny GPT, a few steps")
+    c.add_argument("--lr-sweep", action="store_true", help="log-spaced lr grid per optimizer")
+    c.add_argument("--out", default=None, help="report folder (default: runs/compare[-quick])")
+    c.add_argument("--optimizers", type=_csv, default=None, help="e.g. dobb,adamw (default all)")
+    c.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
+    c.add_argument(
+        "--lr-factors",
+        type=lambda s: [float(v) for v in _csv(s)],
+        default=None,
+        help="sweep grid as multiples of each registry lr (default 0.25,0.5,1,2,4)",
+    )
+    c.add_argument(
+        "--lrs",
+        type=_lr_grid,
+        action="append",
+        default=[],
+        metavar="NAME=LR,LR,...",
+        help="explicit sweep grid for one optimizer (repeatable)",
+    )
+    c.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    c.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args.args)
+        return _compare(args, "dobb " + shlex.join(argv))
+    except (ConfigError, FileExistsError) as e:  # a bad config, or an out_dir in use
+        print(f"dobb: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _train(items: list[str]) -> int:
+    from dobb.train.trainer import train
+
+    paths = [a for a in items if "=" not in a]
+    if len(paths) > 1:
+        raise ConfigError(f"expected at most one config file, got {paths}")
+    cfg = load_config(paths[0] if paths else None, [a for a in items if "=" in a])
+    summary = train(cfg)
+    if "RANK" in os.environ:
+        # a plain interpreter exit sometimes dies in gloo's teardown (DESIGN.md §5)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    print(f"final val loss {summary['final_val_loss']:.4f}; logs in {cfg.out_dir}")
+    return 0
+
+
+def _compare(args, command: str) -> int:
+    import torch
+
+    from dobb.train.compare import LR_FACTORS, OPTIMIZERS, compare
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = args.out or ("runs/compare-quick" if args.quick else "runs/compare")
+    compare(
+        out,
+        args.optimizers or OPTIMIZERS,
+        quick=args.quick,
+        steps=args.steps,
+        lr_sweep=args.lr_sweep or bool(args.lrs),
+        lr_factors=args.lr_factors or LR_FACTORS,
+        lrs=dict(args.lrs),
+        overrides=parse_overrides(args.overrides),
+        command=command,
+    )
+    return 0

@@ -1,0 +1,177 @@
+"""Atomic distributed checkpoints (DCP) that a killed run resumes from exactly.
+
+Layout of `<root>/step_000120/` (written as `step_000120.tmp/`, renamed when complete):
+
+    .metadata, __*_*.distcp   DCP: the model and optimizer state (sharded DTensors as shards)
+    rng_rank<r>.pt            this rank's RNG states (torch, CUDA, numpy, python)
+    COMPLETE                  JSON metadata (step, scheduler state, config), written last
+
+Every rank writes its part into the `.tmp` directory; after a barrier rank 0 writes
+`COMPLETE` and renames the directory. A directory without `COMPLETE`, or still called
+`.tmp`, is a checkpoint that was interrupted and `latest_checkpoint` skips it. The data
+position needs no saving: batch `step` is a pure function of (seed, step, rank).
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+MARKER = "COMPLETE"
+CHECKPOINT_NAME = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first; `.tmp` and unmarked dirs are ignored."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := CHECKPOINT_NAME.match(p.name)) and (p / MARKER).is_file()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under `root`, or None."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The JSON metadata a complete checkpoint's `COMPLETE` marker holds."""
+    return json.loads((Path(path) / MARKER).read_text())
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _dcp(fn, state, path) -> None:
+    """`dcp.save` or `dcp.load`; without a process group, one process (no warning about it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        fn(state, checkpoint_id=path, no_dist=not _distributed())
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    part = path.with_name(path.name + ".part")
+    with open(part, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    metadata: dict[str, Any],
+    keep: int = 0,
+) -> Path:
+    """Save a checkpoint of `step` under `root` on every rank (a collective); return its path.
+
+    metadata: JSON-serializable (step, scheduler state, config, ...), stored in `COMPLETE`.
+    keep: complete checkpoints to keep, oldest deleted first (0: all).
+    """
+    final = checkpoint_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+        tmp.mkdir(parents=True)
+    _barrier()
+    # get_optimizer_state_dict calls Dobb's state_dict(), which averages statistics over the
+    # data-parallel ranks: a collective, issued on every rank here
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
+    _dcp(dcp.save, state, tmp)
+    torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    _barrier()  # every rank's files are on disk
+    if _rank() == 0:
+        _write_atomic(tmp / MARKER, json.dumps({"step": step, **metadata}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)  # an unmarked dir of the same step, if any
+        os.replace(tmp, final)
+        if keep:
+            for old in complete_checkpoints(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Load model, optimizer and this rank's RNG state from `path`; return its metadata.
+
+    Works into another world size or layout (DCP reshards); the RNG state of a rank that
+    did not exist when saving is left as it is.
+    """
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    # an optimizer with empty state gets it here (DCP runs one zero-lr step to build it)
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
+    _dcp(dcp.load, state, path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    rng = path / f"rng_rank{_rank()}.pt"
+    if rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=False))  # numpy and python states: our own file
+    return read_metadata(path)

@@ -1,0 +1,383 @@
+"""The training loop: `train(cfg) -> summary`, one process or every rank of a `torchrun` job.
+
+Top to bottom: join the job, load data, build the model and apply the layout (DDP, FSDP2,
+TP, HSDP, FSDP x TP), build the optimizer by registry name with a warmup + decay
+schedule, resume from the latest complete checkpoint, then loop: micro-batches,
+backward, optional clipping, a timed `opt.step()`, periodic validation and checkpoints.
+
+Rank 0 writes to `cfg.out_dir`:
+
+    run.json       what ran: config, corpus (name, size, sha256), torch, machine, world size
+    metrics.jsonl  one record per step: step, loss, lr, tokens_per_s, step_ms, opt_ms,
+                   time_s (training time so far, evaluation and checkpoints excluded),
+                   grad_norm (when clipping), val_loss (when evaluated)
+    summary.json   final numbers (written last: its presence means the run finished)
+    checkpoints/   DCP checkpoints (see dobb.train.checkpoint)
+"""
+
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import UTC, datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+
+from dobb.optim.registry import build_optimizer, get_entry
+from dobb.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dobb.train.config import TrainConfig
+from dobb.train.data import TokenStream
+from dobb.train.model import GPT, gpt_config
+from dobb.train.parallel import Parallelism, init_distributed, parallelize
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support
+    FSDPModule = DTensor = ()
+
+
+def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
+    """The lr multiplier of step `s` (0-based; LambdaLR's count of steps taken so far).
+
+    1. warmup: rises linearly to 1 over `warmup_steps` steps, (s + 1) / warmup_steps;
+    2. decay: from 1 down to `min_lr_ratio` at the last step (s = steps - 1), along a
+       half cosine or a line; or stays at 1 ("constant").
+    """
+
+    def multiplier(s: int) -> float:
+        if s < cfg.warmup_steps:
+            return (s + 1) / cfg.warmup_steps
+        if cfg.decay == "constant":
+            return 1.0
+        progress = min(1.0, (s - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps))
+        if cfg.decay == "cosine":
+            progress = 0.5 * (1.0 - math.cos(math.pi * progress))
+        return 1.0 - (1.0 - cfg.min_lr_ratio) * progress
+
+    return multiplier
+
+
+def distributed_options(name: str, parallelism: Parallelism) -> dict[str, Any]:
+    """Constructor arguments telling optimizer `name` how the model is distributed.
+
+    Dobb needs only the data-parallel mesh/group over which it averages its statistics.
+    THE place for Dion's and Muon's distributed arguments (their meshes) once they take
+    them; until then they get nothing and run on whatever shards they are given.
+    """
+    if name == "dobb" and parallelism.data_parallel is not None:
+        return {"data_parallel": parallelism.data_parallel}
+    return {}
+
+
+@cache
+def load_data(spec: str, val_spec, val_fraction, tokenizer, cache_dir) -> TokenStream:
+    """`TokenStream.load`, cached per process (compare runs and tests load the corpus once)."""
+    return TokenStream.load(spec, val_fraction, val_spec, tokenizer, cache_dir)
+
+
+def optimizer_state_bytes_per_param(opt: torch.optim.Optimizer, num_params: int) -> float:
+    """Bytes of optimizer state per model parameter, counted by *global* (logical) size.
+
+    A DTensor counts by its global shape, so replicated state counts once and sharded
+    state counts whole: the number equals the single-process one under every layout.
+    Transient buffers that are not in `opt.state` (Dobb's per-step activation sums) are
+    not counted.
+    """
+    total = sum(
+        t.numel() * t.element_size()
+        for state in opt.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
+    return total / num_params
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    """Average a scalar over all ranks. Ranks of one TP group hold equal values, so this is
+    the average over the data-parallel ranks."""
+    if dist.is_initialized():
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def _set_grad_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip the gradient reduction on all but the last micro-batch (DDP, FSDP2)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model.require_backward_grad_sync = enabled
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def evaluate(model, data, cfg, block_size, par, device) -> float:
+    """Mean loss over the fixed validation batches 0 .. eval_batches-1, over all DP ranks."""
+    model.eval()
+    total = torch.zeros((), device=device)
+    for i in range(cfg.eval_batches):
+        x, y = data.get_batch("val", i, cfg.batch_size, block_size, *_rows(par), cfg.seed)
+        for xm, ym in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)):
+            total += model(xm.to(device), ym.to(device))[1].float() / cfg.grad_accum
+    model.train()
+    return _mean_over_ranks(total / cfg.eval_batches)
+
+
+def _rows(par: Parallelism) -> tuple[int, int]:
+    return par.dp_rank, par.dp_size
+
+
+def run_info(cfg: TrainConfig, data: TokenStream, world_size: int, num_params: int) -> dict:
+    """What ran, where, on what: the head of every run log."""
+    return {
+        "config": cfg.to_dict(),
+        "corpus": asdict(data.corpus),
+        "num_params": num_params,
+        "world_size": world_size,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+        "command": sys.argv,
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm to `max_norm`; return the norm before clipping.
+
+    `clip_grad_norm_` handles DTensor gradients on one mesh (FSDP2, TP); parameters on
+    different meshes (FSDP x TP: 2-D weights, 1-D embeddings) or mixed with plain tensors
+    (TP: replicated norms) have their norms made global (`full_tensor`) one by one first.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    meshes = {p.grad.device_mesh if isinstance(p.grad, DTensor) else None for p in params}
+    if len(meshes) == 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    norms = [torch.linalg.vector_norm(p.grad) for p in params]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(scale.item())
+    return total.item()
+
+
+class RunLog:
+    """Rank 0's files in `out_dir`: run.json, metrics.jsonl, summary.json (other ranks: no-op)."""
+
+    def __init__(self, out: Path, enabled: bool, info: dict[str, Any], resumed_step: int | None):
+        self.enabled, self.out, self.time_s = enabled, out, 0.0
+        if not enabled:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").unlink(missing_ok=True)  # written again when this run ends
+        (out / "run.json").write_text(json.dumps(info, indent=1))
+        path = out / "metrics.jsonl"
+        records = path.read_text().splitlines() if resumed_step and path.exists() else []
+        # after a resume, drop the records of steps that are about to be redone
+        kept = [r for r in map(json.loads, records) if r["step"] <= resumed_step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.time_s = kept[-1]["time_s"] if kept else 0.0  # training time so far
+        self.metrics = open(path, "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.enabled:
+            self.metrics.close()
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device) -> tuple[nn.Module, Parallelism]:
+    """The GPT of `cfg` (vocab from the data) on `device`, with `cfg.layout` applied."""
+    overrides = dict(cfg.model_overrides, vocab_size=vocab_size)
+    if cfg.block_size is not None:
+        overrides["block_size"] = cfg.block_size
+    model, par = parallelize(
+        GPT(gpt_config(cfg.model, **overrides)).to(device), cfg.layout, cfg.tensor_parallel
+    )
+    if cfg.batch_size % (cfg.grad_accum * par.dp_size):
+        raise ValueError(
+            f"batch_size={cfg.batch_size} must be divisible by grad_accum ({cfg.grad_accum}) "
+            f"x data-parallel ranks ({par.dp_size})"
+        )
+    return model, par
+
+
+def train_step(model, opt, x, y, cfg: TrainConfig, device) -> dict[str, Any]:
+    """Forward/backward over the micro-batches of (x, y), clip, and a timed `opt.step()`."""
+    loss = torch.zeros((), device=device)
+    for i, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))):
+        _set_grad_sync(model, i == cfg.grad_accum - 1)
+        micro_loss = model(xm.to(device), ym.to(device))[1] / cfg.grad_accum
+        micro_loss.backward()
+        loss += micro_loss.detach()
+    record = {"lr": opt.param_groups[0]["lr"]}  # the first group: hidden matrices (AdamW: all)
+    if cfg.grad_clip is not None:
+        record["grad_norm"] = clip_grad_norm(model, cfg.grad_clip)
+    _synchronize(device)
+    t0 = time.perf_counter()
+    opt.step()
+    _synchronize(device)
+    record["opt_ms"] = 1e3 * (time.perf_counter() - t0)
+    opt.zero_grad(set_to_none=True)
+    record["loss"] = _mean_over_ranks(loss)
+    return record
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as `cfg` says; return the summary (the same dict on every rank)."""
+    cfg.validate()
+    owns_process_group = not dist.is_initialized()
+    device = init_distributed()
+    rank, world_size = _world()
+    out, checkpoints = Path(cfg.out_dir), Path(cfg.out_dir) / "checkpoints"
+
+    # ---- data and model: the same seed on every rank, so every rank builds the same init
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    random.seed(cfg.seed)
+    data = load_data(cfg.data, cfg.val_data, cfg.val_fraction, cfg.tokenizer, cfg.data_cache)
+    model, par = build_model(cfg, data.vocab_size, device)
+    num_params = sum(p.numel() for p in model.parameters())  # global sizes under DTensor
+    block_size = (model.module if hasattr(model, "module") else model).cfg.block_size
+
+    # ---- optimizer and schedule: one registry lookup, one LambdaLR for every optimizer
+    opt = build_optimizer(
+        cfg.optimizer,
+        model,
+        cfg.lr,
+        scalar_lr=cfg.scalar_lr,
+        **cfg.optimizer_options,
+        **distributed_options(cfg.optimizer, par),
+    )
+    scheduler = LambdaLR(opt, lr_schedule(cfg))
+
+    # ---- resume from the latest complete checkpoint (the data position is the step)
+    start, resumed = 0, latest_checkpoint(checkpoints)
+    if resumed is not None and not cfg.resume:
+        raise FileExistsError(
+            f"{out} holds checkpoints of an earlier run; pass resume=true to continue it, or "
+            "choose another out_dir"
+        )
+    if resumed is not None:
+        meta = load_checkpoint(resumed, model, opt)
+        scheduler.load_state_dict(meta["scheduler"])
+        start = meta["step"]
+        changed = [k for k, v in cfg.to_dict().items() if meta["config"].get(k) != v]
+        changed = sorted(set(changed) - {"resume", "progress"})
+        if changed and rank == 0:
+            warnings.warn(f"resuming {resumed} with changed config fields {changed}", stacklevel=2)
+    info = run_info(cfg, data, world_size, num_params) | {"resumed_from": resumed and str(resumed)}
+    log = RunLog(out, rank == 0, info, start if resumed else None)
+
+    # ---- the loop
+    tokens_per_step = cfg.batch_size * block_size
+    train_time, step_times, opt_ms, record = log.time_s, [], [], {}
+    progress = tqdm(
+        range(start, cfg.steps),
+        initial=start,
+        total=cfg.steps,
+        disable=not (cfg.progress and rank == 0 and sys.stderr.isatty()),
+        dynamic_ncols=True,
+    )
+    model.train()
+    for step in progress:  # `step` steps are done; this one trains on global batch `step`
+        t0 = time.perf_counter()
+        x, y = data.get_batch("train", step, cfg.batch_size, block_size, *_rows(par), cfg.seed)
+        record = {"step": step + 1} | train_step(model, opt, x, y, cfg, device)
+        scheduler.step()
+        step_times.append(time.perf_counter() - t0)
+        opt_ms.append(record["opt_ms"])
+        train_time += step_times[-1]
+        record |= {
+            "tokens_per_s": tokens_per_step / step_times[-1],
+            "step_ms": 1e3 * step_times[-1],
+            "time_s": train_time,
+        }
+        done = step + 1
+        if done % cfg.eval_interval == 0 or done == cfg.steps:
+            record["val_loss"] = evaluate(model, data, cfg, block_size, par, device)
+            if cfg.progress and progress.disable and rank == 0:
+                print(
+                    f"step {done}/{cfg.steps}  loss {record['loss']:.4f}  "
+                    f"val {record['val_loss']:.4f}  {record['tokens_per_s']:.0f} tok/s  "
+                    f"opt {record['opt_ms']:.1f} ms",
+                    flush=True,
+                )
+        if cfg.checkpoint_interval and (done % cfg.checkpoint_interval == 0 or done == cfg.steps):
+            meta = {"scheduler": scheduler.state_dict(), "config": cfg.to_dict()}
+            save_checkpoint(checkpoints, done, model, opt, meta, keep=cfg.keep_checkpoints)
+        log.write(record)
+        progress.set_postfix(loss=f"{record['loss']:.3f}")
+    progress.close()
+    if "val_loss" not in record:  # nothing was left to train (a finished run resumed)
+        record["val_loss"] = evaluate(model, data, cfg, block_size, par, device)
+
+    # ---- summary: this process's first step (allocations, warm-up) is left out of speeds
+    timed = slice(1, None) if len(step_times) > 1 else slice(None)
+    entry = get_entry(cfg.optimizer)
+    summary = {
+        "optimizer": cfg.optimizer,
+        "lr": entry.lr if cfg.lr is None else cfg.lr,
+        "scalar_lr": entry.scalar_lr if cfg.scalar_lr is None else cfg.scalar_lr,
+        "steps": cfg.steps,
+        "tokens": cfg.steps * tokens_per_step,
+        "final_val_loss": record["val_loss"],
+        "final_train_loss": record.get("loss"),
+        "tokens_per_s": tokens_per_step * len(step_times[timed]) / sum(step_times[timed])
+        if step_times
+        else None,
+        "opt_ms": float(np.mean(opt_ms[timed])) if opt_ms else None,
+        "opt_ms_median": float(np.median(opt_ms[timed])) if opt_ms else None,
+        "state_bytes_per_param": optimizer_state_bytes_per_param(opt, num_params),
+        "num_params": num_params,
+        "train_time_s": train_time,
+        "world_size": world_size,
+        "layout": cfg.layout,
+    }
+    if dist.is_initialized():  # losses are already averaged; timings are rank 0's
+        shared = [summary]
+        dist.broadcast_object_list(shared, src=0)
+        summary = shared[0]
+    log.finish(summary)
+    if owns_process_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary

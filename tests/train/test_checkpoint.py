@@ -1,0 +1,106 @@
+"""A killed run resumes from its last complete checkpoint exactly; partial ones are ignored."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dobb.optim.registry import OPTIMIZERS
+from dobb.train.checkpoint import MARKER, complete_checkpoints, latest_checkpoint, read_metadata
+from dobb.train.config import TrainConfig
+from dobb.train.data import TokenStream
+from dobb.train.model import GPT, gpt_config
+from dobb.train.trainer import train
+
+STEPS, CRASH_AT = 8, 6  # checkpoints at 4 and 8; the crash loses steps 5 and 6
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(out, optimizer, **overrides) -> TrainConfig:
+    settings = dict(model="tiny", batch_size=8, steps=STEPS, warmup_steps=2, eval_interval=4)
+    settings |= dict(eval_batches=2, checkpoint_interval=4, keep_checkpoints=0)
+    settings |= overrides
+    return TrainConfig(**settings, optimizer=optimizer, out_dir=str(out), progress=False)
+
+
+def crash_at(monkeypatch, step):
+    """Make the run die while fetching training batch `step` (after checkpoint 4)."""
+    get_batch = TokenStream.get_batch
+
+    def dying(self, split, batch_step, *args):
+        if split == "train" and batch_step == step:
+            raise KeyboardInterrupt("killed")
+        return get_batch(self, split, batch_step, *args)
+
+    monkeypatch.setattr(TokenStream, "get_batch", dying)
+
+
+def final_params(checkpoint) -> dict[str, torch.Tensor]:
+    state = {"model": GPT(gpt_config("tiny")).state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    return state["model"]
+
+
+def losses(out) -> list[tuple]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"], r.get("val_loss")) for r in map(json.loads, lines)]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_resumed_run_equals_uninterrupted_run(tmp_path, monkeypatch, optimizer):
+    whole = train(config(tmp_path / "whole", optimizer))
+    with monkeypatch.context() as patch:
+        crash_at(patch, CRASH_AT)
+        with pytest.raises(KeyboardInterrupt):
+            train(config(tmp_path / "split", optimizer))
+    assert latest_checkpoint(tmp_path / "split" / "checkpoints").name == "step_000004"
+    assert losses(tmp_path / "split")[-1][0] == CRASH_AT  # steps 5 and 6 were logged, then lost
+    resumed = train(config(tmp_path / "split", optimizer, resume=True))
+
+    assert resumed["final_val_loss"] == whole["final_val_loss"]
+    assert losses(tmp_path / "split") == losses(tmp_path / "whole")  # steps 5, 6 logged once
+    a = final_params(tmp_path / "whole" / "checkpoints" / "step_000008")
+    b = final_params(tmp_path / "split" / "checkpoints" / "step_000008")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+
+
+def test_half_written_checkpoints_are_ignored(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        crash_at(patch, CRASH_AT)
+        with pytest.raises(KeyboardInterrupt):
+            train(config(out, "dobb"))
+    root = out / "checkpoints"
+    # a save killed before the rename, and a directory whose marker was never written
+    (root / "step_000006.tmp").mkdir()
+    (root / "step_000006.tmp" / ".metadata").write_bytes(b"partial")
+    (root / "step_000005").mkdir()
+    (root / "step_000005" / "__0_0.distcp").write_bytes(b"partial")
+    assert [p.name for p in complete_checkpoints(root)] == ["step_000004"]
+    assert latest_checkpoint(root).name == "step_000004"
+    assert read_metadata(root / "step_000004")["step"] == 4
+
+    summary = train(config(out, "dobb", resume=True))
+    whole = train(config(tmp_path / "whole", "dobb"))
+    assert summary["final_val_loss"] == whole["final_val_loss"]
+    assert (root / "step_000008" / MARKER).is_file()
+
+
+def test_keep_prunes_oldest_and_missing_root_has_none(tmp_path):
+    assert latest_checkpoint(tmp_path / "nowhere") is None
+    cfg = config(tmp_path, "adamw", checkpoint_interval=2, keep_checkpoints=2)
+    train(cfg)
+    assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == [
+        "step_000006",
+        "step_000008",
+    ]

@@ -1,0 +1,160 @@
+"""The training loop on the tiny GPT: every optimizer learns, logs are complete, configs parse."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dobb.optim.registry import OPTIMIZERS
+from dobb.train.checkpoint import latest_checkpoint
+from dobb.train.config import ConfigError, TrainConfig, load_config
+from dobb.train.parallel import Parallelism
+from dobb.train.trainer import distributed_options, lr_schedule, train
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models; two threads on a shared 2-core box are slower
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(tmp_path, **overrides) -> TrainConfig:
+    settings = dict(
+        model="tiny", batch_size=8, steps=12, warmup_steps=2, eval_interval=6, eval_batches=2
+    )
+    return TrainConfig(**(settings | overrides), out_dir=str(tmp_path), progress=False)
+
+
+def metrics(cfg):
+    with open(f"{cfg.out_dir}/metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_training_reduces_loss(tmp_path, optimizer):
+    cfg = tiny(tmp_path, optimizer=optimizer)
+    summary = train(cfg)
+    records = metrics(cfg)
+    assert [r["step"] for r in records] == list(range(1, cfg.steps + 1))
+    assert math.isfinite(summary["final_val_loss"])
+    assert summary["final_val_loss"] < records[0]["loss"] - 0.3  # starts near ln 256 = 5.55
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3
+
+
+def test_logs_record_run_metrics_and_summary(tmp_path):
+    cfg = tiny(tmp_path, optimizer="adamw", grad_clip=1.0)
+    summary = train(cfg)
+    records = metrics(cfg)
+    assert {"loss", "lr", "tokens_per_s", "step_ms", "opt_ms", "time_s", "grad_norm"} <= set(
+        records[0]
+    )
+    assert [r["step"] for r in records if "val_loss" in r] == [6, 12]
+    assert records[-1]["val_loss"] == summary["final_val_loss"]
+    assert all(r["opt_ms"] < r["step_ms"] for r in records)
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["corpus"]["name"].startswith("stdlib-py")
+    assert len(info["corpus"]["sha256"]) == 64 and info["corpus"]["num_bytes"] > 1e6
+    assert info["torch"] == torch.__version__ and info["machine"]["cpu_count"] >= 1
+    assert info["config"]["optimizer"] == "adamw"
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    # AdamW keeps exp_avg and exp_avg_sq in fp32 (+ a scalar step per tensor)
+    assert summary["state_bytes_per_param"] == pytest.approx(8.0, abs=0.01)
+    assert summary["tokens"] == 12 * 8 * 64
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    one = train(tiny(tmp_path / "one", optimizer="adamw", steps=4))
+    two = train(tiny(tmp_path / "two", optimizer="adamw", steps=4, grad_accum=2))
+    assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=1e-5)
+    assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-5)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(steps=11, warmup_steps=2, min_lr_ratio=0.1, decay="cosine")
+    f = lr_schedule(cfg)
+    assert [f(0), f(1), f(2)] == [0.5, 1.0, 1.0]
+    assert f(10) == pytest.approx(0.1) and f(6) == pytest.approx(0.55)  # cosine midpoint
+    linear = lr_schedule(TrainConfig(steps=11, warmup_steps=0, min_lr_ratio=0.0, decay="linear"))
+    assert [linear(0), linear(5), linear(10)] == pytest.approx([1.0, 0.5, 0.0])
+    assert lr_schedule(TrainConfig(steps=5, decay="constant"))(4) == 1.0
+
+
+def test_dobb_alone_gets_the_data_parallel_group():
+    group = object()
+    distributed = Parallelism("fsdp", None, group, 0, 2)
+    assert distributed_options("dobb", distributed) == {"data_parallel": group}
+    for name in ("dion", "muon", "adamw"):
+        assert distributed_options(name, distributed) == {}
+    assert distributed_options("dobb", Parallelism("single", None, None)) == {}
+
+
+def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
+    train(tiny(tmp_path, optimizer="adamw", steps=2, checkpoint_interval=2))
+    assert latest_checkpoint(tmp_path / "checkpoints") is not None
+    with pytest.raises(FileExistsError, match="resume=true"):
+        train(tiny(tmp_path, optimizer="adamw", steps=2, checkpoint_interval=2))
+
+
+# ---- config ---------------------------------------------------------------------------
+
+
+def test_yaml_then_overrides_typed_by_field(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: tiny\nlr: 1e-3\nsteps: 50\noptimizer_options: {num_blocks: 8}\n"
+        "model_overrides:\n  dropout: 0.1\n"
+    )
+    cfg = load_config(
+        path,
+        [
+            "steps=20",
+            "grad_clip=1",
+            "resume=true",
+            "optimizer_options.basis_interval=5",
+            "scalar_lr=none",
+            "val_data=null",
+        ],
+    )
+    assert cfg.model == "tiny" and cfg.lr == 1e-3 and isinstance(cfg.lr, float)
+    assert cfg.steps == 20 and cfg.grad_clip == 1.0 and cfg.resume is True
+    assert cfg.optimizer_options == {"num_blocks": 8, "basis_interval": 5}
+    assert cfg.model_overrides == {"dropout": 0.1}
+    assert cfg.scalar_lr is None and cfg.val_data is None
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("stepz=3", "unknown config key 'stepz'"),
+        ("steps=ten", "bad value 'ten' for steps"),
+        ("steps=2.5", "bad value '2.5' for steps"),
+        ("resume=maybe", "bad value 'maybe' for resume"),
+        ("lr=fast", "bad value 'fast' for lr"),
+        ("optimizer_options=[1, 2]", "bad value .* for optimizer_options"),
+        ("steps", "not of the form key=value"),
+        ("lr.x=1", "lr.x: only dict fields take dotted keys"),
+        ("layout=ring", "layout='ring' is invalid"),
+        ("warmup_steps=5000", "warmup_steps=5000 is invalid"),
+        ("grad_accum=3", "batch_size=16 is not divisible by grad_accum=3"),
+    ],
+)
+def test_bad_config_names_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_bad_yaml_key_names_the_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: tiny\nbatchsize: 4\n")
+    with pytest.raises(ConfigError, match="unknown config key 'batchsize'"):
+        load_config(path)
+
+
+def test_shipped_configs_load(pytestconfig):
+    paths = sorted((pytestconfig.rootpath / "configs").glob("*.yaml"))
+    assert paths
+    for path in paths:
+        load_config(path)
