@@ -491,3 +491,25 @@ def test_parameters_replaced_after_construction_are_reported():
     opt.param_groups[0]["params"][0] = nn.Parameter(torch.zeros(20, 12))
     with pytest.raises(RuntimeError, match="after construction"):
         train(model, opt, 1)
+
+
+@pytest.mark.parametrize("source", ["identity", "random", "gradients"])
+def test_control_basis_sources(source):
+    """Ablation controls need no statistics; their bases are what their names say."""
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 5, bias=False)
+    opt = dobb.Dobb([layer.weight], lr=0.1, num_blocks=2, basis_source=source, basis_interval=1)
+    g = torch.randn(5, 8)
+    w = layer.weight.detach().clone()
+    layer.weight.grad = g.clone()
+    opt.step()  # no track(), no forward pass
+    basis = opt.state[layer.weight]["basis"]
+    torch.testing.assert_close(basis.mT @ basis, torch.eye(4).expand(2, 4, 4), atol=1e-5, rtol=0)
+    if source == "identity":
+        torch.testing.assert_close(basis, torch.eye(4).expand(2, 4, 4))
+    if source == "gradients":
+        blocks = g.unflatten(1, (2, 4)).transpose(0, 1)
+        torch.testing.assert_close(basis, eigenbasis(blocks.mT @ blocks / 5))
+    n = 0.05 * g + 0.95 * (0.05 * g)
+    expected = torch.cat([torch.sign(n[:, i : i + 4] @ q) @ q.T for i, q in zip((0, 4), basis)], 1)
+    torch.testing.assert_close(w - layer.weight.detach(), 0.1 * 0.2 * expected)

@@ -8,6 +8,7 @@ back. A row of the update depends only on the same row of the momentum, so row-s
 """
 
 import math
+import zlib
 from typing import Any
 
 import torch
@@ -23,13 +24,15 @@ from dobb.distributed.sharding import (
     local_range,
     shard_degree,
 )
-from dobb.optim.base import MatrixOptimizer, local, state_dtype
+from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
 from dobb.stats import BlockStatistics, layer_weights, statistics_hook, tracked_layers
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 BASIS_METHODS = ("eigh", "power_qr")
 MISSING_STATS_MODES = ("raise", "identity")
 STATS_SYNC_MODES = ("refresh", "step")
+# Where the block bases come from: Dobb's activation moments, or controls for ablations.
+BASIS_SOURCES = ("activations", "gradients", "random", "identity")
 STACK_KEYS = (("cov", "basis"), ("cov_tail", "basis_tail"))  # at most two block sizes
 
 
@@ -99,6 +102,9 @@ class Dobb(MatrixOptimizer):
             update ``sqrt(max(1, d_out/d_in)) U Vᵀ``).
         basis_method: ``"eigh"`` (default) or ``"power_qr"``: one warm-started orthogonal
             iteration per refresh (``eigh`` on the first one).
+        basis_source: ``"activations"`` (Dobb). Controls for ablations: ``"gradients"``
+            (eigenbases of the blocks of ``E[Gᵀ G]``, unsharded matrices only), ``"random"``
+            (a fixed random orthogonal basis per block), ``"identity"`` (Signum).
         missing_stats: ``"raise"`` (default) if a Dobb matrix has no statistics at a step
             with ``lr > 0``; ``"identity"`` keeps the current basis (identity before any
             statistics: Signum). A zero-``lr`` step never needs statistics (DCP issues one
@@ -135,6 +141,7 @@ class Dobb(MatrixOptimizer):
         update_scale: float | str = 0.2,
         *,
         basis_method: str = "eigh",
+        basis_source: str = "activations",
         missing_stats: str = "raise",
         data_parallel=None,
         stats_sync: str = "refresh",
@@ -162,6 +169,7 @@ class Dobb(MatrixOptimizer):
             basis_interval=basis_interval,
             update_scale=update_scale,
             basis_method=basis_method,
+            basis_source=basis_source,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -183,6 +191,12 @@ class Dobb(MatrixOptimizer):
             )
         if group["basis_method"] not in BASIS_METHODS:
             raise ValueError(f"invalid basis_method: {group['basis_method']!r}")
+        if group["basis_source"] not in BASIS_SOURCES:
+            raise ValueError(f"invalid basis_source: {group['basis_source']!r}")
+        if group["basis_source"] == "gradients" and any(
+            isinstance(p, DTensor) for p in group["params"]
+        ):
+            raise NotImplementedError("basis_source='gradients' supports unsharded matrices only")
         for p in group["params"]:
             self._stacks(p, group)
 
@@ -219,7 +233,10 @@ class Dobb(MatrixOptimizer):
         Statistics buffers follow the activations' device, so the model may move later.
         """
         groups = {
-            p: g for g in self.param_groups if g["algorithm"] == self.algorithm for p in g["params"]
+            p: g
+            for g in self.param_groups
+            if g["algorithm"] == self.algorithm and g["basis_source"] == "activations"
+            for p in g["params"]
         }
         handles = []
         for module, weight, spec in layer_weights(model):
@@ -259,7 +276,7 @@ class Dobb(MatrixOptimizer):
         if self.missing_stats == "identity":
             return
         for group in matrix_groups:
-            if group["lr"] == 0:
+            if group["lr"] == 0 or group["basis_source"] != "activations":
                 continue
             for p in group["params"]:
                 stats = self._stats.get(p)
@@ -282,6 +299,12 @@ class Dobb(MatrixOptimizer):
         for (cov_key, basis_key), s in zip(STACK_KEYS, self._stacks(param, group)):
             cov = torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device)
             basis = torch.eye(s.size, dtype=dtype, device=device).repeat(s.count, 1, 1)
+            if group["basis_source"] == "random":
+                seed = zlib.crc32(f"{self.name_of(param)}/{cov_key}".encode())
+                noise = torch.randn(
+                    s.count, s.size, s.size, generator=torch.Generator().manual_seed(seed)
+                )
+                basis = torch.linalg.qr(noise.to(dtype)).Q.to(device)
             dim = self._input_dims.get(param, 1)
             state[cov_key] = block_state_like(cov, param, dim)
             state[basis_key] = block_state_like(basis, param, dim)
@@ -297,8 +320,7 @@ class Dobb(MatrixOptimizer):
                 if not state:
                     state.update(self._init_matrix_state(p, group))
                 state["step"] += 1
-                stats = self._stats.get(p)
-                means = stats.pop_mean() if stats is not None else None
+                means = self._new_statistics(p, group)
                 if means is not None:
                     self._fold_statistics(state, means, group["stats_beta"])
                     self._unsynced.add(id(state))
@@ -330,6 +352,22 @@ class Dobb(MatrixOptimizer):
                 weight_decay=group["weight_decay"],
                 scale=self._scale(p.shape[self._input_dims.get(p, 1)], group),
             )
+
+    def _new_statistics(self, param: Tensor, group: dict[str, Any]) -> list[Tensor] | None:
+        """This step's block moments ``S_b`` per stack, or None if there are none."""
+        if group["basis_source"] == "activations":
+            stats = self._stats.get(param)
+            return stats.pop_mean() if stats is not None else None
+        if group["basis_source"] != "gradients":
+            return None  # fixed bases
+        grad = local(param.grad)
+        grad = grad.mT if self._input_dims.get(param, 1) == 0 else grad
+        means = []
+        for s in self._stacks(param, group):
+            cols = grad[:, s.start : s.stop].unflatten(1, (s.count, s.size)).transpose(0, 1)
+            cols = cols.to(state_dtype(param))  # (count, rows, size)
+            means.append(cols.mT @ cols / max(1, grad.shape[0]))  # G_bᵀ G_b / rows
+        return means
 
     @staticmethod
     def _fold_statistics(state: dict[str, Any], means: list[Tensor], beta: float) -> None:
