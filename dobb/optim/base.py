@@ -154,8 +154,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """True if every gradient (and subclass input) is finite; raise or report otherwise."""
         tensors = [(p, local(p.grad)) for g in self.param_groups for p in g["params"]]
         tensors = [(p, t) for p, t in tensors if t is not None] + self._extra_inputs(matrix_groups)
+        tensors = [(p, t) for p, t in tensors if t.numel()]  # FSDP shards may be empty
         if not tensors:
             return True
+        # Fast path: a NaN/Inf makes the 2-norm non-finite (one fused pass over all tensors).
+        finite = torch.stack(torch._foreach_norm([t for _, t in tensors])).isfinite()
+        if bool(finite.all()):
+            return True
+        # Exact check (a huge finite tensor can overflow its norm)
         finite = torch.stack([torch.isfinite(t).all() for _, t in tensors])
         if bool(finite.all()):
             return True
