@@ -1,0 +1,810 @@
+"""Cost model of one optimizer call: FLOPs, memory traffic, launches, factorizations, comm.
+
+    python -m dobb.bench.costmodel --config gpt2-xl --world 32 [--hardware calib.json]
+
+Each optimizer call is written out as the kernels our implementation launches (one entry
+per op of ``dobb_update``, ``dion_update``, ``muon_update``, PyTorch's AdamW and the
+shared finite-gradient check), each with its FLOPs and the bytes it reads plus writes, and
+the collectives its distributed form issues. A kernel costs
+
+    launch + max(FLOPs / rate[kind], bytes / memory_bandwidth)          (a roofline per op)
+
+(factorizations: launch + latency + FLOPs / rate; ``eigh``: a + b s³ per block), a
+collective costs the α–β time of its algorithm (``Network``), and periodic work (Dobb's
+basis refresh and statistics all-reduce) is divided by its period. Rates come from a
+``Hardware`` profile: ``dobb.bench.calltime.calibrate`` measures one on the machine it runs
+on (CPU or GPU); ``H100`` and ``H200`` hold datasheet values times stated efficiency
+assumptions.
+
+FLOPs per ``(m, n)`` matrix (``m`` local rows, ``n = d_in``) and step:
+
+- Dobb (blocks of size ``s``): two ``bmm`` per block stack, ``4 m n s``; refresh every
+  ``k`` steps: ``eigh`` of every ``s x s`` block (``a + b s³`` seconds each); statistics
+  hook (in the forward pass, not the call): ``2 N n s`` for ``N`` tokens.
+- Dion (rank ``r``): ``B Q``, ``Bᵀ P``, error feedback ``P Rᵀ`` and update ``P Qᵀ``:
+  ``8 m n r``; Householder QR of ``P`` (``m x r``): ``4 m r² - 4/3 r³`` (geqrf + orgqr);
+  randomized Cholesky QR (distributed form): sketch ``2 k m r``, ``QR(k x r)``, Gram
+  ``2 m r²``, two triangular solves ``2 m r²``, Cholesky ``r³ / 3``.
+- Muon: Newton-Schulz, 5 x (``X Xᵀ``: ``2 a² b``; ``b A + c A²``: ``2 a³``; ``B X``:
+  ``2 a² b``) with ``a = min(m, n)``, ``b = max(m, n)``, in bf16.
+- AdamW: elementwise only, 80 bytes per parameter (fp32).
+
+Layouts: ``single`` (one device) and ``fsdp`` (FSDP2 ``Shard(0)``: every rank holds
+``ceil(m / p)`` rows of every matrix; the slowest rank sets the time). Under FSDP Dobb's
+update is local and its statistics are all-reduced over all ranks on refresh steps; Dion
+all-reduces the sketch product (``k x r``), the Gram matrix (``r x r``) and ``Bᵀ P``
+(``n x r``) of every matrix every step (one buffer per round for all matrices, or one
+collective per matrix); Muon sends every matrix to an owner rank
+(all-to-all, fp32), runs Newton-Schulz there, and sends the result back (all-to-all, bf16).
+"""
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from dobb.blocks import block_stacks
+from dobb.optim.muon import NS_STEPS
+from dobb.train.model import GPT_CONFIGS, gpt_config
+
+FP32, BF16 = 4, 2  # bytes per element
+OP_KINDS = ("elementwise", "reduction", "gemm_fp32", "gemm_skinny", "gemm_bf16", "bmm_fp32")
+CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
+OPTIMIZERS = ("dobb", "dion", "muon", "adamw")
+
+# Paper's reference points (arXiv 2610.39412, abstract): GPT-2 XL, FSDP on 32 H100,
+# amortized optimizer-call time.
+PAPER_XL_32_H100_MS = {"dobb": 9.2, "dion": 124.1}
+
+# Randomized Cholesky QR sketch rows: ceil(1.25 r) rounded up to a multiple of 128, as
+# dobb.optim.dion (microsoft/dion's values).
+SKETCH_OVERSAMPLE, SKETCH_ROW_MULTIPLE = 1.25, 128
+
+# Dion's own per-matrix overhead beyond its kernels: `momentum.any()` copies a flag to the
+# host (a device sync on GPU); counted as one extra launch.
+
+
+# --------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class Matrix:
+    """One hidden weight matrix, ``d_out x d_in`` (the ``nn.Linear`` layout)."""
+
+    name: str
+    d_out: int
+    d_in: int
+
+    @property
+    def numel(self) -> int:
+        return self.d_out * self.d_in
+
+
+def transformer_matrices(width: int, layers: int) -> list[Matrix]:
+    """The hidden matrices of ``layers`` GPT blocks of width ``d``: q, k, v, attention
+    output (``d x d``), MLP up (``4d x d``) and down (``d x 4d``) projections."""
+    d = width
+    per_block = (
+        ("attn.q", d, d),
+        ("attn.k", d, d),
+        ("attn.v", d, d),
+        ("attn.proj", d, d),
+        ("mlp.fc", 4 * d, d),
+        ("mlp.proj", d, 4 * d),
+    )
+    return [Matrix(f"blocks.{i}.{n}", o, k) for i in range(layers) for n, o, k in per_block]
+
+
+def hidden_matrices(config: str, layers: int | None = None) -> list[Matrix]:
+    """Hidden matrices of the first ``layers`` blocks (default: all) of a GPT config."""
+    cfg = gpt_config(config)
+    layers = cfg.n_layer if layers is None else layers
+    if not 1 <= layers <= cfg.n_layer:
+        raise ValueError(f"layers must be in [1, {cfg.n_layer}] for {config!r}, got {layers}")
+    return transformer_matrices(cfg.n_embd, layers)
+
+
+# Width sweep: the GPT-2 family, then wider GPT-style models (4d MLP). The wider ones are
+# our own choice of (width, layers), of the sizes of common 2.7B / 7B / 13B / 70B models.
+WIDTHS: dict[str, tuple[int, int]] = {
+    **{name: (c["n_embd"], c["n_layer"]) for name, c in GPT_CONFIGS.items() if "gpt2" in name},
+    "d2560-L32": (2560, 32),
+    "d4096-L32": (4096, 32),
+    "d5120-L40": (5120, 40),
+    "d8192-L80": (8192, 80),
+}
+
+
+def dion_rank(matrix: Matrix, rank_fraction: float) -> int:
+    """``r = ceil(rank_fraction * min(d_out, d_in))``, as ``Dion.rank_of``."""
+    smaller = min(matrix.d_out, matrix.d_in)
+    return min(smaller, math.ceil(round(rank_fraction * smaller, 9)))
+
+
+def sketch_rows(r: int) -> int:
+    return SKETCH_ROW_MULTIPLE * math.ceil(SKETCH_OVERSAMPLE * r / SKETCH_ROW_MULTIPLE)
+
+
+def local_rows(rows: int, world: int) -> int:
+    """Rows of the largest FSDP2 shard: ``torch.chunk`` gives ``ceil(rows / world)``."""
+    return math.ceil(rows / world)
+
+
+# --------------------------------------------------------------------------- memory
+def state_bytes(name: str, matrix: Matrix, *, num_blocks: int = 16, rank_fraction=1 / 16):
+    """Bytes of optimizer state our implementation keeps for one fp32 matrix.
+
+    AdamW: ``exp_avg``, ``exp_avg_sq`` and a scalar ``step`` tensor. Muon: momentum. Dion:
+    momentum, ``Q`` (``d_in x r``) and ``step``. Dobb: momentum, per block ``C_b`` and
+    ``Q_b`` (``s x s`` each), ``step`` and ``stats_steps``; its statistics accumulators
+    (another ``s x s`` per block) live outside the state and are not counted here.
+    """
+    mn, scalar = matrix.numel * FP32, FP32
+    if name == "adamw":
+        return 2 * mn + scalar
+    if name == "muon":
+        return mn
+    if name == "dion":
+        return mn + matrix.d_in * dion_rank(matrix, rank_fraction) * FP32 + scalar
+    if name == "dobb":
+        blocks = sum(s.count * s.size**2 for s in block_stacks(matrix.d_in, num_blocks))
+        return mn + 2 * blocks * FP32 + 2 * scalar
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+
+
+# --------------------------------------------------------------------------- work
+@dataclass(frozen=True)
+class Kernel:
+    """One launched op (or ``count`` identical ones).
+
+    ``kind`` picks the rate: ``gemm_fp32``, ``gemm_skinny`` (fp32 products with a rank-r
+    side), ``gemm_bf16``, ``bmm_fp32`` (rate by ``block``), ``elementwise`` and
+    ``reduction`` (memory only), ``qr`` / ``small`` (factorizations: latency + FLOPs),
+    ``eigh`` (``count`` blocks of size ``block``, one launch). ``bytes``: device memory
+    read plus written; ``alloc``: bytes of the freshly allocated output (first-touch
+    cost on CPU; free under CUDA's caching allocator).
+    """
+
+    kind: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    block: int = 0
+    count: int = 1
+    alloc: float = 0.0
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective over ``group`` ranks; ``bytes`` is the full buffer (nccl-tests' size)."""
+
+    kind: str  # "all_reduce", "all_gather", "all_to_all"
+    bytes: float
+    group: int
+    count: int = 1
+
+
+@dataclass
+class Work:
+    """What one optimizer call does; ``refresh*`` happens once every ``period`` calls."""
+
+    step: list[Kernel] = field(default_factory=list)
+    step_comm: list[Collective] = field(default_factory=list)
+    refresh: list[Kernel] = field(default_factory=list)
+    refresh_comm: list[Collective] = field(default_factory=list)
+    period: int = 1
+
+    def flops(self) -> float:
+        """FLOPs per call, amortized (``eigh`` excluded: its cost is fitted, not counted)."""
+        step = sum(k.flops * k.count for k in self.step if k.kind != "eigh")
+        return step + sum(k.flops * k.count for k in self.refresh if k.kind != "eigh") / self.period
+
+    def bytes(self) -> float:
+        """Device-memory bytes read plus written per call, amortized."""
+        step = sum(k.bytes * k.count for k in self.step)
+        return step + sum(k.bytes * k.count for k in self.refresh) / self.period
+
+    def comm_bytes(self) -> float:
+        """Collective payload bytes per call, amortized (full-buffer convention)."""
+        step = sum(c.bytes * c.count for c in self.step_comm)
+        return step + sum(c.bytes * c.count for c in self.refresh_comm) / self.period
+
+
+def elementwise(elements: float, accesses: int, count: int = 1, new: bool = False) -> Kernel:
+    """An fp32 elementwise op touching ``accesses`` tensors of ``elements`` (reads + writes);
+    ``new``: its output is a fresh tensor."""
+    return Kernel(
+        "elementwise",
+        bytes=elements * accesses * FP32,
+        count=count,
+        alloc=elements * FP32 if new else 0.0,
+    )
+
+
+def matmul(
+    kind: str, flops: float, read: float, written: float, *, new: bool = True, block: int = 0
+) -> Kernel:
+    """A product reading ``read`` and writing ``written`` bytes (a fresh output if ``new``)."""
+    alloc = written if new else 0.0
+    return Kernel(kind, flops=flops, bytes=read + written, block=block, alloc=alloc)
+
+
+def finite_check(elements: float) -> list[Kernel]:
+    """MatrixOptimizer's non-finite check over all gradients (and statistics) of a call:
+    one fused ``torch._foreach_norm`` pass reading everything, then ``stack``,
+    ``isfinite``, ``all`` and a host sync on the small result."""
+    return [Kernel("reduction", bytes=elements * FP32), Kernel("elementwise", count=4)]
+
+
+def tensor_isfinite(elements: float) -> list[Kernel]:
+    """``torch.isfinite(t).all()`` on one fp32 tensor: composite in ATen,
+    ``(t == t) * (t.abs() != inf)``, four passes with fresh outputs, then ``all``."""
+    return [
+        Kernel("elementwise", bytes=elements * 2 * FP32, alloc=elements * FP32),  # abs
+        Kernel("elementwise", bytes=elements * (FP32 + 1), alloc=elements),  # != inf
+        Kernel("elementwise", bytes=elements * (FP32 + 1), alloc=elements),  # t == t
+        Kernel("elementwise", bytes=elements * 3, alloc=elements),  # *
+        Kernel("reduction", bytes=elements),  # all
+    ]
+
+
+def dobb_work(
+    matrices: list[Matrix],
+    *,
+    world: int = 1,
+    num_blocks: int = 16,
+    basis_interval: int = 10,
+    refresh: str = "replicated",
+    launches: str = "per_matrix",
+) -> Work:
+    """Dobb's call: ``dobb_update`` per matrix, statistics fold, refresh every ``k`` calls.
+
+    ``refresh="replicated"`` is our implementation (every rank runs ``eigh`` on every block
+    of every matrix, from the all-reduced statistics); ``"sharded"`` is the alternative the
+    design allows: each rank eigh's ``1/p`` of the blocks, then an all-gather of the bases.
+    ``launches="per_shape"`` models an implementation that batches same-shape matrices
+    into one launch per op (fewer launches, same FLOPs and bytes); ours is per matrix.
+    """
+    work = Work(period=basis_interval)
+    eigh_blocks: dict[int, int] = {}
+    cov_bytes = checked = 0
+    shapes: set[tuple[int, int]] = set()
+    for m in matrices:
+        rows, n = local_rows(m.d_out, world), m.d_in
+        e = rows * n
+        stacks = block_stacks(n, num_blocks)
+        first = launches == "per_matrix" or (m.d_out, m.d_in) not in shapes
+        shapes.add((m.d_out, m.d_in))
+        cov = sum(s.count * s.size**2 for s in stacks)
+        checked += e + cov  # gradients and the statistics sums
+        ops: list[Kernel] = [
+            elementwise(e, 3),  # M.lerp_(G)
+            elementwise(e, 3, new=True),  # N = G.lerp(M)
+            elementwise(e, 2),  # W.mul_(1 - lr wd)
+        ]
+        for s in stacks:
+            x = rows * s.count * s.size * FP32  # bytes of this stack's columns
+            bmm = 2.0 * rows * s.count * s.size * s.size  # (count, rows, s) @ (count, s, s)
+            blocks = s.count * s.size**2
+            ops += [
+                matmul("bmm_fp32", bmm, x, x, block=s.size),  # K_b = N_b Q_b
+                elementwise(x / FP32, 2),  # sign_
+                matmul("bmm_fp32", bmm, x, x, block=s.size),  # U_b = S_b Q_bᵀ
+                elementwise(x / FP32, 3),  # W_b.add_(U_b)
+                elementwise(blocks, 2, new=True),  # S_b = A_b / n
+                elementwise(blocks, 1),  # A_b.zero_()
+                elementwise(blocks, 3),  # C_b.lerp_(S_b)
+            ]
+            eigh_blocks[s.size] = eigh_blocks.get(s.size, 0) + s.count
+            cov_bytes += blocks * FP32
+        ops += [Kernel("elementwise", count=2)]  # step += 1, stats_steps += 1 (scalars)
+        # batched per shape: the same FLOPs and bytes, launched with the first of its shape
+        work.step += ops if first else [_no_launch(k) for k in ops]
+    work.step += finite_check(checked)
+    for size, count in sorted(eigh_blocks.items()):
+        blocks = count if refresh == "replicated" else math.ceil(count / world)
+        work.refresh += [
+            elementwise(blocks * size * size, 3, new=True),  # C + jitter I
+            Kernel("eigh", block=size, count=blocks),
+            elementwise(blocks * size * size, 2, new=True),  # flip
+            elementwise(blocks * size * size, 2),  # copy into the state
+        ]
+    if world > 1:
+        work.refresh_comm.append(Collective("all_reduce", cov_bytes, world))
+        if refresh == "sharded":
+            work.refresh_comm.append(Collective("all_gather", cov_bytes, world))
+    return work
+
+
+def _no_launch(kernel: Kernel) -> Kernel:
+    """The kernel's FLOPs and bytes as part of another launch (``kind`` suffix ``+``)."""
+    return replace(kernel, kind=kernel.kind + "+")
+
+
+def dion_work(
+    matrices: list[Matrix],
+    *,
+    world: int = 1,
+    rank_fraction: float = 1 / 16,
+    orthogonalize: str | None = None,
+    collectives: str = "batched",
+) -> Work:
+    """Dion's call (Algorithm 1, ``dion_step`` over all matrices).
+
+    ``orthogonalize``: ``"qr"`` (Householder, the single-device default) or
+    ``"cholesky_qr"`` (randomized Cholesky QR, the distributed form); default: ``"qr"`` on
+    one device, ``"cholesky_qr"`` under FSDP. Under FSDP each step all-reduces over the
+    row shards ``S P`` (``k x r``, with a nonzero flag), ``P₁ᵀ P₁`` (``r x r``) and
+    ``R = Bᵀ P`` (``n x r``) of every matrix: ``collectives="batched"`` (ours,
+    ``dobb.distributed.reduce.all_reduce_``) sends each round for all matrices in one
+    buffer; ``"per_matrix"`` issues three all-reduces per matrix.
+    """
+    orthogonalize = orthogonalize or ("qr" if world == 1 else "cholesky_qr")
+    work = Work()
+    rounds = {"sketch": 0.0, "gram": 0.0, "R": 0.0}
+    checked = 0
+    for m in matrices:
+        rows, n, r = local_rows(m.d_out, world), m.d_in, dion_rank(m, rank_fraction)
+        e, mr, nr = rows * n * FP32, rows * r * FP32, n * r * FP32  # bytes
+        checked += rows * n
+        ops = [
+            elementwise(rows * n, 3),  # B = M + G
+            elementwise(rows * n, 2),  # W.mul_(1 - lr wd)
+            matmul("gemm_skinny", 2.0 * rows * n * r, e + nr, mr),  # P = B Q
+            Kernel("reduction", bytes=e),  # B.any()
+        ]
+        if orthogonalize == "qr":
+            qr_flops = 4.0 * rows * r * r - 4.0 / 3.0 * r**3  # geqrf + orgqr
+            ops += [Kernel("qr", flops=max(qr_flops, 0.0), bytes=2 * mr, alloc=mr)]
+        else:
+            k = sketch_rows(r)
+            ops += [
+                elementwise(k * m.d_out, 1, new=True),  # S ~ N(0, 1/k) (whole matrix's)
+                elementwise(k * rows, 2, new=True),  # this rank's columns of S
+                matmul("gemm_skinny", 2.0 * k * rows * r, k * rows * FP32 + mr, k * r * FP32),
+                Kernel("qr", flops=2.0 * k * r * r - 2.0 / 3.0 * r**3),  # R of QR(S P)
+                Kernel("small", flops=1.0 * rows * r * r, alloc=mr),  # P R1⁻¹
+                matmul("gemm_skinny", 2.0 * rows * r * r, 2 * mr, r * r * FP32),  # Gram
+                Kernel("small", flops=r**3 / 3.0),  # Cholesky
+                Kernel("small", flops=1.0 * rows * r * r, alloc=mr),  # P1 R2⁻¹
+                *tensor_isfinite(rows * r),  # of P2
+            ]
+            rounds["sketch"] += (k * r + 1) * FP32
+            rounds["gram"] += r * r * FP32
+        rounds["R"] += nr
+        ops += [
+            matmul("gemm_skinny", 2.0 * rows * n * r, e + mr, nr),  # R = Bᵀ P
+            matmul("gemm_skinny", 2.0 * rows * n * r, 2 * e, 0.0, new=False),  # B -= P Rᵀ
+            Kernel("reduction", bytes=nr),  # column norms
+            elementwise(n * r, 2, count=2, new=True),  # clamp, divide
+            elementwise(n * r, 2),  # Q.copy_
+            matmul("gemm_skinny", 2.0 * rows * n * r, 2 * e, 0.0, new=False),  # W -= P Qᵀ
+        ]
+        if world > 1 and collectives == "per_matrix":
+            k = sketch_rows(r)
+            work.step_comm += [
+                Collective("all_reduce", (k * r + 1) * FP32, world),  # S P and the flag
+                Collective("all_reduce", r * r * FP32, world),  # P₁ᵀ P₁
+                Collective("all_reduce", nr, world),  # R = Bᵀ P
+            ]
+        work.step += ops
+    work.step += finite_check(checked)
+    work.step += [Kernel("elementwise", count=3)]  # which B != 0 (cat, nonzero, host sync)
+    if world > 1 and collectives == "batched":
+        for nbytes in rounds.values():
+            if nbytes:  # one flat buffer per round: cat in, all-reduce, copy out
+                flat = nbytes / FP32
+                work.step += [elementwise(flat, 2, new=True), elementwise(flat, 2)]
+                work.step_comm.append(Collective("all_reduce", nbytes, world))
+    return work
+
+
+def newton_schulz_flops(m: int, n: int, steps: int = NS_STEPS) -> float:
+    """FLOPs of ``newton_schulz`` on an ``(m, n)`` matrix: ``steps (4 a² b + 2 a³)``."""
+    a, b = min(m, n), max(m, n)
+    return steps * (4.0 * a * a * b + 2.0 * a**3)
+
+
+def muon_work(
+    matrices: list[Matrix], *, world: int = 1, send_bytes: int = FP32, return_bytes: int = BF16
+) -> Work:
+    """Muon's call (``muon_update`` per matrix); under FSDP, whole-matrix Newton-Schulz on an
+    owner rank, as ``dobb.optim.muon.Muon`` does with an ``OwnerExchange``.
+
+    Owners: matrices go greedily, largest Newton-Schulz first, to the least loaded rank
+    (LPT); the most loaded rank sets the time. Communication: one all-to-all brings every
+    row shard of the direction ``N`` to its owner (``send_bytes`` per element: the fp32
+    state dtype), one sends every rank its rows of ``O`` (``return_bytes``: bf16).
+    """
+    work = Work()
+    loads = [0.0] * world
+    owned = [0.0] * world
+    ns_ops: list[list[Kernel]] = [[] for _ in range(world)]
+    for m in sorted(matrices, key=lambda m: -newton_schulz_flops(m.d_out, m.d_in)):
+        rows, n = local_rows(m.d_out, world), m.d_in
+        e = rows * n
+        work.step += [
+            elementwise(e, 3),  # M.lerp_(G)
+            elementwise(e, 3, new=True),  # N = G.lerp(M)
+            elementwise(e, 2),  # W.mul_(1 - lr wd)
+            Kernel("elementwise", bytes=e * (BF16 + 2 * FP32)),  # W.add_(O), O in bf16
+        ]
+        owner = min(range(world), key=loads.__getitem__)
+        loads[owner] += newton_schulz_flops(m.d_out, m.d_in)
+        owned[owner] += m.numel
+        a, b, full = min(m.d_out, m.d_in), max(m.d_out, m.d_in), m.numel
+        ns = [
+            Kernel("elementwise", bytes=full * (FP32 + BF16), alloc=full * BF16),  # to(bf16)
+            Kernel("reduction", bytes=full * BF16),  # Frobenius norm
+            Kernel("elementwise", bytes=full * 2 * BF16, alloc=full * BF16),  # X / norm
+        ]
+        for _ in range(NS_STEPS):
+            ns += [
+                matmul("gemm_bf16", 2.0 * a * a * b, a * b * BF16, a * a * BF16),  # A = X Xᵀ
+                matmul("gemm_bf16", 2.0 * a**3, 2 * a * a * BF16, a * a * BF16),  # b A + c A²
+                matmul("gemm_bf16", 2.0 * a * a * b, (a * a + a * b) * BF16, a * b * BF16),
+            ]
+        ns_ops[owner] += ns
+    busiest = max(range(world), key=loads.__getitem__)
+    work.step += ns_ops[busiest]
+    work.step += finite_check(sum(local_rows(m.d_out, world) * m.d_in for m in matrices))
+    if world > 1:
+        # the busiest rank receives (p - 1)/p of its own matrices, and every rank sends 1/p
+        # of every matrix: the larger of the two sets the all-to-all's volume
+        elements = max(max(owned), sum(m.numel for m in matrices) / world)
+        work.step_comm += [
+            Collective("all_to_all", elements * send_bytes, world),  # N to the owners
+            Collective("all_to_all", elements * return_bytes, world),  # O back
+        ]
+    return work
+
+
+def adamw_work(matrices: list[Matrix], *, world: int = 1, foreach: bool = False) -> Work:
+    """PyTorch AdamW: 8 elementwise ops (20 fp32 accesses) per parameter and step.
+
+    Single-tensor path (PyTorch's choice on CPU): 8 launches per matrix, plus ``step``.
+    ``foreach`` (its choice on CUDA): the same bytes in a handful of multi-tensor launches.
+    """
+    work = Work()
+    accesses = (
+        2,
+        3,
+        2,
+        3,
+        2,
+        2,
+        2,
+        4,
+    )  # mul_ W, lerp_ m, mul_ v, addcmul_ v, sqrt, div, add_, addcdiv_
+    for i, m in enumerate(matrices):
+        e = local_rows(m.d_out, world) * m.d_in
+        ops = [elementwise(e, a) for a in accesses] + [Kernel("elementwise", count=1)]
+        work.step += ops if not (foreach and i) else [_no_launch(k) for k in ops]
+    return work
+
+
+def hook_work(matrices: list[Matrix], tokens: int, *, num_blocks: int = 16) -> list[Kernel]:
+    """Statistics hooks of one forward pass: ``A_b += X_bᵀ X_b``, ``2 N n s`` FLOPs a matrix.
+
+    Layers sharing an input (q, k, v) each run their own hook, as in our implementation.
+    """
+    ops = []
+    for m in matrices:
+        for s in block_stacks(m.d_in, num_blocks):
+            flops = 2.0 * tokens * s.count * s.size**2
+            io = (tokens * s.count * s.size + 2 * s.count * s.size**2) * FP32
+            ops.append(Kernel("bmm_fp32", flops=flops, bytes=io, block=s.size))
+    return ops
+
+
+def forward_backward_work(matrices: list[Matrix], tokens: int, kind="gemm_fp32") -> list[Kernel]:
+    """A stack of Linear layers' forward (``2 N m n``) and backward (``4 N m n``) products:
+    ``Y = X Wᵀ``, ``dX = dY W``, ``dW = dYᵀ X`` (fresh outputs)."""
+    ops = []
+    for m in matrices:
+        x, y, w = tokens * m.d_in * FP32, tokens * m.d_out * FP32, m.numel * FP32
+        flops = 2.0 * tokens * m.numel
+        ops += [matmul(kind, flops, x + w, y), matmul(kind, flops, y + w, x)]
+        ops += [matmul(kind, flops, x + y, w)]
+    return ops
+
+
+# --------------------------------------------------------------------------- hardware
+@dataclass(frozen=True)
+class Hardware:
+    """Effective rates of one device.
+
+    ``rates``: FLOP/s by kernel kind (``gemm_fp32``, ``gemm_skinny``, ``gemm_bf16``, ``qr``,
+    ``small``);
+    ``bmm_rates``: fp32 batched-matmul FLOP/s by block size (log-interpolated);
+    ``latency_s``: fixed time per factorization call by kind; ``eigh_s``: ``(a, b)`` with
+    ``a + b s³`` seconds per ``s x s`` block; ``op_s``: fixed cost of one op by kind
+    (host dispatch, allocation, launch; ``elementwise`` also stands for any other kind).
+    A kernel costs ``op_s[kind] + max(FLOPs / rate, bytes / memory_bandwidth)``.
+    """
+
+    name: str
+    rates: dict[str, float]
+    bmm_rates: dict[int, float]
+    memory_bandwidth: float
+    op_s: dict[str, float]
+    eigh_s: tuple[float, float]
+    latency_s: dict[str, float]
+    foreach: bool = False
+    alloc_s_per_byte: float = 0.0
+    """Extra seconds per byte of a freshly allocated output (page faults on first touch;
+    0 under CUDA's caching allocator)."""
+    matrix_s: dict[str, float] = field(default_factory=dict)
+    """Framework overhead beyond the ops: per matrix and call by optimizer name (Python
+    loop, state lookups), and per hooked layer and forward (``"hook"``)."""
+    source: str = ""
+    measurements: dict = field(default_factory=dict)
+
+    def bmm_rate(self, block: int) -> float:
+        """fp32 bmm FLOP/s at block size ``block``: log-linear between measured sizes."""
+        sizes = sorted(self.bmm_rates)
+        if block <= sizes[0]:
+            return self.bmm_rates[sizes[0]]
+        if block >= sizes[-1]:
+            return self.bmm_rates[sizes[-1]]
+        hi = next(s for s in sizes if s >= block)
+        lo = sizes[sizes.index(hi) - 1]
+        t = math.log(block / lo) / math.log(hi / lo)
+        return math.exp((1 - t) * math.log(self.bmm_rates[lo]) + t * math.log(self.bmm_rates[hi]))
+
+    def launch(self, kind: str) -> float:
+        """Fixed cost of one op of ``kind``."""
+        return self.op_s.get(kind, self.op_s["elementwise"])
+
+    def eigh_block_s(self, size: int) -> float:
+        a, b = self.eigh_s
+        return a + b * size**3
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Hardware":
+        data = dict(data)
+        data["bmm_rates"] = {int(k): v for k, v in data["bmm_rates"].items()}
+        data["eigh_s"] = tuple(data["eigh_s"])
+        return cls(**data)
+
+
+# H100 SXM5 (NVIDIA H100 datasheet): dense BF16 tensor-core 989 TFLOP/s, FP32 (CUDA cores;
+# PyTorch keeps TF32 off for matmul by default) 67 TFLOP/s, HBM3 3.35 TB/s. The efficiency
+# factors below are our assumptions, not measurements on an H100.
+H100_BF16_PEAK, H100_FP32_PEAK, H100_HBM = 989e12, 67e12, 3.35e12
+GEMM_EFFICIENCY = 0.65  # large cuBLAS GEMMs: ~0.6-0.8 of peak (790/989 seen on an H200 here)
+BMM_EFFICIENCY = 0.5  # fp32 block products (s = 100-400) and rank-r products: assumption
+HBM_EFFICIENCY = 0.85  # copy bandwidth / datasheet (4.3 / 4.8 TB/s seen on an H200 here)
+# PyTorch eager per-op cost on a fast host: dispatch ~5-10 us, hidden behind the GPU only
+# when kernels are longer; assumption.
+GPU_LAUNCH_S = 6e-6
+# eigh per s x s fp32 block through torch.linalg.eigh on CUDA: for n > 32 PyTorch loops
+# cuSOLVER syevd over the batch; pytorch/pytorch#174674 measured 914 ms for 500 blocks of
+# 100 x 100 (1.8 ms a block; GPU not named). The s³ term (10 ms at s = 400) is an
+# assumption. A batched Jacobi solver (CuPy's syevjBatched: 8.4 ms for the same 500
+# blocks, same issue) is ~100x faster: EIGH_BATCHED_JACOBI_S.
+EIGH_TORCH_CUDA_S = (1.7e-3, 1.3e-10)
+EIGH_BATCHED_JACOBI_S = (1.6e-5, 1.0e-12)
+# cuSOLVER QR / Cholesky / triangular solve of small matrices: latency-bound; assumption.
+GPU_FACTOR_LATENCY_S = {"qr": 150e-6, "small": 30e-6}
+GPU_FACTOR_RATE = 2e12  # FLOP/s of those factorizations beyond the latency: assumption
+
+H100 = Hardware(
+    name="H100 SXM5 (datasheet x assumed efficiency)",
+    rates={
+        "gemm_fp32": H100_FP32_PEAK * GEMM_EFFICIENCY,
+        "gemm_skinny": H100_FP32_PEAK * BMM_EFFICIENCY,
+        "gemm_bf16": H100_BF16_PEAK * GEMM_EFFICIENCY,
+        "qr": GPU_FACTOR_RATE,
+        "small": GPU_FACTOR_RATE,
+    },
+    bmm_rates={64: H100_FP32_PEAK * BMM_EFFICIENCY},
+    memory_bandwidth=H100_HBM * HBM_EFFICIENCY,
+    op_s=dict.fromkeys(OP_KINDS, GPU_LAUNCH_S),
+    eigh_s=EIGH_TORCH_CUDA_S,
+    latency_s=GPU_FACTOR_LATENCY_S,
+    foreach=True,
+    source="NVIDIA H100 datasheet; efficiencies, launch and factorization costs assumed",
+)
+# H200: the H100's chip with HBM3e at 4.8 TB/s (NVIDIA H200 datasheet).
+H200 = replace(H100, name="H200 (datasheet x assumed efficiency)", memory_bandwidth=4.8e12 * 0.9)
+
+
+@dataclass(frozen=True)
+class Network:
+    """α–β links of a cluster of ``gpus_per_node``-GPU nodes.
+
+    Defaults: DGX H100-like nodes. NVLink 4 is 450 GB/s per direction per GPU (datasheet);
+    nccl-tests bus bandwidth on 8 H100 is typically 350-480 GB/s, so we use 360 GB/s.
+    InfiniBand NDR is 400 Gb/s = 50 GB/s per GPU (one ConnectX-7 per GPU); we use 40 GB/s
+    effective. Latency per ring step: ~3 us inside a node, ~10 us between nodes
+    (assumptions, NCCL's small-message latency is of that order).
+
+    ``algorithm``: ``"ring"`` (one flat ring over all ranks: every step pays the slowest
+    hop) or ``"hierarchical"`` (NCCL-like two-level: reduce-scatter inside the node, a
+    ring across nodes on ``1/g`` of the data, all-gather inside the node).
+    """
+
+    gpus_per_node: int = 8
+    alpha_intra: float = 3e-6
+    beta_intra: float = 360e9
+    alpha_inter: float = 10e-6
+    beta_inter: float = 40e9
+    algorithm: str = "hierarchical"
+
+    def time(self, c: Collective) -> tuple[float, float]:
+        """``(latency, bandwidth)`` seconds of ``c`` (times its count)."""
+        p, g = c.group, self.gpus_per_node
+        if p <= 1:
+            return 0.0, 0.0
+        if c.kind == "all_to_all":
+            alpha = self.alpha_intra if p <= g else self.alpha_inter
+            intra = c.bytes * (min(p, g) - 1) / p
+            inter = c.bytes * max(p - g, 0) / p
+            bw = max(intra / self.beta_intra, inter / self.beta_inter)
+            return c.count * (p - 1) * alpha, c.count * bw
+        ring = {"all_reduce": ring_all_reduce, "all_gather": ring_all_gather}[c.kind]
+        if p <= g:
+            lat, bw = ring(c.bytes, p, self.alpha_intra, self.beta_intra)
+        elif self.algorithm == "ring":
+            lat, bw = ring(c.bytes, p, self.alpha_inter, self.beta_inter)
+        else:  # two levels: inside the node on the whole buffer, across nodes on 1/g of it
+            nodes = math.ceil(p / g)
+            intra = ring_all_gather(c.bytes, g, self.alpha_intra, self.beta_intra)
+            inter = ring(c.bytes / g, nodes, self.alpha_inter, self.beta_inter)
+            twice = 2 if c.kind == "all_reduce" else 1  # reduce-scatter + all-gather
+            lat, bw = twice * intra[0] + inter[0], twice * intra[1] + inter[1]
+        return c.count * lat, c.count * bw
+
+
+def ring_all_reduce(nbytes: float, p: int, alpha: float, beta: float) -> tuple[float, float]:
+    """Ring all-reduce of ``nbytes``: ``2 (p-1) α`` + ``2 (p-1)/p · n / β``."""
+    if p <= 1:
+        return 0.0, 0.0
+    return 2 * (p - 1) * alpha, 2 * (p - 1) / p * nbytes / beta
+
+
+def ring_all_gather(nbytes: float, p: int, alpha: float, beta: float) -> tuple[float, float]:
+    """Ring all-gather of an ``nbytes`` output (reduce-scatter of an ``nbytes`` input):
+    ``(p-1) α + (p-1)/p · n / β``."""
+    if p <= 1:
+        return 0.0, 0.0
+    return (p - 1) * alpha, (p - 1) / p * nbytes / beta
+
+
+# --------------------------------------------------------------------------- predict
+def kernel_time(k: Kernel, hw: Hardware) -> dict[str, float]:
+    """Seconds of one kernel entry, by category."""
+    fused = k.kind.endswith("+")  # accounted inside another launch
+    kind = k.kind.rstrip("+")
+    launch = 0.0 if fused else hw.launch(kind) * k.count
+    if kind == "eigh":
+        return {"overhead": launch, "factorization": k.count * hw.eigh_block_s(k.block)}
+    if kind in ("qr", "small"):
+        one = (0.0 if fused else hw.latency_s[kind]) + k.flops / hw.rates[kind]
+        return {"overhead": launch, "factorization": k.count * one}
+    rate = hw.bmm_rate(k.block) if kind == "bmm_fp32" else hw.rates.get(kind)
+    compute = k.flops / rate if rate else 0.0
+    memory = k.bytes / hw.memory_bandwidth + k.alloc * hw.alloc_s_per_byte
+    category = "matmul" if compute >= memory and k.flops else "memory"
+    return {"overhead": launch, category: k.count * max(compute, memory)}
+
+
+def work_time(work: Work, hw: Hardware, network: Network | None = None) -> dict[str, float]:
+    """Amortized seconds per call, by category (``CATEGORIES``)."""
+    terms = dict.fromkeys(CATEGORIES, 0.0)
+    for kernels, comms, scale in (
+        (work.step, work.step_comm, 1.0),
+        (work.refresh, work.refresh_comm, 1.0 / work.period),
+    ):
+        for k in kernels:
+            for key, value in kernel_time(k, hw).items():
+                terms[key] += scale * value
+        for c in comms:
+            if network is None:
+                raise ValueError("collectives need a Network (world > 1)")
+            lat, bw = network.time(c)
+            terms["comm_latency"] += scale * (lat + hw.launch("elementwise") * c.count)
+            terms["comm_bandwidth"] += scale * bw
+    return terms
+
+
+def build_work(
+    name: str,
+    matrices: list[Matrix],
+    *,
+    world: int = 1,
+    num_blocks: int = 16,
+    basis_interval: int = 10,
+    rank_fraction: float = 1 / 16,
+    foreach: bool = False,
+    **options,
+) -> Work:
+    """The ``Work`` of optimizer ``name`` on ``matrices`` under FSDP over ``world`` ranks.
+
+    ``options``: ``refresh`` and ``launches`` (Dobb), ``orthogonalize`` and ``collectives``
+    (Dion), ``send_bytes`` and ``return_bytes`` (Muon).
+    """
+    if name == "dobb":
+        return dobb_work(
+            matrices, world=world, num_blocks=num_blocks, basis_interval=basis_interval, **options
+        )
+    if name == "dion":
+        return dion_work(matrices, world=world, rank_fraction=rank_fraction, **options)
+    if name == "muon":
+        return muon_work(matrices, world=world, **options)
+    if name == "adamw":
+        return adamw_work(matrices, world=world, foreach=foreach, **options)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+
+
+def predict(
+    name: str,
+    matrices: list[Matrix],
+    hardware: Hardware,
+    *,
+    world: int = 1,
+    network: Network | None = None,
+    **options,
+) -> dict[str, float]:
+    """Predicted amortized seconds per call by category, plus ``"total"``.
+
+    ``world > 1`` means FSDP (``Shard(0)``) over ``world`` ranks on ``network``
+    (default: ``Network()``). ``options`` go to ``build_work``.
+    """
+    if world > 1 and network is None:
+        network = Network()
+    work = build_work(name, matrices, world=world, foreach=hardware.foreach, **options)
+    terms = work_time(work, hardware, network)
+    loops = len(matrices)
+    if options.get("launches") == "per_shape":
+        loops = len({(m.d_out, m.d_in) for m in matrices})
+    terms["overhead"] += hardware.matrix_s.get(name, 0.0) * loops
+    terms["total"] = sum(terms[c] for c in CATEGORIES)
+    return terms
+
+
+def predict_hooks(matrices, tokens: int, hardware: Hardware, *, num_blocks=16, forward_kind=None):
+    """Predicted seconds of the statistics hooks of one forward, and of forward+backward."""
+
+    def seconds(kernels):
+        return sum(sum(kernel_time(k, hardware).values()) for k in kernels)
+
+    hooks = seconds(hook_work(matrices, tokens, num_blocks=num_blocks))
+    hooks += hardware.matrix_s.get("hook", 0.0) * len(matrices)
+    fb = forward_backward_work(matrices, tokens, forward_kind or "gemm_fp32")
+    return {"hooks_s": hooks, "forward_backward_s": seconds(fb)}
+
+
+# --------------------------------------------------------------------------- tables
+def format_terms(rows: dict[str, dict[str, float]], unit: float = 1e-3) -> str:
+    """A Markdown table of per-category times (ms by default), one row per entry."""
+    head = "| | " + " | ".join(CATEGORIES) + " | total |\n|---|" + "---:|" * (len(CATEGORIES) + 1)
+    lines = [head]
+    for label, t in rows.items():
+        cells = " | ".join(f"{t[c] / unit:.2f}" for c in (*CATEGORIES, "total"))
+        lines.append(f"| {label} | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="Predict per-call time under FSDP.")
+    parser.add_argument("--config", default="gpt2-xl")
+    parser.add_argument("--world", type=int, default=32)
+    parser.add_argument("--hardware", type=Path, help="a calibration JSON (default: H100)")
+    parser.add_argument("--algorithm", choices=("hierarchical", "ring"), default="hierarchical")
+    args = parser.parse_args(argv)
+    hw = Hardware.from_json(json.loads(args.hardware.read_text())) if args.hardware else H100
+    network = Network(algorithm=args.algorithm)
+    matrices = hidden_matrices(args.config)
+    rows = {
+        name: predict(name, matrices, hw, world=args.world, network=network) for name in OPTIMIZERS
+    }
+    print(f"{args.config}, FSDP over {args.world} x {hw.name}, {args.algorithm} collectives (ms)")
+    print(format_terms(rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,218 @@
+"""Cost model: FLOP counts against hand values and PyTorch's FLOP counter, α–β collective
+formulas, monotonicity in world size, state bytes, and the results command."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from dobb.bench import calltime, results
+from dobb.bench import costmodel as cm
+from dobb.blocks import block_stacks
+from dobb.optim.dion import dion_update
+from dobb.optim.dobb import dobb_update
+from dobb.optim.muon import newton_schulz
+
+M = cm.Matrix("w", 8, 16)  # d_out = 8 rows, d_in = 16
+XL = cm.hidden_matrices("gpt2-xl")
+
+
+def counted(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+# ------------------------------------------------------------------------ FLOPs
+def test_dobb_flops_are_4_m_n_s_and_match_the_implementation():
+    # B = 4 blocks of s = 4: two bmm of (4, 8, 4) @ (4, 4, 4) -> 4 m n s
+    assert cm.dobb_work([M], num_blocks=4).flops() == 4 * 8 * 16 * 4 == 2048
+    stacks = block_stacks(16, 4)
+    bases = [torch.eye(4).repeat(4, 1, 1)]
+
+    def step():
+        W, G, Mom = torch.zeros(8, 16), torch.randn(8, 16), torch.zeros(8, 16)
+        dobb_update(
+            W, G, Mom, bases, stacks, lr=1e-3, beta=0.9, nesterov=True, weight_decay=0.0, scale=0.2
+        )
+
+    assert counted(step) == 2048
+
+
+def test_dion_flops_are_8_m_n_r_plus_householder_qr():
+    r = 2
+    qr = 4 * 8 * r**2 - 4 / 3 * r**3
+    work = cm.dion_work([M], rank_fraction=r / 8)
+    assert cm.dion_rank(M, r / 8) == r
+    assert work.flops() == pytest.approx(8 * 8 * 16 * r + qr)
+
+    def step():  # FlopCounterMode counts products, not the QR
+        W, G, B, Q = torch.zeros(8, 16), torch.randn(8, 16), torch.zeros(8, 16), torch.randn(16, r)
+        dion_update(W, G, B, Q, lr=1e-3, mu=0.95, weight_decay=0.0, scale=1.0)
+
+    # PyTorch's counter sees B Q and Bᵀ P but not (as of torch 2.13) the in-place addmm_
+    # of the error feedback and the update, 2 m n r each
+    assert counted(step) in (4 * 8 * 16 * r, 8 * 8 * 16 * r)
+
+
+def test_muon_flops_are_newton_schulz_and_match_the_implementation():
+    # a = 8, b = 16: 5 x (4 a² b + 2 a³) = 5 x (4096 + 1024)
+    assert cm.newton_schulz_flops(8, 16) == 25600 == cm.newton_schulz_flops(16, 8)
+    assert cm.muon_work([M]).flops() == 25600
+    assert counted(lambda: newton_schulz(torch.randn(8, 16))) == 25600
+
+
+def test_distributed_dion_all_reduces_sketch_gram_and_r():
+    mats = XL[:6]
+    r = cm.dion_rank(XL[0], 1 / 16)
+    k = cm.sketch_rows(r)
+    per_matrix = cm.dion_work(mats, world=32, collectives="per_matrix").step_comm
+    assert len(per_matrix) == 3 * 6
+    expected = {(k * r + 1) * 4, r * r * 4, XL[0].d_in * r * 4}
+    assert {c.bytes for c in per_matrix[:3]} == expected
+    batched = cm.dion_work(mats, world=32).step_comm  # ours: one buffer per round
+    assert len(batched) == 3
+    assert sum(c.bytes for c in batched) == sum(c.bytes for c in per_matrix)
+    assert cm.dion_work(mats, world=1).step_comm == []
+
+
+def test_adamw_moves_80_bytes_per_parameter():
+    assert cm.adamw_work([M]).bytes() == 80 * M.numel
+
+
+def test_hook_flops_are_2_n_n_s():
+    kernels = cm.hook_work([M], tokens=32, num_blocks=4)
+    assert sum(k.flops for k in kernels) == 2 * 32 * 16 * 4
+
+
+# ------------------------------------------------------------------------ memory
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("adamw", 2 * 4 * 128 + 4),
+        ("muon", 4 * 128),
+        ("dion", 4 * 128 + 4 * 16 * 2 + 4),  # Q: d_in x r = 16 x 2
+        ("dobb", 4 * 128 + 2 * 4 * (4 * 4 * 4) + 8),  # C_b, Q_b: 4 blocks of 4 x 4
+    ],
+)
+def test_state_bytes_by_hand(name, expected):
+    assert cm.state_bytes(name, M, num_blocks=4, rank_fraction=2 / 8) == expected
+
+
+# ------------------------------------------------------------------- collectives
+def test_ring_formulas():
+    n, a, b = 1e6, 1e-6, 1e9
+    assert cm.ring_all_reduce(n, 4, a, b) == pytest.approx((6e-6, 2 * 3 / 4 * n / b))
+    assert cm.ring_all_gather(n, 4, a, b) == pytest.approx((3e-6, 3 / 4 * n / b))
+    assert cm.ring_all_reduce(n, 1, a, b) == (0.0, 0.0)
+
+
+def test_network_uses_intra_node_ring_inside_a_node_and_two_levels_across():
+    net = cm.Network()
+    c = cm.Collective("all_reduce", 8e6, 8)
+    assert net.time(c) == cm.ring_all_reduce(8e6, 8, net.alpha_intra, net.beta_intra)
+    lat, bw = net.time(cm.Collective("all_reduce", 8e6, 32))
+    intra = cm.ring_all_gather(8e6, 8, net.alpha_intra, net.beta_intra)
+    inter = cm.ring_all_reduce(1e6, 4, net.alpha_inter, net.beta_inter)
+    assert (lat, bw) == pytest.approx((2 * intra[0] + inter[0], 2 * intra[1] + inter[1]))
+    ring = cm.Network(algorithm="ring").time(cm.Collective("all_reduce", 8e6, 32))
+    assert ring == pytest.approx(cm.ring_all_reduce(8e6, 32, net.alpha_inter, net.beta_inter))
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "all_to_all"])
+def test_collective_time_grows_with_world_size(kind, algorithm):
+    net = cm.Network(algorithm=algorithm)
+    times = [sum(net.time(cm.Collective(kind, 1e6, p))) for p in (1, 2, 8, 16, 64, 1024)]
+    assert times == sorted(times) and times[0] == 0
+
+
+def test_predictions_move_the_right_way_with_world_size():
+    worlds = (8, 32, 128, 1024)
+    net = cm.Network()
+    dion = [cm.predict("dion", XL, cm.H100, world=p, network=net) for p in worlds]
+    comm = [t["comm_latency"] + t["comm_bandwidth"] for t in dion]
+    assert comm == sorted(comm)  # more ranks: more latency per all-reduce
+    for name in cm.OPTIMIZERS:  # each rank's share of the update shrinks
+        local = [cm.predict(name, XL, cm.H100, world=p)["memory"] for p in worlds]
+        assert local == sorted(local, reverse=True), name
+    adamw = [cm.predict("adamw", XL, cm.H100, world=p)["total"] for p in worlds]
+    assert adamw == sorted(adamw, reverse=True)
+
+
+def test_prediction_total_is_the_sum_of_its_terms_and_refresh_is_amortized():
+    terms = cm.predict("dobb", XL[:6], cm.H100, world=32)
+    assert terms["total"] == pytest.approx(sum(terms[c] for c in cm.CATEGORIES))
+    every = cm.predict("dobb", XL[:6], cm.H100, basis_interval=1)["factorization"]
+    tenth = cm.predict("dobb", XL[:6], cm.H100, basis_interval=10)["factorization"]
+    assert tenth == pytest.approx(every / 10)
+
+
+def test_hardware_round_trips_through_json():
+    hw = cm.replace(cm.H100, bmm_rates={64: 1e12, 256: 4e12}, matrix_s={"dobb": 1e-5})
+    again = cm.Hardware.from_json(json.loads(json.dumps(hw.to_json())))
+    assert again == hw
+    assert again.bmm_rate(128) == pytest.approx(2e12)  # log-linear between 64 and 256
+    assert again.bmm_rate(1024) == 4e12 and again.bmm_rate(8) == 1e12
+
+
+def test_local_rows_follow_torch_chunk():
+    assert cm.local_rows(30, 4) == max(len(c) for c in torch.arange(30).chunk(4)) == 8
+    assert cm.local_rows(1600, 1024) == 2
+
+
+# ------------------------------------------------------------------------ results
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (timings are steadier), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_results_command_quick(tmp_path, one_thread):
+    (tmp_path / "COMM.md").write_text("| op | bytes |\n|---|---|\n| all_reduce | 1 |\n")
+    results.main(["--quick", "--out-dir", str(tmp_path)])
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "python -m dobb.bench.results --quick --out-dir" in text
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7."):
+        assert heading in text
+    assert "124.1" in text and "9.2" in text
+    record = json.loads((tmp_path / "calltime_cpu.json").read_text())
+    assert record["meta"]["complete"]
+    if _has_matplotlib():
+        assert (tmp_path / "calltime_vs_world.png").stat().st_size > 0
+    # a GPU run dropped into gpu/ shows up as its own table
+    (tmp_path / "gpu").mkdir()
+    shutil.copy(tmp_path / "calltime_cpu.json", tmp_path / "gpu" / "calltime_xl.json")
+    shutil.copy(tmp_path / "cpu_calibration.json", tmp_path / "gpu" / "calibration.json")
+    eigh = {"eigh_backends": calltime.eigh_backends("cpu", stacks=((2, 8),))}
+    (tmp_path / "gpu" / "eigh.json").write_text(json.dumps(eigh))
+    section = results.gpu_section(sorted((tmp_path / "gpu").glob("*.json")))
+    assert "calltime_xl.json" in section and "Calibration" in section
+    assert "| 8 | 2 |" in section  # the eigh table
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_calibrated_profile_is_positive_and_finite(tmp_path, one_thread):
+    hw = cm.Hardware.from_json(json.loads(_calibration(tmp_path)))
+    values = [*hw.rates.values(), *hw.bmm_rates.values(), hw.memory_bandwidth, *hw.op_s.values()]
+    assert all(v > 0 and math.isfinite(v) for v in values)
+    assert all(v >= 0 for v in hw.matrix_s.values())
+
+
+def _calibration(tmp_path) -> str:
+    out = tmp_path / "calib.json"
+    calltime.main(["calibrate", "--config", "tiny", "--quick", "--out", str(out)])
+    return out.read_text()
