@@ -2,6 +2,7 @@
 
     dobb train [CONFIG.yaml] [key=value ...]     train one model (torchrun for several ranks)
     dobb compare [--quick] [--lr-sweep] ...      the optimizer comparison (the main job)
+    dobb study [--tiny] [--out DIR]              tuned comparison, ablations -> STUDY.md
 
 `python -m dobb` is the same command.
 """
@@ -57,6 +58,13 @@ def parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides")
+
+    s = sub.add_parser("study", help="seeds, lr sweeps, Dobb ablations, width trend -> STUDY.md")
+    s.add_argument("--tiny", action="store_true", help="the whole pipeline on a tiny GPT")
+    s.add_argument("--out", default=None, help="runs and plots (default: benchmarks/study)")
+    s.add_argument("--doc", default=None, help="the report (default: STUDY.md next to --out)")
+    s.add_argument("--config", default=None, help="the budget (default: configs/study.yaml)")
+    s.add_argument("--workers", type=int, default=None, help="runs side by side")
     return p
 
 
@@ -66,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args.args)
+        if args.command == "study":
+            return _study(args, "dobb " + shlex.join(argv))
         return _compare(args, "dobb " + shlex.join(argv))
     except (ConfigError, FileExistsError) as e:  # a bad config, or an out_dir in use
         print(f"dobb: error: {e}", file=sys.stderr)
@@ -108,4 +118,12 @@ def _compare(args, command: str) -> int:
         overrides=parse_overrides(args.overrides),
         command=command,
     )
+    return 0
+
+
+def _study(args, command: str) -> int:
+    from dobb.bench.study import study
+
+    out = args.out or ("runs/study-tiny" if args.tiny else "benchmarks/study")
+    study(out, args.doc, tiny=args.tiny, config=args.config, workers=args.workers, command=command)
     return 0

@@ -198,6 +198,6 @@ def build_optimizer(
         scalar_options={"lr": entry.scalar_lr if scalar_lr is None else scalar_lr},
     )
     optimizer = entry.cls(groups, **kwargs)
-    if entry.needs_statistics:
+    if entry.needs_statistics and kwargs.get("basis_source", "activations") == "activations":
         optimizer.track(model)
     return optimizer

@@ -1,0 +1,1004 @@
+"""The optimizer study: tuned comparison with seeds, Dobb ablations, width trend -> STUDY.md.
+
+    dobb study                          # ~40 min on 2 idle CPU cores (configs/study.yaml)
+    dobb study --tiny --out /tmp/study  # the whole pipeline on a tiny GPT, seconds
+
+Three parts, every run trained by `dobb.train.compare.run` (so a finished run is never
+repeated and an interrupted one resumes from its checkpoint: re-running the command after a
+kill finishes the study):
+
+(a) Tuned comparison. Per optimizer (Dobb with 16 blocks, Dion with rank fraction 1/16,
+    Muon, AdamW) a log-spaced lr grid around the registry's starting lr, extended one point
+    at a time while the best lr sits at an edge, then extra seeds at each best lr (seed 0 is
+    the sweep's own run). Dobb's difference to each baseline is set against the seed noise:
+    it "exceeds the noise" when |mean difference| > 2 x pooled standard deviation of single
+    runs; Welch's t is reported beside it.
+(b) Dobb ablations at Dobb's tuned lr (paired with its seed-0 run): num_blocks, basis
+    interval, eigh vs power-QR, statistics sync, basis source, update scale. Options whose
+    best lr moves (num_blocks, update_scale) get a small lr sweep of their own.
+(c) Width trend: the Dobb-Dion gap at several widths at fixed depth, each at its own best
+    lr from a small sweep around the tuned lr of (a).
+
+The report (`STUDY.md` next to the output folder, plots and `study.json` inside it) is
+generated from the runs' own logs; every sentence in "What the data show" is computed.
+"""
+
+import fcntl
+import inspect
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from datetime import UTC, datetime
+from functools import partial
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from dobb.optim.dobb import Dobb
+from dobb.optim.registry import get_entry
+from dobb.train import compare
+from dobb.train.compare import OPTIMIZERS, OPTIONS, markdown_table, read_metrics
+from dobb.train.config import ConfigError, TrainConfig, apply_overrides
+from dobb.train.model import gpt_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "study.yaml"
+BASELINES = tuple(name for name in OPTIMIZERS if name != "dobb")
+NOISE_FACTOR = 2.0  # a difference "exceeds the noise" when |diff| > 2 x (pooled) seed std
+PER_RUN = (*compare.PER_RUN, "seed")  # set by the study for each run
+
+
+# ---- the budget ----------------------------------------------------------------------
+
+
+@dataclass
+class StudySpec:
+    """One section of `configs/study.yaml` (see the comments there)."""
+
+    train: dict[str, Any]
+    lr_factors: list[float]
+    max_extensions: int
+    seeds: int
+    ablation_lr_factors: list[float]
+    ablation_max_extensions: int
+    widths: list[int]
+    workers: int = 2
+    threads: int = 1
+
+    def validate(self) -> "StudySpec":
+        checks = {
+            "lr_factors": len(self.lr_factors) >= 2 and min(self.lr_factors) > 0,
+            "max_extensions": self.max_extensions >= 0,
+            "seeds": self.seeds >= 2,
+            "ablation_lr_factors": len(self.ablation_lr_factors) >= 1,
+            "ablation_max_extensions": self.ablation_max_extensions >= 0,
+            "widths": len(self.widths) >= 2,
+            "workers": self.workers >= 1,
+            "threads": self.threads >= 1,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"study config: {key}={getattr(self, key)!r} is invalid")
+        fixed = [k for k in self.train if k in PER_RUN]
+        if fixed:
+            raise ConfigError(f"study config: the study sets {fixed} per run")
+        return self
+
+
+def load_spec(path: str | Path | None = None, tiny: bool = False) -> StudySpec:
+    """The `full` section of the study config; with `tiny`, the `tiny` section on top."""
+    data = yaml.safe_load(Path(path or DEFAULT_CONFIG).read_text())
+    spec = dict(data["full"])
+    if tiny:
+        small = dict(data.get("tiny") or {})
+        spec |= small | {"train": spec["train"] | small.get("train", {})}
+    unknown = set(spec) - {f.name for f in fields(StudySpec)}
+    if unknown:
+        raise ConfigError(f"study config: unknown keys {sorted(unknown)}")
+    return StudySpec(**spec).validate()
+
+
+def base_config(spec: StudySpec) -> TrainConfig:
+    return apply_overrides(TrainConfig(), dict(spec.train)).validate()
+
+
+def width_of(cfg: TrainConfig) -> int:
+    return gpt_config(cfg.model, **cfg.model_overrides).n_embd
+
+
+def run_config(
+    base: TrainConfig,
+    out: Path,
+    optimizer: str,
+    lr: float,
+    *,
+    options: dict[str, Any] | None = None,
+    width: int | None = None,
+    seed: int = 0,
+) -> TrainConfig:
+    """`base` for one run, logging under `out/runs/<name>`; the name spells what differs.
+
+    Runs of (a) at seed 0 are named as `dobb compare` names them (`dobb-lr0.002`).
+    """
+    options = dict(options or {})
+    tags = [f"{k}-{v}" for k, v in options.items()] + ([f"w{width}"] if width else [])
+    name = "-".join([optimizer, *tags, f"lr{lr:.4g}"]) + (f"-s{seed}" if seed else "")
+    overrides = dict(base.model_overrides) | ({"n_embd": width} if width else {})
+    return replace(
+        base,
+        optimizer=optimizer,
+        lr=lr,
+        scalar_lr=None,
+        optimizer_options=dict(OPTIONS[optimizer]) | options,
+        model_overrides=overrides,
+        seed=seed,
+        out_dir=str(out / "runs" / name),
+        resume=True,
+    )
+
+
+# ---- running -------------------------------------------------------------------------
+
+
+def loss_of(summary: dict[str, Any]) -> float:
+    """Final validation loss; +inf for a diverged run (NaN loss or a non-finite gradient)."""
+    value = summary.get("final_val_loss")
+    return value if value is not None and math.isfinite(value) else math.inf
+
+
+def is_done(cfg: TrainConfig) -> bool:
+    out = Path(cfg.out_dir)
+    return (out / "summary.json").exists() or (out / "diverged.json").exists()
+
+
+def run_one(cfg: TrainConfig) -> dict[str, Any]:
+    """`compare.run`, and a run that stops on a non-finite gradient is recorded as diverged
+    (`diverged.json`, loss NaN) instead of failing the study; neither is ever repeated.
+
+    A lock on `<run>/.lock` (released by the OS when its process dies) refuses a second
+    process on the same run, e.g. a restarted study racing a worker that outlived a kill.
+    """
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another process is training {out}; wait for it") from None
+        return _run_unlocked(cfg, out) | {"run": out.name}
+
+
+def _run_unlocked(cfg: TrainConfig, out: Path) -> dict[str, Any]:
+    marker = out / "diverged.json"
+    comparable = {k: v for k, v in cfg.to_dict().items() if k not in compare.UNCOMPARED}
+    if marker.exists():
+        old = json.loads(marker.read_text())
+        if {k: v for k, v in old["config"].items() if k not in compare.UNCOMPARED} != comparable:
+            raise FileExistsError(f"{out} holds a diverged run with a different config")
+        return old["summary"]
+    try:
+        return compare.run(cfg, log=partial(print, flush=True))
+    except FloatingPointError as e:  # NonFiniteGradientError from a matrix optimizer
+        summary = {"optimizer": cfg.optimizer, "lr": cfg.lr, "final_val_loss": math.nan}
+        summary["diverged"] = str(e).splitlines()[0]
+        marker.write_text(json.dumps({"config": cfg.to_dict(), "summary": summary}, indent=1))
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        print(f"{out.name}: diverged ({summary['diverged']})", flush=True)
+        return summary
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent terminates workers
+
+
+class Runner:
+    """Runs configs `workers` at a time in spawned processes, `threads` torch threads each.
+
+    One worker (or nothing left to train) runs in this process. `new_runs` counts the runs
+    that had not finished before (the resumability check of the tests). On an error or
+    Ctrl-C the workers are terminated; their runs resume from checkpoints next time.
+    """
+
+    def __init__(self, workers: int = 1, threads: int = 1):
+        self.workers, self.threads, self.new_runs = workers, threads, 0
+        self._pool = None
+
+    def __call__(self, configs: Sequence[TrainConfig]) -> list[dict[str, Any]]:
+        todo = sum(not is_done(c) for c in configs)
+        self.new_runs += todo
+        if self.workers == 1 or todo == 0:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            try:
+                return [run_one(c) for c in configs]
+            finally:
+                torch.set_num_threads(threads)
+        if self._pool is None:  # spawn: `fork` hangs once the parent used OpenMP threads
+            self._pool = get_context("spawn").Pool(self.workers, _init_worker, (self.threads,))
+        return self._pool.map(run_one, configs, chunksize=1)
+
+    def __enter__(self) -> "Runner":
+        # `kill` (SIGTERM) exits through __exit__ like Ctrl-C, so no worker outlives the study
+        self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        return self
+
+    def __exit__(self, error, *_) -> None:
+        signal.signal(signal.SIGTERM, self._sigterm)
+        if self._pool is not None:
+            self._pool.close() if error is None else self._pool.terminate()
+            self._pool.join()
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+# ---- learning-rate sweeps --------------------------------------------------------------
+
+
+def round_lr(lr: float) -> float:
+    """4 significant digits: the precision of run names, so a name maps to one lr."""
+    return float(f"{lr:.4g}")
+
+
+def edge_extension(runs: Sequence[dict[str, Any]]) -> float | None:
+    """The next lr to try if the best run sits at an edge of the grid, else None.
+
+    One more point beyond that edge, at the spacing of the two outermost points there.
+    """
+    runs = sorted(runs, key=lambda s: s["lr"])
+    losses = [loss_of(s) for s in runs]
+    if len(runs) < 2 or not math.isfinite(min(losses)):
+        return None
+    best = losses.index(min(losses))
+    if best == 0:
+        return runs[0]["lr"] ** 2 / runs[1]["lr"]
+    if best == len(runs) - 1:
+        return runs[-1]["lr"] ** 2 / runs[-2]["lr"]
+    return None
+
+
+def at_edge(runs: Sequence[dict[str, Any]]) -> bool:
+    """True if the best of these runs has the lowest or the highest lr (and there are >1)."""
+    return edge_extension(runs) is not None
+
+
+def best_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return min(runs, key=loss_of)
+
+
+@dataclass
+class Sweep:
+    """An lr sweep: `make(lr)` builds a run's config; the grid grows at an edge."""
+
+    make: Callable[[float], TrainConfig]
+    grid: Sequence[float]
+    max_extensions: int = 0
+
+
+def tune(
+    runner: Callable[[list[TrainConfig]], list[dict]], sweeps: dict[Hashable, Sweep]
+) -> dict[Hashable, list[dict[str, Any]]]:
+    """Run every sweep's grid together, then extend each at its best edge while allowed.
+
+    Each round hands all pending runs to `runner` at once (widest model first, so the
+    longest runs start first), so sweeps run side by side. Returns each sweep's summaries
+    sorted by lr.
+    """
+    results: dict[Hashable, list[dict]] = {key: [] for key in sweeps}
+    extensions = dict.fromkeys(sweeps, 0)
+    pending = [(k, lr) for k, s in sweeps.items() for lr in sorted({round_lr(x) for x in s.grid})]
+    while pending:
+        configs = [sweeps[k].make(lr) for k, lr in pending]
+        unique = {c.out_dir: c for c in configs}  # two sweeps may share a run
+        order = sorted(unique.values(), key=width_of, reverse=True)
+        done = dict(zip((c.out_dir for c in order), runner(order)))
+        for (key, _), cfg in zip(pending, configs):
+            results[key].append(done[cfg.out_dir])
+        pending = []
+        for key, sweep in sweeps.items():
+            if extensions[key] < sweep.max_extensions:
+                lr = edge_extension(results[key])
+                if lr is not None:
+                    extensions[key] += 1
+                    pending.append((key, round_lr(lr)))
+    return {key: sorted(runs, key=lambda s: s["lr"]) for key, runs in results.items()}
+
+
+# ---- the study ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """One change to Dobb's options, compared with Dobb at its tuned lr."""
+
+    option: str
+    value: Any
+    sweep: bool = False  # its best lr moves: a small sweep around `lr_center`
+    note: str = ""
+
+
+def ablations(width: int) -> list[Ablation]:
+    """The ablations of (b) for a model of width `width` (the MLP's input is 4 x width)."""
+    return [
+        Ablation("num_blocks", 1, sweep=True),
+        Ablation("num_blocks", 4, sweep=True),
+        Ablation("num_blocks", 64, sweep=True),
+        Ablation("num_blocks", 4 * width, sweep=True, note="block size 1: Signum"),
+        Ablation("basis_interval", 1),
+        Ablation("basis_interval", 100),
+        Ablation("basis_method", "power_qr"),
+        Ablation("stats_sync", "step", note="one process: same math, a check"),
+        Ablation("basis_source", "identity", note="Signum"),
+        Ablation("basis_source", "random"),
+        Ablation("basis_source", "gradients"),
+        Ablation("update_scale", "muon", sweep=True, note="lr centred on Muon's tuned lr"),
+        Ablation("update_scale", 1.0, sweep=True, note="Lion-like"),
+    ]
+
+
+def dobb_defaults() -> dict[str, Any]:
+    """Dobb's options in (a): the class defaults, then the comparison's `OPTIONS`."""
+    params = inspect.signature(Dobb.__init__).parameters.values()
+    return {p.name: p.default for p in params if p.default is not p.empty} | OPTIONS["dobb"]
+
+
+def lr_center(ablation: Ablation, best: dict[str, float]) -> float:
+    """The lr an ablation is run at (its sweep's centre).
+
+    update_scale sets the update RMS to `alpha lr`: a number keeps Dobb's tuned `alpha lr`
+    (lr = best x 0.2 / alpha); "muon" is meant to take Muon's lr, so it starts from Muon's
+    tuned lr. Everything else starts at Dobb's tuned lr.
+    """
+    if ablation.option == "update_scale":
+        if ablation.value == "muon":
+            return best["muon"]
+        return best["dobb"] * base_alpha() / ablation.value
+    return best["dobb"]
+
+
+def base_alpha() -> float:
+    """Dobb's default update scale alpha (0.2, the "adamw" setting) as a number."""
+    return Dobb._scale(1, dobb_defaults())
+
+
+def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) -> dict:
+    """Every run of (a), (b) and (c); returns their summaries, grouped."""
+    make = partial(run_config, base, out)
+    sweeps = {
+        name: Sweep(
+            partial(make, name),
+            [get_entry(name).lr * f for f in spec.lr_factors],
+            spec.max_extensions,
+        )
+        for name in OPTIMIZERS
+    }
+    log(f"(a) lr sweeps: {sum(len(s.grid) for s in sweeps.values())} runs + extensions")
+    main = tune(runner, sweeps)
+    best = {name: best_run(runs)["lr"] for name, runs in main.items()}
+
+    width = width_of(base)
+    later: dict[Hashable, Sweep] = {}
+    for name in OPTIMIZERS:
+        for seed in range(1, spec.seeds):
+            later[("seed", name, seed)] = Sweep(partial(make, name, seed=seed), [best[name]])
+    for i, ab in enumerate(ablations(width)):
+        center = lr_center(ab, best)
+        grid = [center * f for f in spec.ablation_lr_factors] if ab.sweep else [center]
+        extend = spec.ablation_max_extensions if ab.sweep else 0
+        later[("ablation", i)] = Sweep(
+            partial(make, "dobb", options={ab.option: ab.value}), grid, extend
+        )
+    for w in spec.widths:
+        for name in ("dobb", "dion"):
+            if w != width:
+                grid = [best[name] * f for f in spec.ablation_lr_factors]
+                sweep = Sweep(partial(make, name, width=w), grid, spec.ablation_max_extensions)
+                later[("width", name, w)] = sweep
+    log(f"(a) seeds, (b) ablations, (c) widths: {sum(len(s.grid) for s in later.values())} runs")
+    done = tune(runner, later)
+    return {
+        "main": main,
+        "best_lr": best,
+        "seeds": {
+            n: [best_run(main[n])] + [done[("seed", n, s)][0] for s in range(1, spec.seeds)]
+            for n in OPTIMIZERS
+        },
+        "ablations": [(ab, done[("ablation", i)]) for i, ab in enumerate(ablations(width))],
+        "widths": {
+            (name, w): done[("width", name, w)] if w != width else main[name]
+            for w in spec.widths
+            for name in ("dobb", "dion")
+        },
+        "width": width,
+    }
+
+
+# ---- statistics ------------------------------------------------------------------------
+
+
+def seed_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and sample std (ddof 1) of final val loss over one optimizer's seed runs."""
+    losses = [loss_of(s) for s in runs]
+    finite = all(math.isfinite(x) for x in losses)
+    return {
+        "runs": [s["run"] for s in runs],
+        "losses": losses,
+        "n": len(losses),
+        "mean": float(np.mean(losses)),
+        "std": float(np.std(losses, ddof=1)) if finite else math.nan,
+        "tokens_per_s": _mean_of(runs, "tokens_per_s"),
+        "opt_ms": _mean_of(runs, "opt_ms"),
+    }
+
+
+def _mean_of(runs, key: str) -> float:
+    values = [s[key] for s in runs if s.get(key) is not None]
+    return float(np.mean(values)) if values else math.nan
+
+
+def compare_seeds(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | bool]:
+    """`a - b` in mean final val loss against the seed noise.
+
+    pooled std s_p = sqrt(((n_a - 1) s_a² + (n_b - 1) s_b²) / (n_a + n_b - 2)); the difference
+    exceeds the noise when |diff| > 2 s_p. Welch's t = diff / sqrt(s_a²/n_a + s_b²/n_b).
+    """
+    diff = a["mean"] - b["mean"]
+    dof = a["n"] + b["n"] - 2
+    pooled = math.sqrt(((a["n"] - 1) * a["std"] ** 2 + (b["n"] - 1) * b["std"] ** 2) / dof)
+    se = math.sqrt(a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"])
+    if se > 0:
+        welch = diff / se
+    else:
+        welch = 0.0 if diff == 0 else math.copysign(math.inf, diff)
+    exceeds = bool(abs(diff) > NOISE_FACTOR * pooled) if math.isfinite(pooled) else False
+    return {"diff": diff, "pooled_std": pooled, "welch_t": welch, "exceeds": exceeds}
+
+
+def trace_difference(out: Path, run_a: str, run_b: str) -> float:
+    """Largest |difference| between two runs' train and val losses, step by step."""
+    a, b = (read_metrics(out / "runs" / r) for r in (run_a, run_b))
+    if [r["step"] for r in a] != [r["step"] for r in b]:
+        return math.inf
+    keys = ("loss", "val_loss")
+    return max(abs(x[k] - y[k]) for x, y in zip(a, b) for k in keys if k in x and k in y)
+
+
+# ---- analysis --------------------------------------------------------------------------
+
+
+def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dict[str, Any]:
+    """The numbers of the report, from the runs' summaries and logs."""
+    best_lr, main = results["best_lr"], results["main"]
+    seeds = {name: seed_stats(runs) for name, runs in results["seeds"].items()}
+    pairs = {name: compare_seeds(seeds["dobb"], seeds[name]) for name in BASELINES}
+    noise = NOISE_FACTOR * seeds["dobb"]["std"]
+    reference = results["seeds"]["dobb"][0]  # Dobb at its tuned lr, seed 0
+    defaults = dobb_defaults()
+
+    rows = []
+    for ab, runs in results["ablations"]:
+        top = best_run(runs)
+        delta = loss_of(top) - loss_of(reference)
+        rows.append(
+            {
+                "option": ab.option,
+                "value": ab.value,
+                "default": defaults[ab.option],
+                "note": ab.note,
+                "lrs": [s["lr"] for s in runs],
+                "losses": [loss_of(s) for s in runs],
+                "runs": [s["run"] for s in runs],
+                "best_lr": top["lr"],
+                "loss": loss_of(top),
+                "delta": delta,
+                "exceeds": bool(abs(delta) > noise),
+                "at_edge": at_edge(runs),
+            }
+        )
+    checks = {}
+    for (ab, _), row in zip(results["ablations"], rows):
+        # same math as Dobb at its tuned lr: stats_sync on one process; a numeric update_scale
+        # at the lr that keeps alpha x lr (it only rescales the hidden matrices' lr)
+        lr = round_lr(lr_center(ab, best_lr))
+        same = ab.option == "stats_sync" or (
+            ab.option == "update_scale" and not isinstance(ab.value, str)
+        )
+        if same and lr in row["lrs"]:
+            run = row["runs"][row["lrs"].index(lr)]
+            checks[f"{ab.option}={ab.value}"] = trace_difference(out, reference["run"], run)
+    signum = [r for r in rows if r["note"].startswith("block size 1")]
+    identity = [r for r in rows if r["option"] == "basis_source" and r["value"] == "identity"]
+    if signum and identity and best_lr["dobb"] in signum[0]["lrs"]:
+        run = signum[0]["runs"][signum[0]["lrs"].index(best_lr["dobb"])]
+        checks["signum"] = trace_difference(out, identity[0]["runs"][0], run)
+
+    width_noise = compare_seeds(seeds["dobb"], seeds["dion"])["pooled_std"] * NOISE_FACTOR
+    widths = []
+    for w in spec.widths:
+        dobb, dion = (best_run(results["widths"][(n, w)]) for n in ("dobb", "dion"))
+        gap = loss_of(dobb) - loss_of(dion)
+        widths.append(
+            {
+                "n_embd": w,
+                "num_params": dobb.get("num_params"),
+                "dobb_lr": dobb["lr"],
+                "dobb_loss": loss_of(dobb),
+                "dion_lr": dion["lr"],
+                "dion_loss": loss_of(dion),
+                "gap": gap,
+                "exceeds": bool(abs(gap) > width_noise),
+                "at_edge": [n for n in ("dobb", "dion") if at_edge(results["widths"][(n, w)])],
+            }
+        )
+
+    used = {s["run"]: s for runs in _all_runs(results) for s in runs}
+    info = json.loads((out / "runs" / reference["run"] / "run.json").read_text())
+    return {
+        "budget": {k: v for k, v in base.to_dict().items() if k not in compare.UNCOMPARED},
+        "spec": asdict(spec),
+        "info": {k: info[k] for k in ("corpus", "num_params", "torch", "python", "machine")},
+        "best_lr": best_lr,
+        "sweeps": {
+            name: [{"lr": s["lr"], "loss": loss_of(s), "run": s["run"]} for s in runs]
+            for name, runs in main.items()
+        },
+        "sweep_edge": {name: at_edge(runs) for name, runs in main.items()},
+        "seeds": seeds,
+        "pairs": pairs,
+        "noise": noise,
+        "reference": {"run": reference["run"], "loss": loss_of(reference)},
+        "ablations": rows,
+        "checks": checks,
+        "width": results["width"],
+        "width_noise": width_noise,
+        "widths": widths,
+        "compute": {
+            "runs": len(used),
+            "diverged": sorted(name for name, s in used.items() if "diverged" in s),
+            "train_time_s": sum(s.get("train_time_s") or 0.0 for s in used.values()),
+        },
+    }
+
+
+def _all_runs(results: dict) -> list[list[dict]]:
+    return [
+        *results["main"].values(),
+        *results["seeds"].values(),
+        *(runs for _, runs in results["ablations"]),
+        *results["widths"].values(),
+    ]
+
+
+# ---- what the data show ------------------------------------------------------------------
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4f}" if math.isfinite(x) else "diverged"
+
+
+def _options_text(name: str) -> str:
+    """The options of `name` in (a), e.g. `rank_fraction=0.0625`."""
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in OPTIONS[name].items()) or "-"  # fmt: skip
+
+
+def _label(row: dict[str, Any]) -> str:
+    return f"{row['option']}={row['value']}" + (f" ({row['note']})" if row["note"] else "")
+
+
+def findings(report: dict[str, Any]) -> list[str]:
+    """Plain-language statements, each computed from the report's numbers."""
+    return [
+        *_comparison_findings(report),
+        *_ablation_findings(report),
+        *_width_findings(report),
+        *_scope_findings(report),
+    ]
+
+
+def _comparison_findings(report: dict[str, Any]) -> list[str]:
+    seeds, pairs = report["seeds"], report["pairs"]
+    order = sorted(seeds, key=lambda n: seeds[n]["mean"])
+    lines = [
+        f"**{order[0]} has the lowest mean final validation loss** at this budget "
+        f"({_fmt(seeds[order[0]]['mean'])} over {seeds[order[0]]['n']} seeds). Ranking: "
+        + " < ".join(f"{n} ({_fmt(seeds[n]['mean'])})" for n in order)
+        + "."
+    ]
+    for other, p in pairs.items():
+        if not p["exceeds"]:
+            verdict = "within the seed noise: no winner between the two at this budget"
+        elif p["diff"] < 0:
+            verdict = f"**Dobb beats {other}** beyond the seed noise"
+        else:
+            verdict = f"**{other} beats Dobb** beyond the seed noise: Dobb does not win here"
+        lines.append(
+            f"Dobb vs {other}: Dobb's mean is {'lower' if p['diff'] < 0 else 'higher'} by "
+            f"{abs(p['diff']):.4f} (2 x pooled seed std {NOISE_FACTOR * p['pooled_std']:.4f}, "
+            f"Welch t {p['welch_t']:.2f}): {verdict}."
+        )
+    return lines
+
+
+def _ablation_findings(report: dict[str, Any]) -> list[str]:
+    rows, noise, lines = report["ablations"], report["noise"], []
+    varied = [r for r in rows if r["option"] != "stats_sync"]
+    matter = sorted((r for r in varied if r["exceeds"]), key=lambda r: -abs(r["delta"]))
+    within = [r for r in varied if not r["exceeds"]]
+    text = (
+        f"Ablations, each against Dobb's seed-0 run at its tuned lr (threshold: 2 x Dobb's seed "
+        f"std = {noise:.4f}): "
+    )
+    if matter:
+        text += "beyond the noise: " + ", ".join(f"{_label(r)} {r['delta']:+.4f}" for r in matter)
+    else:
+        text += "no change moves the loss beyond the seed noise"
+    if within:
+        text += "; within the noise: " + ", ".join(_label(r) for r in within)
+    lines.append(text + ".")
+    better = [r for r in matter if r["delta"] < 0]
+    if better:
+        lines.append(
+            "Better than Dobb's default beyond the noise: "
+            + ", ".join(f"{_label(r)} ({r['delta']:+.4f})" for r in better)
+            + "; the default ("
+            + ", ".join(f"{r['option']}={r['default']}" for r in better)
+            + ") is not the best setting at this budget."
+        )
+    for r in rows:
+        if r["note"].startswith("block size 1"):
+            effect = (
+                "within the noise: the block eigenbases do not help measurably here"
+                if not r["exceeds"]
+                else "the block eigenbases help"
+                if r["delta"] > 0
+                else "the block eigenbases hurt"
+            )
+            lines.append(
+                f"Signum (block size 1, each at its best lr) vs Dobb: {r['delta']:+.4f}: {effect}."
+            )
+    checks = report["checks"]
+    for key, d in checks.items():
+        same = "identical loss curves" if d == 0 else f"largest loss difference {d:.3g}"
+        if key.startswith("stats_sync"):
+            lines.append(
+                "stats_sync='step' vs 'refresh' on one process (the same math; it differs only "
+                f"in communication, so this is a check, not an ablation): {same}."
+            )
+        elif key.startswith("update_scale"):
+            alpha = key.partition("=")[2]
+            lines.append(
+                f"update_scale={alpha} at lr x {base_alpha()}/{alpha} vs Dobb "
+                f"at its lr: {same}"
+                + (
+                    ": a numeric update_scale only rescales the hidden matrices' lr, so it moves "
+                    "the best lr, not the best loss."
+                    if d < 1e-4
+                    else "."
+                )
+            )
+    if "signum" in checks:
+        d = checks["signum"]
+        lines.append(
+            "Block size 1 and the identity basis (both Signum) at the same lr: "
+            + ("identical loss curves." if d == 0 else f"largest loss difference {d:.3g}.")
+        )
+    return lines
+
+
+def _width_findings(report: dict[str, Any]) -> list[str]:
+    widths, lines = report["widths"], []
+    gaps = ", ".join(f"n_embd {r['n_embd']}: {r['gap']:+.4f}" for r in widths)
+    lines.append(
+        f"Dobb - Dion gap in final val loss (negative: Dobb lower) at {gaps}; noise 2 x pooled "
+        f"seed std at n_embd {report['width']} = {report['width_noise']:.4f}, one seed per width."
+    )
+    first, last = widths[0], widths[-1]
+    change = last["gap"] - first["gap"]
+    if not math.isfinite(change) or abs(change) <= report["width_noise"]:
+        trend = f"No trend beyond the noise from n_embd {first['n_embd']} to {last['n_embd']}"
+    elif change < 0:
+        trend = f"Dobb gains on Dion as the width grows ({first['gap']:+.4f} -> {last['gap']:+.4f})"
+    else:
+        trend = (
+            f"Dobb loses ground to Dion as the width grows ({first['gap']:+.4f} -> "
+            f"{last['gap']:+.4f})"
+        )
+    behind = [str(r["n_embd"]) for r in widths if r["exceeds"] and r["gap"] > 0]
+    ahead = [str(r["n_embd"]) for r in widths if r["exceeds"] and r["gap"] < 0]
+    trend += f"; Dobb ahead beyond noise at n_embd {', '.join(ahead) or 'none'}"
+    lines.append(trend + f", behind at {', '.join(behind) or 'none'}.")
+    return lines
+
+
+def _scope_findings(report: dict[str, Any]) -> list[str]:
+    lines, rows, widths = [], report["ablations"], report["widths"]
+    edges = [f"{n} (a)" for n, e in report["sweep_edge"].items() if e]
+    edges += [_label(r) for r in rows if r["at_edge"]]
+    edges += [f"{n} at n_embd {r['n_embd']}" for r in widths for n in r["at_edge"]]
+    lines.append(
+        "Best lr still at the edge of its grid after the extensions (its optimum may lie "
+        f"beyond, so its loss is an upper bound): {', '.join(edges)}."
+        if edges
+        else "Every best lr lies inside its grid."
+    )
+    if report["compute"]["diverged"]:
+        lines.append(
+            f"Diverged runs (counted as worst): {', '.join(report['compute']['diverged'])}."
+        )
+    budget = report["budget"]
+    tokens = budget["steps"] * budget["batch_size"] * budget["block_size"]
+    scalar = sorted({get_entry(n).scalar_lr for n in BASELINES + ("dobb",)} - {None})
+    lines.append(
+        f"Scope: one {report['info']['num_params']:,}-parameter byte-level GPT, {tokens:,} "
+        "tokens per run, one process per run on CPU. Only the hidden-matrix lr is tuned: the "
+        f"embedding/head/norm lr of Dobb, Dion and Muon stays at the registry's "
+        f"{', '.join(f'{s:g}' for s in scalar)} (AdamW's one lr covers all parameters). The "
+        "paper's numbers are for GPT-2 XL; this budget says nothing about that scale."
+    )
+    return lines
+
+
+# ---- plots ---------------------------------------------------------------------------
+
+
+def plot_ablations(out: Path, report: dict[str, Any]) -> str:
+    """Horizontal bars: each ablation's final val loss minus Dobb's, with the noise band."""
+    from matplotlib.figure import Figure
+
+    rows = report["ablations"]
+    fig = Figure(figsize=(8, 1.5 + 0.35 * len(rows)), layout="constrained")
+    ax = fig.subplots()
+    deltas = [r["delta"] if math.isfinite(r["delta"]) else math.nan for r in rows]
+    colors = [
+        "tab:gray" if not r["exceeds"] else "tab:red" if r["delta"] > 0 else "tab:green"
+        for r in rows
+    ]
+    ax.barh(range(len(rows)), deltas, color=colors)
+    ax.set_yticks(range(len(rows)), [f"{r['option']}={r['value']}" for r in rows])
+    ax.invert_yaxis()
+    noise = report["noise"]
+    ax.axvspan(-noise, noise, color="tab:blue", alpha=0.15, label="2 x Dobb seed std")
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_xlabel("final val loss minus Dobb's (lower is better)")
+    ax.legend(loc="lower right")
+    fig.savefig(out / "ablations.png", dpi=120)
+    return "ablations.png"
+
+
+def plot_widths(out: Path, report: dict[str, Any]) -> str:
+    """The Dobb - Dion gap in best final val loss against width, with the noise band."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    widths = [r["n_embd"] for r in report["widths"]]
+    ax.plot(widths, [r["gap"] for r in report["widths"]], "o-", label="Dobb - Dion")
+    noise = report["width_noise"]
+    ax.axhspan(-noise, noise, color="tab:blue", alpha=0.15, label="2 x pooled seed std")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(widths, [str(w) for w in widths])
+    ax.set_xlabel("model width n_embd")
+    ax.set_ylabel("gap in final val loss (negative: Dobb lower)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(out / "width.png", dpi=120)
+    return "width.png"
+
+
+# ---- the document --------------------------------------------------------------------
+
+
+def table(headers: str, rows: list[str]) -> str:
+    """A Markdown table from `|`-separated header and row strings."""
+    return markdown_table(headers.split("|"), [row.split("|") for row in rows])
+
+
+def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
+    """STUDY.md (links relative to its folder) and the plots (in `out`)."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+
+    def link(name: str) -> str:
+        return Path(os.path.relpath(out / name, doc.parent)).as_posix()
+
+    seeds, best_lr, spec = report["seeds"], report["best_lr"], report["spec"]
+    sweeps = {  # compare's plot wants summaries; a diverged run is a gap (NaN)
+        name: [{"lr": s["lr"], "final_val_loss": s["loss"] if s["loss"] < math.inf else math.nan}
+               for s in runs]
+        for name, runs in report["sweeps"].items()
+    }  # fmt: skip
+    runs = {f"{n} (lr {best_lr[n]:.4g})": out / "runs" / seeds[n]["runs"][0] for n in seeds}
+    plots = [compare.plot_sweep(out, sweeps), *compare.plot_curves(out, runs)]
+    ablation_plot, width_plot = plot_ablations(out, report), plot_widths(out, report)
+    model = gpt_config(report["budget"]["model"], **report["budget"]["model_overrides"])
+    yes = {True: "yes", False: "no"}
+
+    lines = [
+        "# Optimizer study: tuned comparison, Dobb ablations, width trend",
+        "",
+        *_header(report, model, link),
+        "",
+        "## What the data show",
+        "",
+        *[f"- {line}" for line in findings(report)],
+        "",
+        "## (a) Tuned comparison",
+        "",
+        f"Each optimizer's lr grid is its registry lr x {spec['lr_factors']}, extended by one "
+        f"point at a time (up to {spec['max_extensions']}) while the best lr is at an edge. At "
+        f"each best lr, {spec['seeds']} seeds (seed 0 is the sweep's own run, the selected one; "
+        "the seed changes the initialization, the batch order and the validation batches). "
+        "A difference exceeds the noise when |difference of means| > 2 x pooled std of single "
+        "runs; Welch's t is shown beside it.",
+        "",
+        table(
+            "optimizer|options|best lr|final val loss (mean ± std)|per seed|tokens/s|"
+            "optimizer ms/step",
+            [
+                f"{n}|{_options_text(n)}|{best_lr[n]:.4g}|{_fmt(s['mean'])} ± {s['std']:.4f}|"
+                f"{', '.join(map(_fmt, s['losses']))}|{s['tokens_per_s']:,.0f}|{s['opt_ms']:.2f}"
+                for n, s in seeds.items()
+            ],
+        ),
+        "",
+        table(
+            "Dobb vs|difference of means (Dobb - other)|2 x pooled std|Welch t|exceeds noise",
+            [
+                f"{n}|{p['diff']:+.4f}|{NOISE_FACTOR * p['pooled_std']:.4f}|{p['welch_t']:.2f}|"
+                f"{yes[p['exceeds']]}"
+                for n, p in report["pairs"].items()
+            ],
+        ),
+        "",
+        *[f"![{p}]({link(p)})" for p in plots],
+        "",
+        "Learning-rate sweeps (final val loss; hidden-matrix lr, all parameters for AdamW):",
+        "",
+        table(
+            "optimizer|lr|final val loss|best",
+            [
+                f"{n}|{s['lr']:.4g}|{_fmt(s['loss'])}|{'yes' if s['lr'] == best_lr[n] else ''}"
+                for n, runs in report["sweeps"].items()
+                for s in runs
+            ],
+        ),
+        "",
+        "## (b) Dobb ablations",
+        "",
+        f"Each row changes one option of Dobb ({_options_text('dobb')}, class defaults "
+        "otherwise) and is compared with Dobb's seed-0 run at its tuned lr "
+        f"({_fmt(report['reference']['loss'])}, lr {best_lr['dobb']:.4g}). num_blocks and "
+        f"update_scale move the best lr, so they run at {spec['ablation_lr_factors']} x an lr "
+        "centre (Dobb's tuned lr; for a numeric update_scale the lr keeping alpha x lr; for "
+        "'muon' Muon's tuned lr) and report the best. Beyond noise: |Δ| > 2 x Dobb's seed std "
+        f"({report['noise']:.4f}).",
+        "",
+        table(
+            "option|Dobb's value|ablation|lrs tried|best lr|final val loss|Δ vs Dobb|"
+            "beyond noise|note",
+            [
+                f"{r['option']}|{r['default']}|{r['value']}|"
+                f"{', '.join(f'{lr:.4g}' for lr in r['lrs'])}|{r['best_lr']:.4g}|"
+                f"{_fmt(r['loss'])}|{r['delta']:+.4f}|{yes[r['exceeds']]}|"
+                + "; ".join(filter(None, [r["note"], r["at_edge"] and "best lr at grid edge"]))
+                for r in report["ablations"]
+            ],
+        ),
+        "",
+        f"![ablations]({link(ablation_plot)})",
+        "",
+        "## (c) Width trend",
+        "",
+        f"Dobb and Dion at n_embd {[r['n_embd'] for r in report['widths']]} ({model.n_layer} "
+        f"layers, {model.n_head} heads), each at its best lr of {spec['ablation_lr_factors']} x "
+        f"its tuned lr of (a) (n_embd {report['width']}: the sweep of (a)); one seed per width. "
+        "Beyond noise: |gap| > 2 x pooled Dobb/Dion seed std at n_embd "
+        f"{report['width']} ({report['width_noise']:.4f}).",
+        "",
+        table(
+            "n_embd|parameters|Dobb lr|Dobb loss|Dion lr|Dion loss|gap (Dobb - Dion)|beyond noise",
+            [
+                f"{r['n_embd']}|{r['num_params']:,}|{r['dobb_lr']:.4g}|{_fmt(r['dobb_loss'])}|"
+                f"{r['dion_lr']:.4g}|{_fmt(r['dion_loss'])}|{r['gap']:+.4f}|{yes[r['exceeds']]}"
+                for r in report["widths"]
+            ],
+        ),
+        "",
+        f"![width trend]({link(width_plot)})",
+        "",
+    ]
+    doc.write_text("\n".join(lines))
+
+
+def _header(report: dict[str, Any], model, link) -> list[str]:
+    """Provenance: command, date, machine, versions, corpus, model, budget, compute."""
+    info, budget, spec = report["info"], report["budget"], report["spec"]
+    machine, corpus, compute = info["machine"], info["corpus"], report["compute"]
+    tokens = budget["steps"] * budget["batch_size"] * budget["block_size"]
+    invocations = report["invocations"]
+    wall = sum(i["wall_s"] for i in invocations)
+    return [
+        f"Generated by `{report['command']}` on {report['date']} from the run logs in "
+        f"[`{link('runs')}`]({link('runs')}) (numbers: [`study.json`]({link('study.json')})). "
+        "Nothing here is typed in by hand.",
+        "",
+        f"- machine: {machine['platform']}, {machine['processor']}, {machine['cpu_count']} CPUs; "
+        f"{spec['workers']} runs side by side, {spec['threads']} torch thread(s) each"
+        + (f", {machine['cuda']}" if machine.get("cuda") else ""),
+        f"- torch {info['torch']}, Python {info['python']}",
+        f"- corpus: {corpus['name']} ({corpus['num_tokens']:,} tokens, {corpus['tokenizer']} "
+        f"tokenizer), sha256 `{corpus['sha256']}`",
+        f"- model: GPT, {model.n_layer} layers, n_embd {model.n_embd}, {model.n_head} heads, "
+        f"{info['num_params']:,} parameters",
+        f"- budget per run: {budget['steps']} steps x {budget['batch_size']} x "
+        f"{budget['block_size']} tokens = {tokens:,} tokens; warmup {budget['warmup_steps']}, "
+        f"{budget['decay']} decay to {budget['min_lr_ratio']} x lr; final val loss on "
+        f"{budget['eval_batches']} fixed batches (drawn per seed)",
+        f"- compute: {compute['runs']} runs, {compute['train_time_s'] / 60:.1f} min of training "
+        "summed over runs (evaluation excluded); wall-clock of the completed `dobb study` "
+        f"invocations: {wall / 60:.1f} min over {len(invocations)}, the last one "
+        f"{invocations[-1]['wall_s']:.0f} s with {invocations[-1]['new_runs']} new runs",
+    ]
+
+
+# ---- the command -----------------------------------------------------------------------
+
+
+def study(
+    out: str | Path,
+    doc: str | Path | None = None,
+    *,
+    tiny: bool = False,
+    config: str | Path | None = None,
+    workers: int | None = None,
+    command: str | None = None,
+    log=print,
+) -> dict[str, Any]:
+    """Run (or finish) the study into `out` and write the report; return its numbers.
+
+    doc: the Markdown report (default: `STUDY.md` next to `out`); config: the budget
+    (default `configs/study.yaml`; `tiny` applies its `tiny` section); workers: override
+    the config's number of parallel runs.
+    """
+    spec = load_spec(config, tiny)
+    if workers is not None:
+        spec.workers = workers
+    out = Path(out)
+    doc = Path(doc) if doc is not None else out.parent / "STUDY.md"
+    base = base_config(spec)
+    started, t0 = datetime.now(UTC), time.perf_counter()
+    with Runner(spec.workers, spec.threads) as runner:
+        results = run_study(spec, base, out, runner, log)
+    command = command or " ".join(["dobb", *sys.argv[1:]])
+    invocation = {
+        "started": started.isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - t0,
+        "new_runs": runner.new_runs,
+        "command": command,
+    }
+    with open(out / "invocations.jsonl", "a") as f:
+        f.write(json.dumps(invocation) + "\n")
+    report = analyse(spec, base, out, results) | {
+        "command": command,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "invocations": [
+            json.loads(x) for x in (out / "invocations.jsonl").read_text().splitlines()
+        ],
+        "new_runs": runner.new_runs,
+    }
+    write_document(report, out, doc)
+    (out / "study.json").write_text(json.dumps(report, indent=1, default=str))
+    log(f"{runner.new_runs} new runs; report: {doc}")
+    return report

@@ -1,0 +1,175 @@
+"""`dobb study`: the lr-grid edge extension, the seed statistics, and the tiny pipeline end to
+end (document, plots, numbers from the runs' own JSON, resumability)."""
+
+import fcntl
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+from dobb import cli
+from dobb.bench import study
+from dobb.optim.base import NonFiniteGradientError
+from dobb.train import compare
+from dobb.train.config import ConfigError, TrainConfig
+
+
+# ------------------------------------------------------------------ lr sweeps
+class FakeRunner:
+    """Loss (log lr - log target)^2, NaN above `diverge`; records each call's lrs."""
+
+    def __init__(self, target: float, diverge: float = math.inf):
+        self.target, self.diverge, self.calls = target, diverge, []
+
+    def __call__(self, configs):
+        self.calls.append(sorted(c.lr for c in configs))
+        return [
+            {
+                "lr": c.lr,
+                "run": c.out_dir,
+                "final_val_loss": math.nan
+                if c.lr > self.diverge
+                else math.log(c.lr / self.target) ** 2,
+            }
+            for c in configs
+        ]
+
+
+def sweep(name, grid, max_extensions):
+    return study.Sweep(lambda lr: TrainConfig(lr=lr, out_dir=f"{name}-{lr}"), grid, max_extensions)
+
+
+GRID = [1e-3 * 2**i for i in range(5)]  # 0.001 ... 0.016
+
+
+def test_interior_best_is_not_extended():
+    runner = FakeRunner(target=0.004)
+    runs = study.tune(runner, {"a": sweep("a", GRID, 3)})["a"]
+    assert runner.calls == [GRID] and not study.at_edge(runs)
+    assert study.best_run(runs)["lr"] == 0.004
+
+
+def test_best_at_the_top_edge_extends_upward_until_interior():
+    runner = FakeRunner(target=0.064)
+    runs = study.tune(runner, {"a": sweep("a", GRID, 5)})["a"]
+    # one point per round at the edge's spacing (x2) until the best (0.064) is interior
+    assert runner.calls == [GRID, [0.032], [0.064], [0.128]]
+    assert [s["lr"] for s in runs] == GRID + [0.032, 0.064, 0.128]
+    assert study.best_run(runs)["lr"] == 0.064 and not study.at_edge(runs)
+
+
+def test_extensions_stop_at_the_limit_and_extend_downward():
+    runner = FakeRunner(target=1e-5)
+    runs = study.tune(runner, {"a": sweep("a", GRID, 1)})["a"]
+    assert runner.calls == [GRID, [0.0005]]
+    assert study.best_run(runs)["lr"] == 0.0005 and study.at_edge(runs)
+
+
+def test_diverged_runs_count_as_worst():
+    runner = FakeRunner(target=1.0, diverge=0.01)  # 0.016 diverges: 0.008 is interior
+    runs = study.tune(runner, {"a": sweep("a", GRID, 3)})["a"]
+    assert len(runner.calls) == 1 and study.best_run(runs)["lr"] == 0.008
+    assert study.edge_extension([{"lr": 1.0, "final_val_loss": math.nan}] * 2) is None
+
+
+def test_sweeps_run_side_by_side_and_shared_runs_once():
+    runner = FakeRunner(target=0.064)
+    sweeps = {"a": sweep("a", GRID, 1), "b": sweep("b", [0.064, 0.128], 0)}
+    sweeps["c"] = sweep("b", [0.064], 0)  # the same run as one of b's
+    results = study.tune(runner, sweeps)
+    assert runner.calls[0] == sorted(GRID + [0.064, 0.128])  # one round, shared run once
+    assert runner.calls[1:] == [[0.032]]
+    assert results["c"] == [results["b"][0]]
+
+
+# ------------------------------------------------------------------ statistics
+def test_seed_comparison_uses_pooled_std_and_welch_t():
+    a = study.seed_stats([{"run": str(i), "final_val_loss": x} for i, x in enumerate([1, 2, 3])])
+    b = study.seed_stats([{"run": "x", "final_val_loss": x} for x in (5, 7)])
+    assert (a["mean"], a["std"], b["mean"], b["std"]) == (2, 1, 6, pytest.approx(math.sqrt(2)))
+    p = study.compare_seeds(a, b)
+    pooled = math.sqrt((2 * 1 + 1 * 2) / 3)
+    assert p["diff"] == -4 and p["pooled_std"] == pytest.approx(pooled)
+    assert p["welch_t"] == pytest.approx(-4 / math.sqrt(1 / 3 + 2 / 2))
+    assert p["exceeds"]  # 4 > 2 x 1.15
+
+
+def test_spec_tiny_section_merges_into_full():
+    full, tiny = study.load_spec(), study.load_spec(tiny=True)
+    assert tiny.seeds == 2 and len(tiny.lr_factors) == 2
+    assert tiny.train["data"] == full.train["data"] and tiny.train["steps"] < full.train["steps"]
+
+
+def test_spec_rejects_per_run_keys(tmp_path):
+    path = tmp_path / "s.yaml"
+    spec = study.load_spec().__dict__ | {"train": {"seed": 3}}
+    path.write_text(json.dumps({"full": spec}))
+    with pytest.raises(ConfigError, match="sets \\['seed'\\] per run"):
+        study.load_spec(path)
+
+
+def test_a_diverged_run_is_recorded_and_not_repeated(tmp_path, monkeypatch):
+    cfg = TrainConfig(optimizer="dobb", lr=10.0, out_dir=str(tmp_path / "dobb-lr10"))
+
+    def diverge(cfg, log):
+        raise NonFiniteGradientError("non-finite gradient in h.0.fc.weight")
+
+    monkeypatch.setattr(compare, "run", diverge)
+    first = study.run_one(cfg)
+    assert math.isnan(first["final_val_loss"]) and study.loss_of(first) == math.inf
+    monkeypatch.setattr(compare, "run", lambda cfg, log: pytest.fail("repeated a diverged run"))
+    assert study.is_done(cfg) and study.run_one(cfg)["diverged"] == first["diverged"]
+
+
+def test_a_run_in_progress_elsewhere_is_refused(tmp_path):
+    cfg = TrainConfig(optimizer="adamw", lr=1e-3, out_dir=str(tmp_path / "adamw-lr0.001"))
+    (tmp_path / "adamw-lr0.001").mkdir()
+    with open(tmp_path / "adamw-lr0.001" / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a worker that outlived a killed study would
+        with pytest.raises(RuntimeError, match="another process is training"):
+            study.run_one(cfg)
+
+
+# ------------------------------------------------------------------ the tiny pipeline
+def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
+    out, doc = tmp_path / "study", tmp_path / "STUDY.md"
+    assert cli.main(["study", "--tiny", "--out", str(out)]) == 0
+    text = doc.read_text()
+    report = json.loads((out / "study.json").read_text())
+    for heading in ("## What the data show", "## (a) Tuned comparison", "## (b) Dobb ablations"):
+        assert heading in text
+    assert "## (c) Width trend" in text and f"dobb study --tiny --out {out}" in text
+    assert "| optimizer | options " in text and "| Dobb vs | difference of means" in text
+    assert "| option " in text and "| n_embd | parameters |" in text
+    for link in re.findall(r"\]\(([^)]+\.png)\)", text):  # every plot exists and is a PNG
+        assert (doc.parent / link).read_bytes()[:4] == b"\x89PNG"
+    assert {"lr_sweep.png", "ablations.png", "width.png", "val_loss_vs_step.png"} <= {
+        p.name for p in out.glob("*.png")
+    }
+
+    def summary(run):
+        return json.loads((out / "runs" / run / "summary.json").read_text())
+
+    for name, s in report["seeds"].items():  # seed statistics come from the runs' own JSON
+        losses = [summary(run)["final_val_loss"] for run in s["runs"]]
+        assert len(losses) == 2 and summary(s["runs"][0])["lr"] == report["best_lr"][name]
+        assert s["mean"] == pytest.approx(np.mean(losses))
+        assert s["std"] == pytest.approx(np.std(losses, ddof=1))
+        assert f"{s['mean']:.4f} ± {s['std']:.4f}" in text
+        if name != "dobb":
+            diff = report["seeds"]["dobb"]["mean"] - s["mean"]
+            assert report["pairs"][name]["diff"] == pytest.approx(diff)
+    for row in report["ablations"]:
+        assert row["loss"] == min(summary(run)["final_val_loss"] for run in row["runs"])
+    assert report["checks"]["stats_sync=step"] == 0  # one process: identical runs
+    assert report["compute"]["runs"] == report["new_runs"] == len(list((out / "runs").iterdir()))
+
+    # a second call trains nothing; a run lost to a kill is the only one redone
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/summary.json")}
+    assert study.study(out, tiny=True, log=lambda *_: None)["new_runs"] == 0
+    assert stamps == {p: p.stat().st_mtime_ns for p in out.glob("runs/*/summary.json")}
+    (out / "runs" / report["seeds"]["muon"]["runs"][1] / "summary.json").unlink()
+    again = study.study(out, tiny=True, log=lambda *_: None)
+    assert again["new_runs"] == 1 and len(again["invocations"]) == 3
