@@ -70,22 +70,25 @@ def power_qr_basis(cov: Tensor, basis: Tensor) -> Tensor:
     return torch.linalg.qr(cov @ basis).Q
 
 
-def refresh_bases(covs: list[Tensor], bases: list[Tensor], method: str = "eigh") -> list[Tensor]:
+def refresh_bases(
+    covs: list[Tensor], bases: list[Tensor], method: str = "eigh", run=None
+) -> list[Tensor]:
     """New bases for many stacks at once: one batched call per block size.
 
     ``covs[i]`` and ``bases[i]`` are ``(n_i, s_i, s_i)``; stacks of equal size (across all
-    layers) are concatenated so that ``eigh`` runs once per distinct block size.
+    layers) are concatenated so that ``eigh`` runs once per distinct block size. ``run(fn,
+    cov, basis)`` evaluates ``fn`` on the concatenated stacks (default: directly; Dobb can
+    pass ``dobb.distributed.sharding.split_over_ranks`` to share the work between ranks).
     """
+    run = run or (lambda fn, *stacks: fn(*stacks))
+    basis_fn = (lambda cov, _: eigenbasis(cov)) if method == "eigh" else power_qr_basis
     by_size: dict[tuple[int, torch.dtype], list[int]] = {}
     for i, cov in enumerate(covs):
         by_size.setdefault((cov.shape[-1], cov.dtype), []).append(i)
     new: list[Tensor] = [torch.empty(0)] * len(covs)
     for indices in by_size.values():
         cov = torch.cat([covs[i] for i in indices])
-        if method == "eigh":
-            result = eigenbasis(cov)
-        else:
-            result = power_qr_basis(cov, torch.cat([bases[i] for i in indices]))
+        result = run(basis_fn, cov, torch.cat([bases[i] for i in indices]).to(cov.dtype))
         for i, part in zip(indices, result.split([covs[i].shape[0] for i in indices])):
             new[i] = part.to(bases[i].dtype)
     return new

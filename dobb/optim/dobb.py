@@ -9,6 +9,7 @@ back. A row of the update depends only on the same row of the momentum, so row-s
 
 import math
 import zlib
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from dobb.distributed.sharding import (
     local_block_stacks,
     local_range,
     shard_degree,
+    split_over_ranks,
 )
 from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
 from dobb.stats import BlockStatistics, layer_weights, statistics_hook, tracked_layers
@@ -116,6 +118,10 @@ class Dobb(MatrixOptimizer):
         stats_sync: ``"refresh"`` (default) averages ``C_b`` only when bases are refreshed
             (exact: the EMA is linear, so averaging later gives the same result);
             ``"step"`` averages every step.
+        shard_refresh: with ``data_parallel``, each rank of its innermost axis computes
+            ~1/P of the bases and one all-gather shares them (default True): the refresh
+            costs 1/P per rank, and every replica holds bit-identical bases. False: every
+            rank computes all bases itself (no communication besides the statistics).
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients or statistics (checked
             per rank: under sharding, rely on a global grad-norm check to skip in step).
 
@@ -145,6 +151,7 @@ class Dobb(MatrixOptimizer):
         missing_stats: str = "raise",
         data_parallel=None,
         stats_sync: str = "refresh",
+        shard_refresh: bool = True,
         nonfinite: str = "raise",
     ):
         if missing_stats not in MISSING_STATS_MODES:
@@ -154,6 +161,11 @@ class Dobb(MatrixOptimizer):
         self.missing_stats = missing_stats
         self.stats_sync = stats_sync
         self._data_parallel_groups = data_parallel_groups(data_parallel)
+        # Refresh work is split over the innermost data axis (its ranks hold identical C_b).
+        split = shard_refresh and self._data_parallel_groups
+        self._run = (
+            partial(split_over_ranks, group=self._data_parallel_groups[-1]) if split else None
+        )
         self._stats: dict[Tensor, BlockStatistics] = {}
         self._input_dims: dict[Tensor, int] = {}  # 0 for (d_in, d_out) weights; set by track
         self._layouts: dict[tuple, tuple[BlockStack, ...]] = {}
@@ -424,7 +436,9 @@ class Dobb(MatrixOptimizer):
             if not keys:
                 continue
             covs = [local(state[c]) for state, c, _ in keys]
-            bases = refresh_bases(covs, [local(state[b]) for state, _, b in keys], method)
+            bases = refresh_bases(
+                covs, [local(state[b]) for state, _, b in keys], method, self._run
+            )
             for (state, _, basis_key), basis in zip(keys, bases):
                 local(state[basis_key]).copy_(basis)
 
