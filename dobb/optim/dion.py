@@ -2,21 +2,28 @@
 
 Dion replaces Muon's full Newton-Schulz orthogonalization with one warm-started rank-``r``
 power iteration on the momentum buffer per step, and feeds the part of the buffer that the
-low-rank update did not use back into the next step (error feedback). This module holds the
-paper's Algorithm 1 on one whole local matrix, split into small pure functions (the power
-step, orthonormalization, error feedback, column normalization) so that the distributed
-version can run the same pieces with its collectives in between.
+low-rank update did not use back into the next step (error feedback).
+
+``dion_step`` is the paper's Algorithm 1 over a list of matrices, each either whole on this
+rank or split over ranks (``MatrixPlacement``). The math is written once; where a matrix is
+split, the products that sum over a split dim are completed by batched all-reduces, placed
+between the steps in straight-line code (one collective per process group per round, for
+all matrices together). ``dion_update`` is one whole matrix on one device.
 """
 
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from dobb.optim.base import MatrixOptimizer, local, state_dtype
-from dobb.optim.muon import check_unsharded
+from dobb.distributed.placement import MatrixPlacement, like_columns, matrix_placement
+from dobb.distributed.reduce import all_reduce_
+from dobb.distributed.sharding import data_parallel_groups
+from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
 
 ORTHOGONALIZE_METHODS = ("qr", "cholesky_qr")
 COLUMN_EPS = 1e-8  # columns of R with a smaller norm are left (near) zero, never divided by 0
@@ -26,28 +33,46 @@ SKETCH_OVERSAMPLE = 1.25
 SKETCH_ROW_MULTIPLE = 128
 
 
+def sketch(
+    m: int, r: int, *, generator: torch.Generator | None, device, dtype: torch.dtype
+) -> Tensor:
+    """The Gaussian sketch ``S`` (``k x m``, ``k = ceil(1.25 r)`` rounded up to 128)."""
+    k = SKETCH_ROW_MULTIPLE * math.ceil(SKETCH_OVERSAMPLE * r / SKETCH_ROW_MULTIPLE)
+    # S ~ N(0, 1/k), so that E[Sᵀ S] = I
+    return torch.randn(k, m, generator=generator, device=device, dtype=dtype).div_(math.sqrt(k))
+
+
+def precondition(P: Tensor, SP: Tensor) -> Tensor:
+    """``P₁ = P R₁⁻¹`` with ``S P = Q₁ R₁`` (QR of a small ``k x r`` matrix); rowwise in P."""
+    R1 = torch.linalg.qr(SP, mode="r").R
+    return torch.linalg.solve_triangular(R1, P, upper=True, left=False)
+
+
+def cholesky_orthonormalize(P1: Tensor, gram: Tensor) -> Tensor | None:
+    """``P₂ = P₁ R₂⁻¹`` with ``P₁ᵀ P₁ = R₂ᵀ R₂`` (Cholesky; ``gram = P₁ᵀ P₁``); rowwise in
+    P₁. None if the factorization fails or is not finite (both read from ``gram`` only,
+    so every rank holding the same ``gram`` decides alike)."""
+    R2, info = torch.linalg.cholesky_ex(gram, upper=True)
+    if info.item() != 0 or not bool(torch.isfinite(R2).all()):
+        return None
+    return torch.linalg.solve_triangular(R2, P1, upper=True, left=False)
+
+
 def randomized_cholesky_qr(P: Tensor, *, generator: torch.Generator | None = None) -> Tensor | None:
     """Orthonormal basis of the columns of a tall ``(m, r)`` matrix by randomized Cholesky QR.
 
     A Gaussian sketch ``S`` (``k x m``, ``k ~ 1.25 r``) gives a cheap triangular
     preconditioner ``R₁`` from the small QR of ``S P``; ``P R₁⁻¹`` is well conditioned, so
     one Cholesky QR pass then orthonormalizes it to working precision. Only ``S P`` and
-    Gram matrices touch all rows, which is what makes it cheap when ``P`` is row-sharded.
+    Gram matrices touch all rows, which is what makes it cheap when ``P`` is row-sharded
+    (``dion_step`` runs these same steps with those two products summed over shards).
     Returns None if a factorization fails (``P`` numerically rank-deficient).
     """
     m, r = P.shape
-    k = SKETCH_ROW_MULTIPLE * math.ceil(SKETCH_OVERSAMPLE * r / SKETCH_ROW_MULTIPLE)
-    # S ~ N(0, 1/k), so that E[Sᵀ S] = I
-    S = torch.randn(k, m, generator=generator, device=P.device, dtype=P.dtype).div_(math.sqrt(k))
-    # S P = Q₁ R₁  (QR of a small k x r matrix);  P₁ = P R₁⁻¹
-    R1 = torch.linalg.qr(S @ P, mode="r").R
-    P1 = torch.linalg.solve_triangular(R1, P, upper=True, left=False)
-    # P₁ᵀ P₁ = R₂ᵀ R₂  (Cholesky);  P₂ = P₁ R₂⁻¹
-    R2, info = torch.linalg.cholesky_ex(P1.mT @ P1, upper=True)
-    if info.item() != 0:
-        return None
-    P2 = torch.linalg.solve_triangular(R2, P1, upper=True, left=False)
-    return P2 if bool(torch.isfinite(P2).all()) else None
+    S = sketch(m, r, generator=generator, device=P.device, dtype=P.dtype)
+    P1 = precondition(P, S @ P)
+    P2 = cholesky_orthonormalize(P1, P1.mT @ P1)
+    return P2 if P2 is not None and bool(torch.isfinite(P2).all()) else None
 
 
 def orthonormalize(
@@ -81,9 +106,126 @@ def error_feedback(B: Tensor, P: Tensor, R: Tensor, mu: float) -> None:
     B.addmm_(P, R.mT, alpha=-(1 - mu))
 
 
-def column_normalize(R: Tensor, eps: float = COLUMN_EPS) -> Tensor:
-    """``R`` with unit-norm columns; columns of norm below ``eps`` are divided by ``eps``."""
-    return R / R.norm(dim=0, keepdim=True).clamp_min(eps)
+def column_normalize(R: Tensor, eps: float = COLUMN_EPS, *, norms: Tensor | None = None) -> Tensor:
+    """``R`` with unit-norm columns; columns of norm below ``eps`` are divided by ``eps``.
+
+    ``norms`` (``1 x r``): the column norms when ``R`` holds only some rows of the matrix.
+    """
+    norms = R.norm(dim=0, keepdim=True) if norms is None else norms
+    return R / norms.clamp_min(eps)
+
+
+@dataclass
+class DionMatrix:
+    """One matrix of a Dion step: this rank's tensors and where the rest of the matrix is."""
+
+    param: Tensor
+    """``W``: this rank's piece (rows x columns of the whole); updated in place."""
+    grad: Tensor
+    momentum: Tensor
+    """``M``, laid out like ``W``; holds ``B = M + G`` during the step."""
+    Q: Tensor
+    """``(columns here, r)``: the rows of ``Q`` for this rank's columns; updated in place."""
+    scale: float
+    """The whole matrix's learning-rate factor ``sqrt(d_out / d_in)``."""
+    generator: torch.Generator | None = None
+    """Seeds the sketch of ``"cholesky_qr"`` (equal on every rank holding the matrix)."""
+    placement: MatrixPlacement | None = None
+    """How the matrix is split over ranks; None: it is whole here."""
+    data_groups: tuple = ()
+    """Replicas with their own gradients, over which ``P`` and ``R`` are averaged."""
+
+    @property
+    def row_groups(self) -> tuple:
+        return self.placement.row_groups if self.placement else ()
+
+    @property
+    def col_groups(self) -> tuple:
+        return self.placement.col_groups if self.placement else ()
+
+
+def dion_step(
+    matrices: list[DionMatrix],
+    *,
+    lr: float,
+    mu: float,
+    weight_decay: float,
+    orthogonalize: str = "qr",
+) -> None:
+    """One Dion step (Algorithm 1) on every matrix, whole or split over ranks.
+
+    Where rows (dim 0, ``m``) are split, ``Pᵀ P``-type products and ``R = Bᵀ P`` are summed
+    over the row axes; where columns (dim 1, ``n``) are split, ``B Q`` and the column norms
+    of ``R`` are summed over the column axes; ``P`` and ``R`` are averaged over
+    ``data_groups``. With no groups this is exactly the single-device algorithm.
+    """
+    if not matrices:
+        return
+    rows = [x.row_groups for x in matrices]
+    cols = [x.col_groups for x in matrices]
+    data = [x.data_groups for x in matrices]
+    for x in matrices:
+        # B = M + G   (the momentum tensor holds B from here on)
+        x.momentum.add_(x.grad.to(x.momentum.dtype))
+        # W <- W (1 - lr wd)
+        x.param.mul_(1 - lr * weight_decay)
+    # P = B Q: summed over column shards, averaged over replicas. Each matrix's flag B != 0
+    # is summed along (and over the row shards with S P below), so that every rank holding
+    # a piece of B takes the same branch.
+    P = [x.momentum @ x.Q for x in matrices]
+    nonzero = [x.momentum.any().to(x.momentum.dtype).reshape(1) for x in matrices]
+    all_reduce_(P + nonzero, cols + cols)
+    all_reduce_(P + nonzero, data + data, average=True)
+    # Orthogonalize(P) with rows split over ranks: randomized Cholesky QR (for tall P), its
+    # sketch S the single-device one sliced by this rank's rows; S P and P₁ᵀ P₁ summed
+    sketched = [
+        i
+        for i, x in enumerate(matrices)
+        if rows[i] and orthogonalize == "cholesky_qr" and x.placement.shape[0] > P[i].shape[1]
+    ]
+    split = [i for i in range(len(matrices)) if rows[i]]
+    # S P  (k x r), and the flags of all row-split matrices
+    SP = [_sketch_rows(matrices[i], P[i]) @ P[i] for i in sketched]
+    flags = [nonzero[i] for i in split]
+    all_reduce_(SP + flags, [rows[i] for i in sketched] + [rows[i] for i in split])
+    active = torch.cat(nonzero).nonzero().flatten().tolist()  # B = 0: keep M and Q as they are
+    P1 = {i: precondition(P[i], sp) for i, sp in zip(sketched, SP) if i in active}
+    # P₁ᵀ P₁  (r x r)
+    gram = [p.mT @ p for p in P1.values()]
+    all_reduce_(gram, [rows[i] for i in P1])
+    P2 = {i: cholesky_orthonormalize(p, g) for (i, p), g in zip(P1.items(), gram)}
+    for i in active:
+        x = matrices[i]
+        if P2.get(i) is not None:
+            P[i] = P2[i]
+        elif rows[i]:  # Householder QR needs whole columns: gather P's rows (rare for CQR)
+            method = "qr" if i in P2 else orthogonalize  # CQR failed: as one device, Householder
+            whole = x.placement.gather_rows(P[i])
+            P[i] = x.placement.take_rows(orthonormalize(whole, method, generator=x.generator))
+        else:
+            P[i] = orthonormalize(P[i], orthogonalize, generator=x.generator)
+    # R = Bᵀ P: summed over row shards, averaged over replicas  (columns here x r)
+    R = [matrices[i].momentum.mT @ P[i] for i in active]
+    all_reduce_(R, [rows[i] for i in active])
+    all_reduce_(R, [data[i] for i in active], average=True)
+    # squared column norms of R, summed over column shards (used where columns are split)
+    squares = [r.square().sum(dim=0, keepdim=True) for r in R]
+    all_reduce_(squares, [cols[i] for i in active])
+    for i, r, square in zip(active, R, squares):
+        x = matrices[i]
+        # M <- B - (1 - mu) P Rᵀ
+        error_feedback(x.momentum, P[i], r, mu)
+        # Q <- ColumnNormalize(R)
+        x.Q.copy_(column_normalize(r, norms=square.sqrt() if cols[i] else None))
+        # W <- W - lr scale P Qᵀ
+        x.param.addmm_(P[i].to(x.param.dtype), x.Q.mT.to(x.param.dtype), alpha=-lr * x.scale)
+
+
+def _sketch_rows(x: DionMatrix, P: Tensor) -> Tensor:
+    """The columns of the whole matrix's sketch ``S`` for this rank's rows."""
+    m, r = x.placement.shape[0], P.shape[1]
+    S = sketch(m, r, generator=x.generator, device=P.device, dtype=P.dtype)
+    return S[:, x.placement.rows.to(P.device)]
 
 
 def dion_update(
@@ -105,19 +247,8 @@ def dion_update(
     (Q of shape ``(m, r)``) is this function applied to ``.mT`` views, with the same
     ``scale``. ``generator`` seeds the sketch of ``orthogonalize="cholesky_qr"``.
     """
-    # B = M + G   (the momentum tensor holds B from here on)
-    momentum.add_(grad.to(momentum.dtype))
-    # W <- W (1 - lr wd)
-    param.mul_(1 - lr * weight_decay)
-    if not momentum.any():  # B = 0: no direction to take; keep Q as the next warm start
-        return
-    P, R = power_step(momentum, Q, orthogonalize, generator=generator)
-    # M <- B - (1 - mu) P Rᵀ
-    error_feedback(momentum, P, R, mu)
-    # Q <- ColumnNormalize(R)
-    Q.copy_(column_normalize(R))
-    # W <- W - lr scale P Qᵀ
-    param.addmm_(P.to(param.dtype), Q.mT.to(param.dtype), alpha=-lr * scale)
+    matrix = DionMatrix(param, grad, momentum, Q, scale, generator)
+    dion_step([matrix], lr=lr, mu=mu, weight_decay=weight_decay, orthogonalize=orthogonalize)
 
 
 class Dion(MatrixOptimizer):
@@ -153,7 +284,49 @@ class Dion(MatrixOptimizer):
             Householder QR if a Cholesky factorization fails).
         seed: base seed of ``Q_0`` and of the sketches; each matrix draws from a generator
             seeded by ``seed`` and its name, so data-parallel replicas agree.
-        nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients.
+        data_parallel: None, or where ranks see different tokens (a ProcessGroup for DDP,
+            a DeviceMesh of data axes for HSDP), as for Dobb. Dion then runs the paper's
+            compressed data-parallel sync: ``P`` and ``R`` are averaged over the data axes
+            along which a matrix is replicated (never over an axis that splits it), so the
+            replicas' gradients of Dion matrices need no all-reduce: use DDP with those
+            parameters ignored, or, for HSDP, ``fully_shard`` over the ``data_shard`` axis
+            only, with the replicas as plain copies, and pass the whole data mesh. Each
+            replica then keeps its own momentum; the update equals the one from averaged
+            gradients, because Dion is linear in ``M`` up to ``P`` and ``R``.
+            ``state_dict()`` averages the momenta first (exact, for the same reason).
+            Leave it None when gradients are already averaged.
+        nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients (checked per rank).
+
+    Sharding: DTensor parameters are updated from their placements (FSDP ``Shard(0)``, TP
+    ``Shard(0)``/``Shard(1)``, 2-D FSDP x TP with ``_StridedShard``, uneven or empty
+    shards), with the single-device result up to float rounding. Per step, for all Dion
+    matrices of a parameter group together, one all-reduce per mesh axis and round:
+
+    ========================  ========================================  ==================
+    round                     over                                      floats per matrix
+    ========================  ========================================  ==================
+    ``B Q`` (+ flag B != 0)   axes splitting columns (row-parallel TP)  ``m_local r + 1``
+    ``S P`` (+ flag)          axes splitting rows (FSDP, col-par. TP)   ``k r + 1``
+    ``P₁ᵀ P₁``                axes splitting rows                       ``r²``
+    ``R = Bᵀ P``              axes splitting rows                       ``n_local r``
+    column norms of ``R``     axes splitting columns                    ``r``
+    ``P``, ``R`` (mean)       ``data_parallel`` axes that copy it       ``m r``, ``n r``
+    ========================  ========================================  ==================
+
+    (``k = ceil(1.25 r)`` rounded up to 128.) ``Q`` is kept split like ``W``'s columns and
+    replicated over the row axes (``R`` is all-reduced, not reduce-scattered: ``P Qᵀ``
+    needs every row of ``Q`` where rows are split; a reduce-scatter plus an all-gather
+    would move the same bytes). Its optimizer state is a DTensor laid out that way, so
+    DCP checkpoints hold one ``(d_in, r)`` ``Q``. Householder QR cannot run on split
+    rows: with ``orthogonalize="qr"`` (and for ``P`` with ``m <= r``, or when Cholesky
+    QR fails) the rows of ``P`` are all-gathered and every rank runs the single-device
+    QR. The zero-buffer test (``B = 0`` keeps ``M`` and ``Q``) rides on the reductions
+    above, so every rank holding a piece takes the same branch.
+
+    microsoft/dion orients FSDP-sharded matrices the other way (the shard dim on ``Q``'s
+    side): ``P`` then needs a reduce-scatter/all-gather over a batch of matrices and each
+    rank orthonormalizes whole ``P``'s, while ``R`` needs no reduction. We keep Algorithm 1's
+    orientation, which the paper's distributed Cholesky QR serves.
 
     Orientation: we follow Algorithm 1 as written (``Q`` is ``d_in x r`` for every matrix).
     microsoft/dion's implementation transposes unsharded wide matrices (``d_out < d_in``)
@@ -176,9 +349,14 @@ class Dion(MatrixOptimizer):
         *,
         orthogonalize: str = "qr",
         seed: int = 0,
+        data_parallel=None,
         nonfinite: str = "raise",
     ):
         self.seed = seed
+        self._data_parallel_groups = data_parallel_groups(data_parallel)
+        # derived layout, recomputed rather than checkpointed (a checkpoint may load
+        # into another mesh)
+        self._placements: dict[Tensor, MatrixPlacement] = {}
         defaults = dict(
             lr=lr,
             mu=mu,
@@ -206,7 +384,26 @@ class Dion(MatrixOptimizer):
                 f"(one of {ORTHOGONALIZE_METHODS})"
             )
         for p in group["params"]:
-            check_unsharded(self, p)
+            self._placement(p)  # rejects Partial placements now rather than mid-step
+
+    def _placement(self, param: Tensor) -> MatrixPlacement | None:
+        """How ``param`` is split over ranks; None for a plain tensor."""
+        if not isinstance(param, DTensor):
+            return None
+        if param not in self._placements:
+            self._placements[param] = matrix_placement(param)
+        return self._placements[param]
+
+    def _data_groups(self, param: Tensor) -> tuple:
+        """The ``data_parallel`` groups along which ``param`` is copied (compressed sync)."""
+        placement = self._placement(param)
+        if placement is None:
+            return tuple(self._data_parallel_groups)
+        split = [dist.get_process_group_ranks(g) for g in placement.row_groups]
+        split += [dist.get_process_group_ranks(g) for g in placement.col_groups]
+        return tuple(
+            g for g in self._data_parallel_groups if dist.get_process_group_ranks(g) not in split
+        )
 
     @staticmethod
     def rank_of(shape: tuple[int, int], group: dict[str, Any]) -> int:
@@ -223,29 +420,62 @@ class Dion(MatrixOptimizer):
     def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         dtype, device = state_dtype(param), local(param).device
         generator = torch.Generator().manual_seed(self._seed(param))  # on CPU: any device agrees
-        Q = torch.randn(param.shape[1], self.rank_of(param.shape, group), generator=generator)
+        d_in = param.shape[1]
+        Q = torch.randn(d_in, self.rank_of(param.shape, group), generator=generator)
+        placement = self._placement(param)
+        if placement is not None:  # this rank's columns of the one Q_0 of the whole matrix
+            Q = Q[placement.cols]
         return {
             "step": torch.tensor(0.0),
             "momentum": torch.zeros_like(param, dtype=dtype),
-            "Q": Q.to(device=device, dtype=dtype),
+            "Q": like_columns(Q.to(device=device, dtype=dtype), param, d_in),
         }
 
-    def _update_matrix(self, param: Tensor, state: dict[str, Any], group: dict) -> None:
-        state["step"] += 1
-        generator = None
-        if group["orthogonalize"] == "cholesky_qr":  # sketch seeded by (matrix, step)
-            seed = self._seed(param) * 1_000_003 + int(state["step"])
-            generator = torch.Generator(local(param).device).manual_seed(seed)
-        d_out, d_in = param.shape
-        dion_update(
-            local(param),
-            local(param.grad),
-            local(state["momentum"]),
-            local(state["Q"]),
-            lr=group["lr"],
-            mu=group["mu"],
-            weight_decay=group["weight_decay"],
-            scale=math.sqrt(d_out / d_in),  # the paper's shape factor sqrt(d_out/d_in)
-            orthogonalize=group["orthogonalize"],
-            generator=generator,
-        )
+    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
+            matrices = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(self._init_matrix_state(p, group))
+                state["step"] += 1
+                generator = None
+                if group["orthogonalize"] == "cholesky_qr":  # sketch seeded by (matrix, step)
+                    seed = self._seed(p) * 1_000_003 + int(state["step"])
+                    generator = torch.Generator(local(p).device).manual_seed(seed)
+                d_out, d_in = p.shape
+                matrices.append(
+                    DionMatrix(
+                        local(p),
+                        local(p.grad),
+                        local(state["momentum"]),
+                        local(state["Q"]),
+                        scale=math.sqrt(d_out / d_in),  # the paper's shape factor
+                        generator=generator,
+                        placement=self._placement(p),
+                        data_groups=self._data_groups(p),
+                    )
+                )
+            dion_step(
+                matrices,
+                lr=group["lr"],
+                mu=group["mu"],
+                weight_decay=group["weight_decay"],
+                orthogonalize=group["orthogonalize"],
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state; under compressed sync the replicas' momenta are averaged first (a
+        collective), so that a checkpoint holds one consistent ``M`` (the update depends on
+        the replicas' momenta only through their mean, so this changes nothing)."""
+        momenta = [
+            (local(self.state[p]["momentum"]), self._data_groups(p))
+            for g in self.param_groups
+            if g["algorithm"] == self.algorithm
+            for p in g["params"]
+            if "momentum" in self.state[p]
+        ]
+        all_reduce_([m for m, _ in momenta], [gs for _, gs in momenta], average=True)
+        return super().state_dict()

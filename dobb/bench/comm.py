@@ -1,0 +1,187 @@
+"""Communication inside one optimizer step, measured and counted from the algorithm.
+
+    python -m dobb.bench.comm [--world 4] [--config tiny] [--out benchmarks/COMM.md]
+
+Spawns ``--world`` gloo ranks on this machine (``dobb.distributed.launch``). For each
+layout (``ddp``, ``fsdp``, ``tp``, ``fsdp_tp``; ``dobb.train.parallel``) and optimizer
+(Dobb; Dion with rank fraction 1/16 and randomized Cholesky QR, the paper's distributed
+form; Muon) it builds a GPT from ``dobb.train.model``, takes two steps and records the
+collectives issued inside ``opt.step()`` with ``CommRecorder``: Dobb's first step
+refreshes its bases (and averages its statistics), its second does not; Dion and Muon
+communicate alike every step (their second step is shown). Gradient reduction in the
+backward pass (DDP, FSDP) is the same for every optimizer and is not counted.
+
+Bytes follow ``CommRecorder``'s convention (the full buffer of each collective, as
+nccl-tests' "size"; all_to_all: what this rank sends), averaged over ranks. The analytic
+column evaluates the formula on the model's shapes and this rank's pieces:
+
+- Dobb: on refresh steps ``sum_layers d_in²/B`` fp32 (the blocks ``C_b`` this rank
+  holds), one all-reduce per data axis; nothing otherwise.
+- Dion (``m x n``, rank ``r``, sketch ``k = 128 ceil(1.25 r / 128)``): per axis
+  splitting rows ``(k r + 1) + r² + n_local r`` (``S P`` with the ``B != 0`` flag,
+  ``P₁ᵀ P₁``, ``Bᵀ P``), per axis splitting columns ``(m_local r + 1) + r`` (``B Q``
+  with the flag, column norms), fp32; batched: one all-reduce per axis and round.
+- Muon: ``m n (W - 1) / W`` fp32 to the owners and ``m n (W - 1) / W`` bf16 back, over
+  all ``W`` ranks of the mesh together, for an evenly split matrix (per rank: ``/ W``);
+  DDP: nothing to the owners, ``m n (W - 1)`` bf16 back (per rank ``/ W``).
+"""
+
+import argparse
+import math
+import os
+import platform
+import sys
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")
+OPTIMIZERS = ("dobb", "dion", "muon")
+BATCH = 4  # sequences per rank and step
+
+
+def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dict]:
+    """On every rank: per (layout, optimizer, step) the events and the analytic bytes."""
+    from dobb.distributed import CommRecorder
+    from dobb.optim.registry import build_optimizer
+    from dobb.train.model import GPT, gpt_config
+    from dobb.train.parallel import parallelize
+
+    cfg = gpt_config(config)
+    rows = []
+    for layout in layouts:
+        for name in optimizers:
+            torch.manual_seed(0)
+            model, par = parallelize(GPT(cfg), layout, tensor_parallel=2)
+            opt = build_optimizer(name, model, **_options(name, layout, par.data_parallel))
+            gen = torch.Generator().manual_seed(rank)
+            for step in (1, 2):
+                idx = torch.randint(cfg.vocab_size, (BATCH, cfg.block_size + 1), generator=gen)
+                opt.zero_grad()
+                model(idx[:, :-1], idx[:, 1:])[1].backward()
+                with CommRecorder() as rec:
+                    opt.step()
+                events = [(e.kind, e.group_size, e.nbytes) for e in rec.events]
+                analytic = analytic_bytes(name, layout, opt, world, step)
+                rows.append(
+                    dict(layout=layout, name=name, step=step, events=events, analytic=analytic)
+                )
+    return rows
+
+
+def _options(name: str, layout: str, data_parallel) -> dict:
+    """Registry overrides: each optimizer's distributed configuration."""
+    if name == "dobb":
+        return {"data_parallel": data_parallel}  # statistics averaged over the data axes
+    if name == "dion":  # gradients are averaged by DDP/FSDP: no compressed sync
+        return {"rank_fraction": 1 / 16, "orthogonalize": "cholesky_qr"}
+    return {"data_parallel": data_parallel if layout == "ddp" else None}  # Keller's DDP split
+
+
+def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
+    """This rank's bytes in ``opt.step()`` by the formulas of the module docstring."""
+    from dobb.distributed.placement import matrix_placement
+    from dobb.optim.dion import Dion
+
+    matrices = [(p, g) for g in opt.param_groups if g["algorithm"] == name for p in g["params"]]
+    total = 0
+    for p, group in matrices:
+        placement = matrix_placement(p)
+        m, n = p.shape
+        m_local, n_local = len(placement.rows), len(placement.cols)
+        split_rows, split_cols = len(placement.row_groups), len(placement.col_groups)
+        if name == "dobb":
+            refresh = (step - 1) % group["basis_interval"] == 0
+            blocks = sum(s.count * s.size**2 for s in opt._stacks(p, group))  # local C_b
+            axes = len(opt._data_parallel_groups) if refresh else 0
+            total += 4 * blocks * axes
+        elif name == "dion":
+            r = Dion.rank_of((m, n), group)
+            k = 128 * math.ceil(1.25 * r / 128)
+            floats = split_rows * ((k * r + 1) + r * r + n_local * r)
+            floats += split_cols * ((m_local * r + 1) + r)
+            total += 4 * floats
+        elif layout == "ddp":  # the owner sends W - 1 copies of its matrices; per rank / W
+            total += 2 * m * n * (world - 1) // world
+        elif split_rows or split_cols:  # to the owner in fp32, back in bf16; per rank / W
+            total += (4 + 2) * m * n * (world - 1) // world**2
+    return total
+
+
+def summarize(kinds: list[tuple[str, int]]) -> str:
+    """``[("all_reduce", 4)] * 3`` -> ``"3 all_reduce(4)"``; none -> ``"-"``."""
+    if not kinds:
+        return "-"
+    counts = Counter(kinds)
+    return ", ".join(f"{c} {kind}({size})" for (kind, size), c in counts.items())
+
+
+FORMULAS = {
+    "dobb": "refresh: Σ d_in²/B fp32 per data axis; else 0",
+    "dion": "per row axis (k r + 1 + r² + n r), per col axis (m r + 1 + r) fp32",
+    "muon": "m n (W-1)/W fp32 to owner + m n (W-1)/W bf16 back (DDP: m n (W-1) bf16)",
+}
+
+
+def report(results: list[list[dict]], world: int, config: str, command: str) -> str:
+    """The Markdown table (per row: rank 0's collectives, bytes averaged over ranks)."""
+    lines = [
+        "# Communication per optimizer step",
+        "",
+        f"Measured with `{command}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: "
+        f"{world} gloo ranks on one machine ({platform.machine()}, {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}); "
+        f"model `dobb.train.model.GPT` `{config}`, `fsdp_tp` with tensor-parallel degree 2, "
+        "`tp` over all ranks. Collectives and bytes are those inside `opt.step()` "
+        "(CommRecorder: full-buffer bytes; all_to_all: bytes sent), averaged over ranks; "
+        "gradient reduction in the backward pass is not counted. Dion: rank fraction 1/16, "
+        "randomized Cholesky QR. Muon: bf16 Newton-Schulz; under DDP the replicas split the "
+        "matrices (Keller's distributed Muon). Dobb: basis interval 10 (step 1 refreshes).",
+        "",
+        "| optimizer | layout | step | collectives / step (kind(group size)) "
+        "| bytes / step measured | analytic | formula |",
+        "|---|---|---|---|---:|---:|---|",
+    ]
+    for i, row in enumerate(results[0]):
+        name, step = row["name"], row["step"]
+        if name != "dobb" and step == 1:
+            continue  # Dion and Muon communicate alike every step
+        measured = sum(e[2] for r in results for e in r[i]["events"])
+        analytic = sum(r[i]["analytic"] for r in results)
+        label = {"dobb": "refresh" if step == 1 else "no refresh"}.get(name, "any")
+        kinds = summarize([(kind, size) for kind, size, _ in row["events"]])
+        lines.append(
+            f"| {name} | {row['layout']} | {label} | {kinds} | {measured // world:,} "
+            f"| {analytic // world:,} | {FORMULAS[name]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4, help="ranks to spawn (even, >= 2)")
+    parser.add_argument("--config", default="tiny", help="GPT config (dobb.train.model)")
+    parser.add_argument("--out", type=Path, help="write the Markdown table here")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for all ranks")
+    args = parser.parse_args(argv)
+    if args.world < 2 or args.world % 2:
+        parser.error("--world must be even and >= 2 (fsdp_tp uses a tensor-parallel degree of 2)")
+    from dobb.distributed.launch import run_ranks
+
+    # a gloo measurement on CPU: keep the ranks off any GPU (dobb.train.parallel would
+    # build CUDA meshes), whatever the machine has
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    results = run_ranks(measure, args.world, args.config, LAYOUTS, OPTIMIZERS, timeout=args.timeout)
+    command = "python -m dobb.bench.comm " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = report(results, args.world, args.config, command.strip())
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
