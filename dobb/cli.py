@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tiny", action="store_true", help="the whole pipeline on a tiny GPT")
     s.add_argument("--out", default=None, help="runs and plots (default: benchmarks/study)")
     s.add_argument("--doc", default=None, help="the report (default: STUDY.md next to --out)")
-    s.add_argument("--config", default=None, help="the budget (default: configs/study.yaml)")
+    s.add_argument("--config", default=None, help="the budget (default: configs/study/budget.yaml)")
     s.add_argument("--workers", type=int, default=None, help="runs side by side")
     return p
 

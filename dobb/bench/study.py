@@ -1,6 +1,6 @@
 """The optimizer study: tuned comparison with seeds, Dobb ablations, width trend -> STUDY.md.
 
-    dobb study                          # ~40 min on 2 idle CPU cores (configs/study.yaml)
+    dobb study                          # ~40 min on 2 idle CPU cores (configs/study/budget.yaml)
     dobb study --tiny --out /tmp/study  # the whole pipeline on a tiny GPT, seconds
 
 Three parts, every run trained by `dobb.train.compare.run` (so a finished run is never
@@ -51,7 +51,7 @@ from dobb.train.compare import OPTIMIZERS, OPTIONS, markdown_table, read_metrics
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.model import gpt_config
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "study.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "study" / "budget.yaml"
 BASELINES = tuple(name for name in OPTIMIZERS if name != "dobb")
 NOISE_FACTOR = 2.0  # a difference "exceeds the noise" when |diff| > 2 x (pooled) seed std
 PER_RUN = (*compare.PER_RUN, "seed")  # set by the study for each run
@@ -62,7 +62,7 @@ PER_RUN = (*compare.PER_RUN, "seed")  # set by the study for each run
 
 @dataclass
 class StudySpec:
-    """One section of `configs/study.yaml` (see the comments there)."""
+    """One section of `configs/study/budget.yaml` (see the comments there)."""
 
     train: dict[str, Any]
     lr_factors: list[float]
@@ -969,7 +969,7 @@ def study(
     """Run (or finish) the study into `out` and write the report; return its numbers.
 
     doc: the Markdown report (default: `STUDY.md` next to `out`); config: the budget
-    (default `configs/study.yaml`; `tiny` applies its `tiny` section); workers: override
+    (default `configs/study/budget.yaml`; `tiny` applies its `tiny` section); workers: override
     the config's number of parallel runs.
     """
     spec = load_spec(config, tiny)

@@ -13,7 +13,8 @@ name        lr      scalar lr  why
 ==========  ======  =========  ===========================================================
 dobb        1e-3    1e-3       update RMS is 0.2 lr, as AdamW's, so AdamW rates transfer
 muon        0.02    1e-3       Keller's default; lr in spectral norm per update
-dion        0.02    1e-3       Muon-like scale (sqrt(d_out/d_in) P Qᵀ); reference uses 0.01
+dion        0.02    1e-3       Muon-like scale (sqrt(d_out/d_in) P Qᵀ); reference uses 0.01;
+                               randomized Cholesky QR, the paper's distributed form
 adamw       1e-3    -          betas (0.9, 0.95), as the scalar groups of the others
 ==========  ======  =========  ===========================================================
 
@@ -125,6 +126,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
             cls=Dion,
             lr=0.02,
             scalar_lr=1e-3,
+            hyperparameters={"orthogonalize": "cholesky_qr"},  # the paper's form at scale
             small_inputs=(
                 {},
                 {"rank": 4, "mu": 1.0},

@@ -75,11 +75,12 @@ def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
 def distributed_options(name: str, parallelism: Parallelism) -> dict[str, Any]:
     """Constructor arguments telling optimizer `name` how the model is distributed.
 
-    Dobb needs only the data-parallel mesh/group over which it averages its statistics.
-    THE place for Dion's and Muon's distributed arguments (their meshes) once they take
-    them; until then they get nothing and run on whatever shards they are given.
+    DTensor parameters carry their own meshes; what no placement shows is which ranks see
+    different tokens. Dobb averages its statistics over them; Muon splits DDP-replicated
+    matrices between them. Dion gets nothing: its compressed sync would need DDP to skip
+    averaging its gradients, which the harness's DDP does not.
     """
-    if name == "dobb" and parallelism.data_parallel is not None:
+    if name in ("dobb", "muon") and parallelism.data_parallel is not None:
         return {"data_parallel": parallelism.data_parallel}
     return {}
 

@@ -82,11 +82,12 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr_schedule(TrainConfig(steps=5, decay="constant"))(4) == 1.0
 
 
-def test_dobb_alone_gets_the_data_parallel_group():
+def test_dobb_and_muon_get_the_data_parallel_group():
     group = object()
-    distributed = Parallelism("fsdp", None, group, 0, 2)
-    assert distributed_options("dobb", distributed) == {"data_parallel": group}
-    for name in ("dion", "muon", "adamw"):
+    distributed = Parallelism("ddp", None, group, 0, 2)
+    for name in ("dobb", "muon"):
+        assert distributed_options(name, distributed) == {"data_parallel": group}
+    for name in ("dion", "adamw"):
         assert distributed_options(name, distributed) == {}
     assert distributed_options("dobb", Parallelism("single", None, None)) == {}
 
