@@ -11,15 +11,9 @@ on the parameters after three steps (measured: ~1e-7).
 
 import pytest
 import torch
+from layouts import MLP, full, parallelize, train_step
 from multirank import run_ranks
-from test_muon_distributed import (
-    MLP,
-    build,
-    compare_layout,
-    full,
-    parallelize,
-    train_step,
-)
+from test_muon_distributed import build, compare_layout
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,

@@ -4,94 +4,42 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
+from layouts import LAYOUTS, MLP, full, parallelize, train_step
 from multirank import run_ranks
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.nn.parallel import DistributedDataParallel
 
 import dobb
 from dobb.distributed import CommRecorder
 
-D, BATCH, STEPS = 16, 8, 4
-HYPER = dict(lr=0.02, num_blocks=4, basis_interval=2, weight_decay=0.1)
-# (world size, mesh shape, mesh axis names) per layout; hidden width 18 gives uneven shards.
-LAYOUTS = {
-    "ddp": (None, None, 18),
-    "fsdp": (None, ("data_shard",), 18),
-    "hsdp": ((2, 2), ("data_replicate", "data_shard"), 18),
-    "tp": (None, ("tensor",), 32),
-    "fsdp_tp": ((2, 2), ("data_shard", "tensor"), 32),
-}
+STEPS = 4
+HYPER = dict(lr=0.02, basis_interval=2, weight_decay=0.1)
+# Blocks must tile TP column shards: hidden 18 splits 9/9 over TP 2 (2 blocks of 9), hidden
+# 20 over TP 2 or 4 into 10s or 5s (4 blocks of 5); elsewhere 4 ragged blocks of 5,5,4,4.
+NUM_BLOCKS = {"ddp": 4, "fsdp": 4, "hsdp": 4, "tp": 4, "fsdp_tp": 2}
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden):
-        super().__init__()
-        self.fc1 = nn.Linear(D, hidden)
-        self.fc2 = nn.Linear(hidden, D)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def global_batch(step):
-    gen = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(BATCH, 3, D, generator=gen) * torch.linspace(0.5, 2.0, D)
-    return x, torch.sin(x.flip(-1))
-
-
-def parallelize(model, layout, world):
-    """Apply ``layout``; return (model, data-parallel mesh/group, dp rank, dp size)."""
-    shape, names, _ = LAYOUTS[layout]
-    if layout == "ddp":
-        return DistributedDataParallel(model), dist.group.WORLD, dist.get_rank(), world
-    mesh = init_device_mesh("cpu", shape or (world,), mesh_dim_names=names)
-    if "tensor" in names:
-        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
-        parallelize_module(model, mesh["tensor"], plan)
-        if layout == "tp":
-            return model, None, 0, 1
-    data = mesh["data_shard"] if layout == "fsdp_tp" else mesh
-    for module in (model.fc1, model.fc2, model):
-        fully_shard(module, mesh=data)
-    dp_rank = 0
-    for axis, coordinate in enumerate(data.get_coordinate()):  # row-major over data axes
-        dp_rank = dp_rank * data.size(axis) + coordinate
-    return model, data, dp_rank, data.size()
-
-
-def train_step(model, opt, step, dp_rank, dp_size):
-    x, y = global_batch(step)
-    rows = slice(dp_rank * BATCH // dp_size, (dp_rank + 1) * BATCH // dp_size)
-    opt.zero_grad()
-    nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-    with CommRecorder() as rec:
-        opt.step()
-    return [e.kind for e in rec.events]
-
-
-def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def dobb_step(model, opt, step, dp_rank, dp_size, out):
+    """A training step; the kinds of the collectives inside ``opt.step()``."""
+    return [kind for kind, _, _ in train_step(model, opt, step, dp_rank, dp_size, out)]
 
 
 def compare_layout(rank, world, layout, stats_sync, shard_refresh=True):
     torch.manual_seed(0)
-    reference = MLP(LAYOUTS[layout][2])
+    _, _, hidden, out = LAYOUTS[layout]
+    hyper = {**HYPER, "num_blocks": NUM_BLOCKS[layout]}
+    reference = MLP(hidden, out)
     model = copy.deepcopy(reference)
-    ref_opt = dobb.Dobb(dobb.param_groups(reference, exclude="^$"), **HYPER)
+    ref_opt = dobb.Dobb(dobb.param_groups(reference, exclude="^$"), **hyper)
     ref_opt.track(reference)
     model, data_parallel, dp_rank, dp_size = parallelize(model, layout, world)
     opt = dobb.Dobb(
         dobb.param_groups(model, exclude="^$"),
-        **HYPER,
+        **hyper,
         data_parallel=data_parallel,
         stats_sync=stats_sync,
         shard_refresh=shard_refresh,
@@ -99,8 +47,8 @@ def compare_layout(rank, world, layout, stats_sync, shard_refresh=True):
     opt.track(model)
     comms = []
     for step in range(STEPS):
-        train_step(reference, ref_opt, step, 0, 1)
-        comms.append(train_step(model, opt, step, dp_rank, dp_size))
+        dobb_step(reference, ref_opt, step, 0, 1, out)
+        comms.append(dobb_step(model, opt, step, dp_rank, dp_size, out))
     errors = [
         ((full(p.detach()) - q).norm() / q.norm()).item()
         for p, q in zip(model.parameters(), reference.parameters())
@@ -120,7 +68,7 @@ def test_sharded_update_equals_single_device(layout, world):
     for result in results:
         assert max(result["errors"]) <= 1e-6, result["errors"]
     # only on basis-refresh steps (1 and 3): the statistics average over each data axis, and
-    # one all-gather of the bases per block size (4 and 5, or 4 and 8), computed 1/P per rank
+    # one all-gather of the bases per block size (fc1: 4 or 8; fc2: 5 or 9), 1/P per rank
     axes = {"ddp": 1, "fsdp": 1, "hsdp": 2, "tp": 0, "fsdp_tp": 1}[layout]
     refresh = ["all_reduce"] * axes + ["all_gather"] * 2 * (axes > 0)
     assert results[0]["comms"] == [refresh, [], refresh, []]
@@ -140,7 +88,9 @@ def test_sync_every_step_equals_sync_on_refresh():
 
 def misaligned_blocks(rank, world):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
-    model = parallelize_module(MLP(32), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    model = parallelize_module(
+        MLP(32, 16), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    )
     dobb.Dobb(dobb.param_groups(model, exclude="^$"), lr=0.1, num_blocks=3)
 
 
@@ -154,12 +104,13 @@ def checkpoint_run(rank, world, path, phase):
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
-    model, data_parallel, dp_rank, dp_size = parallelize(MLP(18), "fsdp", world)
-    opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"), **HYPER, data_parallel=data_parallel)
+    model, data_parallel, dp_rank, dp_size = parallelize(MLP(18, 3), "fsdp", world)
+    hyper = {**HYPER, "num_blocks": 4}
+    opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"), **hyper, data_parallel=data_parallel)
     opt.track(model)
     if phase == "save":
         for step in range(2):
-            train_step(model, opt, step, dp_rank, dp_size)
+            dobb_step(model, opt, step, dp_rank, dp_size, 3)
         dcp.save(
             {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
             checkpoint_id=path,
@@ -170,7 +121,7 @@ def checkpoint_run(rank, world, path, phase):
         model.load_state_dict(state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
     for step in range(2, 4):
-        train_step(model, opt, step, dp_rank, dp_size)
+        dobb_step(model, opt, step, dp_rank, dp_size, 3)
     return [full(p.detach()) for p in model.parameters()]
 
 
