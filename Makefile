@@ -8,7 +8,6 @@ TORCH ?= torch==2.13.0
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev,bench,bpe,examples]"
 	touch $@
