@@ -6,6 +6,7 @@ from dobb.optim import (
     Dobb,
     MatrixOptimizer,
     Muon,
+    MuonBP,
     NonFiniteGradientError,
     build_optimizer,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "Dobb",
     "MatrixOptimizer",
     "Muon",
+    "MuonBP",
     "NonFiniteGradientError",
     "build_optimizer",
     "param_groups",

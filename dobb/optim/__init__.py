@@ -4,6 +4,7 @@ from dobb.optim.base import MatrixOptimizer, NonFiniteGradientError
 from dobb.optim.dion import Dion, dion_update
 from dobb.optim.dobb import Dobb, dobb_update
 from dobb.optim.muon import Muon, muon_update, newton_schulz
+from dobb.optim.muonbp import MuonBP, block_muon_update
 from dobb.optim.registry import OPTIMIZERS, build_optimizer, get_entry
 
 __all__ = [
@@ -12,7 +13,9 @@ __all__ = [
     "Dobb",
     "MatrixOptimizer",
     "Muon",
+    "MuonBP",
     "NonFiniteGradientError",
+    "block_muon_update",
     "build_optimizer",
     "dion_update",
     "dobb_update",

@@ -13,6 +13,8 @@ name        lr      scalar lr  why
 ==========  ======  =========  ===========================================================
 dobb        1e-3    1e-3       update RMS is 0.2 lr, as AdamW's, so AdamW rates transfer
 muon        0.02    1e-3       Keller's default; lr in spectral norm per update
+muonbp      5e-3    1e-3       update RMS 0.2 lr (the paper's RMS matching) = 1e-3, Muon's
+                               0.02 / sqrt(d_in) at d_in = 400 (the study's: 128-512)
 dion        0.02    1e-3       Muon-like scale (sqrt(d_out/d_in) P Qᵀ); reference uses 0.01;
                                randomized Cholesky QR, the paper's distributed form
 adamw       1e-3    -          betas (0.9, 0.95), as the scalar groups of the others
@@ -34,6 +36,7 @@ from dobb.optim.base import MatrixOptimizer
 from dobb.optim.dion import Dion
 from dobb.optim.dobb import Dobb
 from dobb.optim.muon import Muon
+from dobb.optim.muonbp import MuonBP
 from dobb.optim.scalar import SCALAR_ALGORITHMS
 
 
@@ -119,6 +122,26 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
                 ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
                 ErrorInput({"ns_dtype": torch.int32}, ValueError, "invalid ns_dtype"),
                 ErrorInput({"adjust_lr": "sqrt"}, ValueError, "invalid adjust_lr"),
+            ),
+        ),
+        OptimizerEntry(
+            name="muonbp",
+            cls=MuonBP,
+            lr=5e-3,
+            scalar_lr=1e-3,
+            small_inputs=(
+                {},
+                {"row_blocks": 2, "period": 2, "block_lr_ratio": 0.5},
+                {"col_blocks": (2, 2), "period": None, "ns_dtype": torch.float32},
+                {"adjust_lr": "spectral", "row_blocks": 4, "period": 1, "weight_decay": 0.1},
+            ),
+            error_inputs=MATRIX_ERRORS
+            + (
+                ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
+                ErrorInput({"period": 0}, ValueError, "invalid period"),
+                ErrorInput({"block_lr_ratio": -1.0}, ValueError, "invalid block_lr_ratio"),
+                ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
+                ErrorInput({"col_blocks": (2, 0)}, ValueError, "invalid col_blocks"),
             ),
         ),
         OptimizerEntry(

@@ -76,11 +76,11 @@ def distributed_options(name: str, parallelism: Parallelism) -> dict[str, Any]:
     """Constructor arguments telling optimizer `name` how the model is distributed.
 
     DTensor parameters carry their own meshes; what no placement shows is which ranks see
-    different tokens. Dobb averages its statistics over them; Muon splits DDP-replicated
-    matrices between them. Dion gets nothing: its compressed sync would need DDP to skip
+    different tokens. Dobb averages its statistics over them; Muon (and MuonBP's full
+    steps) split DDP-replicated matrices between them. Dion gets nothing: its compressed sync would need DDP to skip
     averaging its gradients, which the harness's DDP does not.
     """
-    if name in ("dobb", "muon") and parallelism.data_parallel is not None:
+    if name in ("dobb", "muon", "muonbp") and parallelism.data_parallel is not None:
         return {"data_parallel": parallelism.data_parallel}
     return {}
 

@@ -1,0 +1,337 @@
+"""MuonBP: Muon with block-periodic orthogonalization (Khaled et al., arXiv 2510.16981).
+
+Most steps orthogonalize each device's own block of the momentum independently, with no
+communication ("block steps"); every ``period``-th step orthogonalizes the whole matrix as
+Muon does ("full steps", through Muon's owner exchange). The two kinds of step have their
+own learning rates, each scaled by the dimensions of the matrix it orthogonalizes, so that
+block and full updates have the same RMS. ``period=1`` is Muon; ``period=None`` never
+takes a full step (BlockMuon).
+
+Everything but the block step is Muon's (``dobb.optim.muon``): momentum, Newton-Schulz, the
+update and the shared-matrix exchange. This module adds the tiling of a local piece into
+blocks, the block step on those tiles, and the choice of step.
+"""
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dobb.distributed.exchange import OwnerExchange
+from dobb.distributed.placement import matrix_placement
+from dobb.optim.base import local
+from dobb.optim.muon import (
+    NS_STEPS,
+    Muon,
+    apply_update,
+    lr_scale,
+    nesterov_direction,
+    newton_schulz,
+)
+
+Tile = tuple[slice, slice]
+
+
+def chunk_sizes(size: int, splits: Sequence[int]) -> list[int]:
+    """Sizes of ``size`` indices split like ``torch.chunk`` into ``splits[0]`` parts, each
+    part into ``splits[1]`` parts, and so on (outer split first); empty parts are kept.
+
+    This is how FSDP2 and DTensor's ``Shard`` lay out a dim (18 over 4: 5/5/5/3; 3 over 4:
+    1/1/1/0), and nested splits are a 2-D mesh's ``_StridedShard`` (18 over TP 2, then
+    FSDP 2: 5/4/5/4).
+    """
+    sizes = [size]
+    for parts in splits:
+        sizes = [piece for n in sizes for piece in _chunk(n, parts)]
+    return sizes
+
+
+def block_tiles(shape: tuple[int, int], row_blocks, col_blocks) -> list[Tile]:
+    """The ``(rows, cols)`` slices of a ``row_blocks x col_blocks`` tiling of ``shape``.
+
+    ``row_blocks`` / ``col_blocks``: an integer, or a tuple of them for nested splits (see
+    ``chunk_sizes``). Tiles may be empty.
+    """
+    rows = _slices(chunk_sizes(shape[0], _splits(row_blocks)))
+    cols = _slices(chunk_sizes(shape[1], _splits(col_blocks)))
+    return [(r, c) for r in rows for c in cols]
+
+
+def block_newton_schulz(
+    N: Tensor, tiles: list[Tile], steps: int = NS_STEPS, dtype: torch.dtype = torch.bfloat16
+) -> list[Tensor | None]:
+    """``NS5`` of each tile of ``N`` on its own (None for an empty tile).
+
+    Tiles of one shape go through one batched call; a lone tile through the plain one.
+    """
+    shapes: dict[torch.Size, list[int]] = {}
+    for i, tile in enumerate(tiles):
+        if N[tile].numel():
+            shapes.setdefault(N[tile].shape, []).append(i)
+    out: list[Tensor | None] = [None] * len(tiles)
+    for indices in shapes.values():
+        if len(indices) == 1:
+            out[indices[0]] = newton_schulz(N[tiles[indices[0]]], steps, dtype)
+            continue
+        # (k, m_b, n_b) stack of equal tiles -> k independent iterations
+        stacked = newton_schulz(torch.stack([N[tiles[i]] for i in indices]), steps, dtype)
+        for i, update in zip(indices, stacked):
+            out[i] = update
+    return out
+
+
+def block_muon_update(
+    param: Tensor,
+    grad: Tensor,
+    momentum: Tensor,
+    tiles: list[Tile],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    adjust_lr: str,
+    ns_steps: int = NS_STEPS,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """One block step on a local piece: every tile orthogonalized and scaled on its own.
+
+    ``param``, ``grad`` and ``momentum`` are one rank's piece (or a whole matrix); nothing
+    here communicates. ``param`` and ``momentum`` are updated in place.
+    """
+    direction = nesterov_direction(grad, momentum, beta=beta, nesterov=nesterov)
+    # O_b = NS5(N_b), each tile independently
+    updates = block_newton_schulz(direction, tiles, ns_steps, ns_dtype)
+    for (rows, cols), update in zip(tiles, updates):
+        if update is None:
+            continue
+        # W_b <- W_b (1 - lr wd) - lr s(m_b, n_b) O_b: RMS matched by the tile's own shape
+        apply_update(
+            param[rows, cols],
+            update,
+            lr=lr,
+            weight_decay=weight_decay,
+            scale=lr_scale(tuple(update.shape), adjust_lr),
+        )
+
+
+class MuonBP(Muon):
+    r"""MuonBP: Muon whose orthogonalization is block-local except every ``period`` steps.
+
+    Khaled, Ozkara, Yu, Hong, Park, "MuonBP: Faster Muon via Block-Periodic
+    Orthogonalization", https://arxiv.org/abs/2510.16981.
+
+    .. code-block:: text
+
+        per matrix W (d_out x d_in), its update k = 0, 1, 2, ...:
+          M <- mu M + (1 - mu) G;   N = (1 - mu) G + mu M  (Nesterov)  or  N = M
+          full step, k mod P == 0:
+            O = NS5(N)                                   whole matrix (Muon's exchange)
+            W <- W (1 - lr wd) - lr s(d_out, d_in) O
+          block step, otherwise: for each block b (m_b x n_b), no communication
+            O_b = NS5(N_b)
+            W_b <- W_b (1 - lr_b wd) - lr_b s(m_b, n_b) O_b,   lr_b = block_lr_ratio lr
+          s(m, n) = 0.2 sqrt(max(m, n))   ("match_rms_adamw": update RMS 0.2 lr, any shape)
+
+    Blocks: on a DTensor parameter, the rank's local shard (FSDP ``Shard(0)``: its rows;
+    TP row-parallel ``Shard(1)``: its columns; FSDP x TP: the intersection), further cut
+    into ``row_blocks x col_blocks`` tiles (default 1 x 1: the shard itself). On a plain
+    tensor (one device, or DDP) the local piece is the whole matrix, so the tiles emulate a
+    shard layout: ``row_blocks=4`` is FSDP over 4 ranks (``torch.chunk`` splits, 18 rows:
+    5/5/5/3), ``col_blocks=2`` TP row-parallel over 2, ``row_blocks=(2, 2)`` the rows of a
+    column-parallel weight on a 2 x 2 FSDP x TP mesh (5/4/5/4). Such a single-device run
+    equals the sharded one.
+
+    Learning rates (the paper's rule, as far as we could read it: two stepsizes, each update
+    scaled by the square root of the dimensions of the matrix it orthogonalizes, matching
+    update RMS): ``lr`` is the full steps' rate, ``block_lr_ratio * lr`` the block steps',
+    and ``s`` is Muon's ``lr_scale`` applied to the full shape on full steps and to the
+    block's shape on block steps. With the default ``adjust_lr="match_rms_adamw"`` a block
+    update and a full update both have RMS ``0.2 lr`` (for an exactly orthogonal ``O``), so
+    ``block_lr_ratio=1`` (our default: the paper's theory lets the two rates differ, and
+    we could not read the ratio its experiments used) changes only the direction, not the
+    size. ``adjust_lr="spectral"`` applies Keller's
+    ``sqrt(max(1, m/n))`` the same way; it keeps the RMS for row blocks but not for column
+    blocks.
+
+    Args (besides Muon's; see ``Muon``):
+        lr: the full steps' learning rate (default 1e-3, AdamW's: with ``match_rms_adamw``
+            AdamW learning rates transfer, Moonshot's arXiv 2502.16982).
+        period: ``P``, a full step every ``P`` updates of a matrix, starting with its first
+            (default 5, the paper's choice as secondary sources report it); ``1`` is Muon,
+            ``None`` BlockMuon (block steps only).
+        block_lr_ratio: the block steps' learning rate over ``lr`` (default 1).
+        row_blocks, col_blocks: tiling of each local piece for block steps (default 1);
+            an integer >= 1, or a tuple of them for nested splits (outer first).
+        adjust_lr: ``"match_rms_adamw"`` (default here, the paper's RMS matching) or
+            ``"spectral"``.
+
+    ``period``, ``block_lr_ratio``, ``row_blocks`` and ``col_blocks`` are group keys, so
+    one optimizer can tile each matrix like its own layout.
+
+    Communication: none on block steps. On full steps, exactly Muon's: per mesh (or
+    data-parallel group), one ``all_to_all`` of ``N`` to the owners and one back. Each
+    matrix counts its own updates (state ``step``, checkpointed); if matrices sharing an
+    exchange fall out of phase (one had no gradient on some step), the full step of those
+    due runs over an exchange of just them, planned once (a collective) and kept.
+
+    Differences from the paper, all opt-out or harmless: Muon's momentum conventions
+    (EMA form and Nesterov, Keller's defaults; NS5 divides out the EMA's scale, so only
+    Nesterov changes the direction: ``nesterov=False`` gives the paper's heavy ball), and
+    decoupled weight decay multiplied by the step's own learning rate.
+    """
+
+    algorithm = "muonbp"
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = NS_STEPS,
+        *,
+        period: int | None = 5,
+        block_lr_ratio: float = 1.0,
+        row_blocks: int | tuple[int, ...] = 1,
+        col_blocks: int | tuple[int, ...] = 1,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adjust_lr: str = "match_rms_adamw",
+        data_parallel=None,
+        nonfinite: str = "raise",
+    ):
+        self._block_defaults = dict(
+            period=period,
+            block_lr_ratio=block_lr_ratio,
+            row_blocks=row_blocks,
+            col_blocks=col_blocks,
+        )
+        self._subset_exchanges: dict[tuple[int, ...], OwnerExchange] = {}
+        super().__init__(
+            params,
+            lr,
+            momentum,
+            nesterov,
+            weight_decay,
+            ns_steps,
+            ns_dtype=ns_dtype,
+            adjust_lr=adjust_lr,
+            data_parallel=data_parallel,
+            nonfinite=nonfinite,
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # Muon.__init__ builds the defaults; ours join them before the first group is added
+        for key, value in self._block_defaults.items():
+            self.defaults.setdefault(key, value)
+        super().add_param_group(param_group)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        super()._validate_group(group)
+        if group["algorithm"] != self.algorithm:
+            return
+        period = group["period"]
+        if period is not None and not _is_count(period):
+            raise ValueError(
+                f"invalid period: {period!r} (an integer >= 1, or None for block steps only)"
+            )
+        if not group["block_lr_ratio"] >= 0:
+            raise ValueError(f"invalid block_lr_ratio: {group['block_lr_ratio']} (must be >= 0)")
+        for key in ("row_blocks", "col_blocks"):
+            value = group[key]
+            splits = _splits(value)
+            if not (splits and all(_is_count(n) for n in splits)):
+                raise ValueError(
+                    f"invalid {key}: {value!r} (an integer >= 1, or a tuple of them for "
+                    "nested splits)"
+                )
+
+    def _plan_exchanges(self) -> None:
+        self._subset_exchanges = {}
+        super()._plan_exchanges()
+
+    # ------------------------------------------------------------------ step
+    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        # step: updates taken, which sets the phase; a CPU scalar, as torch.optim's AdamW
+        return {**super()._init_matrix_state(param, group), "step": torch.tensor(0.0)}
+
+    @staticmethod
+    def _is_full_step(state: dict[str, Any], group: dict[str, Any]) -> bool:
+        """Update k (from 0) of a matrix is full when k mod period == 0."""
+        return group["period"] is not None and int(state["step"]) % group["period"] == 0
+
+    def _update_matrix(self, param: Tensor, state: dict[str, Any], group: dict) -> None:
+        """A matrix no other rank shares (one device, no ``data_parallel``)."""
+        if self._is_full_step(state, group):
+            super()._update_matrix(param, state, group)
+        else:
+            self._block_step(param, state, group)
+        state["step"] += 1
+
+    def _block_step(self, param: Tensor, state: dict[str, Any], group: dict) -> None:
+        piece = local(param)
+        block_muon_update(
+            piece,
+            local(param.grad),
+            local(state["momentum"]),
+            block_tiles(tuple(piece.shape), group["row_blocks"], group["col_blocks"]),
+            lr=group["lr"] * group["block_lr_ratio"],
+            beta=group["momentum"],
+            nesterov=group["nesterov"],
+            weight_decay=group["weight_decay"],
+            adjust_lr=group["adjust_lr"],
+            ns_steps=group["ns_steps"],
+            ns_dtype=group["ns_dtype"],
+        )
+
+    def _shared_step(self, exchange: OwnerExchange, entries: list[tuple[Tensor, dict]]) -> None:
+        """Block steps locally; the matrices due for a full step through Muon's exchange.
+
+        Every rank holds the same phases (the same matrices get gradients on every rank),
+        so every rank takes the same collectives, or none.
+        """
+        live = [(p, group) for p, group in entries if p.grad is not None]
+        for p, group in live:
+            if not self.state[p]:
+                self.state[p].update(self._init_matrix_state(p, group))
+        due = [(p, group) for p, group in live if self._is_full_step(self.state[p], group)]
+        full = {p for p, _ in due}
+        for p, group in live:
+            if p not in full:
+                self._block_step(p, self.state[p], group)
+        if due and len(due) == len(live):  # the usual case: Muon's planned exchange
+            super()._shared_step(exchange, entries)
+        elif due:
+            super()._shared_step(self._subset_exchange(exchange, due), due)
+        for p, _ in live:
+            self.state[p]["step"] += 1
+
+    def _subset_exchange(self, exchange: OwnerExchange, due: list[tuple[Tensor, dict]]):
+        """An exchange over just the matrices ``due`` (planned collectively, then kept)."""
+        key = (id(exchange), *(id(p) for p, _ in due))
+        if key not in self._subset_exchanges:
+            placements = [matrix_placement(p) for p, _ in due]
+            self._subset_exchanges[key] = OwnerExchange(placements, exchange.group)
+        return self._subset_exchanges[key]
+
+
+def _chunk(n: int, parts: int) -> list[int]:
+    # torch.chunk: parts of ceil(n / parts) each, the last ones short or empty
+    step = -(-n // parts)
+    return [min(step, max(0, n - i * step)) for i in range(parts)]
+
+
+def _is_count(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
+def _splits(blocks) -> tuple[int, ...]:
+    return tuple(blocks) if isinstance(blocks, tuple | list) else (blocks,)
+
+
+def _slices(sizes: list[int]) -> list[slice]:
+    starts = list(itertools.accumulate(sizes, initial=0))
+    return [slice(a, b) for a, b in zip(starts, starts[1:])]
