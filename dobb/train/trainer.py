@@ -77,8 +77,8 @@ def distributed_options(name: str, parallelism: Parallelism) -> dict[str, Any]:
 
     DTensor parameters carry their own meshes; what no placement shows is which ranks see
     different tokens. Dobb averages its statistics over them; Muon (and MuonBP's full
-    steps) split DDP-replicated matrices between them. Dion gets nothing: its compressed sync would need DDP to skip
-    averaging its gradients, which the harness's DDP does not.
+    steps) split DDP-replicated matrices between them. Dion gets nothing: its compressed
+    sync would need DDP to skip averaging its gradients, which the harness's DDP does not.
     """
     if name in ("dobb", "muon", "muonbp") and parallelism.data_parallel is not None:
         return {"data_parallel": parallelism.data_parallel}
