@@ -201,8 +201,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             else:
                 lion_update(param, grad, local(state["exp_avg"]), **hp)
 
-    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        """Update every matrix parameter; override to batch work across parameters."""
+    def _matrices_with_grad(self, groups: list[dict[str, Any]]):
+        """``(param, state, group)`` for every matrix with a gradient; state built lazily."""
         for group in groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -210,7 +210,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state.update(self._init_matrix_state(p, group))
-                self._update_matrix(p, state, group)
+                yield p, state, group
+
+    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
+        """Update every matrix parameter; override to batch work across parameters."""
+        for p, state, group in self._matrices_with_grad(groups):
+            self._update_matrix(p, state, group)
 
     def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError

@@ -434,12 +434,7 @@ class Dion(MatrixOptimizer):
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
         for group in groups:
             matrices = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(self._init_matrix_state(p, group))
+            for p, state, _ in self._matrices_with_grad([group]):
                 state["step"] += 1
                 generator = None
                 if group["orthogonalize"] == "cholesky_qr":  # sketch seeded by (matrix, step)

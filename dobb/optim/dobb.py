@@ -323,20 +323,13 @@ class Dobb(MatrixOptimizer):
         return state
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        active = []
-        for group in groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(self._init_matrix_state(p, group))
-                state["step"] += 1
-                means = self._new_statistics(p, group)
-                if means is not None:
-                    self._fold_statistics(state, means, group["stats_beta"])
-                    self._unsynced.add(id(state))
-                active.append((p, state, group))
+        active = list(self._matrices_with_grad(groups))
+        for p, state, group in active:
+            state["step"] += 1
+            means = self._new_statistics(p, group)
+            if means is not None:
+                self._fold_statistics(state, means, group["stats_beta"])
+                self._unsynced.add(id(state))
         due = [
             (state, group)
             for _, state, group in active
