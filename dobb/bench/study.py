@@ -653,7 +653,7 @@ def _ablation_findings(report: dict[str, Any]) -> list[str]:
             "Better than Dobb's default beyond the noise: "
             + ", ".join(f"{_label(r)} ({r['delta']:+.4f})" for r in better)
             + "; the default ("
-            + ", ".join(f"{r['option']}={r['default']}" for r in better)
+            + ", ".join(sorted({f"{r['option']}={r['default']}" for r in better}))
             + ") is not the best setting at this budget."
         )
     for r in rows:

@@ -8,7 +8,8 @@ import torch
 from dobb import cli
 from dobb.train import compare
 
-RUNS = ["adamw-lr0.001", "dion-lr0.02", "dobb-lr0.001", "muon-lr0.02"]
+# each optimizer at its best lr from the study (MuonBP: the registry's starting lr)
+RUNS = ["adamw-lr0.002", "dion-lr0.01", "dobb-lr0.002", "muon-lr0.02", "muonbp-lr0.005"]
 
 
 @pytest.fixture(autouse=True)
