@@ -36,6 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")
 OPTIMIZERS = ("dobb", "dion", "muon")
@@ -87,6 +88,7 @@ def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
 
     matrices = [(p, g) for g in opt.param_groups if g["algorithm"] == name for p in g["params"]]
     total = 0
+    gathered: Counter = Counter()  # Dobb's sharded refresh: blocks per size, all matrices
     for p, group in matrices:
         placement = matrix_placement(p)
         m, n = p.shape
@@ -97,6 +99,8 @@ def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
             blocks = sum(s.count * s.size**2 for s in opt._stacks(p, group))  # local C_b
             axes = len(opt._data_parallel_groups) if refresh else 0
             total += 4 * blocks * axes
+            if refresh and axes:
+                gathered.update({s.size: s.count for s in opt._stacks(p, group)})
         elif name == "dion":
             r = Dion.rank_of((m, n), group)
             k = 128 * math.ceil(1.25 * r / 128)
@@ -107,6 +111,9 @@ def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
             total += 2 * m * n * (world - 1) // world
         elif split_rows or split_cols:  # to the owner in fp32, back in bf16; per rank / W
             total += (4 + 2) * m * n * (world - 1) // world**2
+    if gathered:  # one all-gather per block size, padded to a multiple of the group size
+        ranks = dist.get_world_size(opt._data_parallel_groups[-1])
+        total += sum(4 * ranks * -(-count // ranks) * size**2 for size, count in gathered.items())
     return total
 
 
@@ -119,7 +126,7 @@ def summarize(kinds: list[tuple[str, int]]) -> str:
 
 
 FORMULAS = {
-    "dobb": "refresh: Σ d_in²/B fp32 per data axis; else 0",
+    "dobb": "refresh: Σ d_in²/B fp32 per data axis + bases all-gather Σ_s P⌈n_s/P⌉ s²; else 0",
     "dion": "per row axis (k r + 1 + r² + n r), per col axis (m r + 1 + r) fp32",
     "muon": "m n (W-1)/W fp32 to owner + m n (W-1)/W bf16 back (DDP: m n (W-1) bf16)",
 }

@@ -311,8 +311,9 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
     lines += [
         markdown_table(["optimizer", "lr", "scalar lr", "options", "source"], lr_rows),
         "",
-        "Registry values come from `dobb/optim/registry.py` and are not tuned; "
-        "`dobb compare --lr-sweep` measures them.",
+        "Study values are the best of `dobb study`'s grids on a smaller GPT (4 layers, width "
+        "128); registry starting values (`dobb/optim/registry.py`) are untuned. "
+        "`dobb compare --lr-sweep` sweeps at this budget.",
         "",
         "## Results",
         "",
