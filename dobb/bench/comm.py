@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")
-OPTIMIZERS = ("dobb", "dion", "muon")
+OPTIMIZERS = ("dobb", "dion", "muon", "muonbp")
 BATCH = 4  # sequences per rank and step
 
 
@@ -87,6 +87,10 @@ def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
     from dobb.optim.dion import Dion
 
     matrices = [(p, g) for g in opt.param_groups if g["algorithm"] == name for p in g["params"]]
+    if name == "muonbp":  # a full step (the first, then every period) moves what Muon's does
+        if any(not _muonbp_full_step(step, g) for _, g in matrices):
+            return 0
+        name = "muon"
     total = 0
     gathered: Counter = Counter()  # Dobb's sharded refresh: blocks per size, all matrices
     for p, group in matrices:
@@ -117,6 +121,10 @@ def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
     return total
 
 
+def _muonbp_full_step(step: int, group: dict) -> bool:
+    return group["period"] is not None and (step - 1) % group["period"] == 0
+
+
 def summarize(kinds: list[tuple[str, int]]) -> str:
     """``[("all_reduce", 4)] * 3`` -> ``"3 all_reduce(4)"``; none -> ``"-"``."""
     if not kinds:
@@ -129,6 +137,7 @@ FORMULAS = {
     "dobb": "refresh: Σ d_in²/B fp32 per data axis + bases all-gather Σ_s P⌈n_s/P⌉ s²; else 0",
     "dion": "per row axis (k r + 1 + r² + n r), per col axis (m r + 1 + r) fp32",
     "muon": "m n (W-1)/W fp32 to owner + m n (W-1)/W bf16 back (DDP: m n (W-1) bf16)",
+    "muonbp": "full step (step 1, then every period): as Muon; block step: 0",
 }
 
 
@@ -145,7 +154,8 @@ def report(results: list[list[dict]], world: int, config: str, command: str) -> 
         "(CommRecorder: full-buffer bytes; all_to_all: bytes sent), averaged over ranks; "
         "gradient reduction in the backward pass is not counted. Dion: rank fraction 1/16, "
         "randomized Cholesky QR. Muon: bf16 Newton-Schulz; under DDP the replicas split the "
-        "matrices (Keller's distributed Muon). Dobb: basis interval 10 (step 1 refreshes).",
+        "matrices (Keller's distributed Muon). Dobb: basis interval 10 (step 1 refreshes). "
+        "MuonBP: period 5 (step 1 is a full step, step 2 a block step on local shards).",
         "",
         "| optimizer | layout | step | collectives / step (kind(group size)) "
         "| bytes / step measured | analytic | formula |",
@@ -153,11 +163,14 @@ def report(results: list[list[dict]], world: int, config: str, command: str) -> 
     ]
     for i, row in enumerate(results[0]):
         name, step = row["name"], row["step"]
-        if name != "dobb" and step == 1:
+        if name not in ("dobb", "muonbp") and step == 1:
             continue  # Dion and Muon communicate alike every step
         measured = sum(e[2] for r in results for e in r[i]["events"])
         analytic = sum(r[i]["analytic"] for r in results)
-        label = {"dobb": "refresh" if step == 1 else "no refresh"}.get(name, "any")
+        label = {
+            "dobb": "refresh" if step == 1 else "no refresh",
+            "muonbp": "full" if step == 1 else "block",
+        }.get(name, "any")
         kinds = summarize([(kind, size) for kind, size, _ in row["events"]])
         lines.append(
             f"| {name} | {row['layout']} | {label} | {kinds} | {measured // world:,} "
