@@ -38,8 +38,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
 }
 # Best hidden-matrix learning rates found by `dobb study` (benchmarks/STUDY.md, section (a):
 # 4 layers, width 128, 400 steps, 4 seeds). The comparison runs each optimizer there; the
-# lr sweep centres its grids on the registry's starting lrs instead. MuonBP is not tuned yet.
-BEST_LRS = {"dobb": 2e-3, "dion": 1e-2, "muon": 2e-2, "adamw": 2e-3}
+# lr sweep centres its grids on the registry's starting lrs instead.
+BEST_LRS = {"dobb": 2e-3, "dion": 1e-2, "muon": 2e-2, "muonbp": 5e-3, "adamw": 2e-3}
 # Default budget: the mini GPT (4 layers, d=256, 3.3M parameters, byte tokens) at 16 x 256
 # tokens per step. Measured on the 2-core CPU machine (torch 2.13, 2 threads, another job
 # using about one core): 0.51 s/step (adamw), 0.53 (dion), 0.58 (muon), 0.55-0.95 (dobb,
