@@ -11,13 +11,8 @@ on the parameters after three steps (measured: ~1e-7).
 
 import pytest
 import torch
-from layouts import MLP, full, parallelize, train_step
 from multirank import run_ranks
-from test_muon_distributed import build, compare_layout
-from torch.distributed.checkpoint.state_dict import (
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from test_muon_distributed import checkpoint_run, compare_layout
 
 TOLERANCE = 1e-5
 DION = {"lr": 0.05, "rank": 2, "mu": 0.9, "orthogonalize": "cholesky_qr"}
@@ -85,45 +80,18 @@ def test_householder_qr_gathers_row_split_P():
             assert [kind for kind, _, _ in step] == kinds, step
 
 
-def checkpoint_run(rank, world, path, phase, layout):
-    """phase "save": 2 steps, DCP save, 2 more; "load": DCP load, the last 2 steps."""
-    import torch.distributed.checkpoint as dcp
-
-    torch.manual_seed(0)
-    out = 16
-    model, _, dp_rank, dp_size = parallelize(MLP(18, out), layout, world)
-    opt = build("dion", model, DION)
-    if phase == "save":
-        for step in range(2):
-            train_step(model, opt, step, dp_rank, dp_size, out)
-        dcp.save(
-            {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
-            checkpoint_id=path,
-        )
-    else:
-        before = [full(p.detach()).clone() for p in model.parameters()]
-        # DCP builds the optimizer state with a zero-gradient, lr = 0 step: no change, no NaN
-        state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
-        for a, p in zip(before, model.parameters()):
-            assert torch.equal(a, full(p.detach()))
-        assert all(torch.isfinite(full(t)).all() for s in opt.state.values() for t in s.values())
-        dcp.load(state, checkpoint_id=path)
-        model.load_state_dict(state["model"])
-        set_optimizer_state_dict(model, opt, state["optim"])
-    for step in range(2, 4):
-        train_step(model, opt, step, dp_rank, dp_size, out)
-    Q = [(tuple(s["Q"].placements), full(s["Q"])) for s in opt.state.values() if "Q" in s]
-    return [full(p.detach()) for p in model.parameters()], Q
-
-
 @pytest.mark.timeout(120)
 def test_dcp_resume_on_another_mesh_equals_uninterrupted(tmp_path):
     """Save under FSDP x TP on 4 ranks (fc2's Q split over TP), resume under FSDP on 2."""
-    uninterrupted, Q = run_ranks(checkpoint_run, 4, str(tmp_path), "save", "fsdp_tp")[0]
+    args = (str(tmp_path), "save", "fsdp_tp", "dion", DION)
+    uninterrupted, states = run_ranks(checkpoint_run, 4, *args)[0]
+    Q = [(placements, q) for key, placements, q in states if key == "Q"]
     assert [str(placements) for placements, _ in Q] == [
         "(Replicate(), Replicate())",  # fc1: columns whole
         "(Replicate(), Shard(dim=0))",  # fc2: Q's rows split like fc2's columns (TP)
     ]
-    resumed, Q_resumed = run_ranks(checkpoint_run, 2, str(tmp_path), "load", "fsdp")[0]
-    for a, b in zip(uninterrupted + [q for _, q in Q], resumed + [q for _, q in Q_resumed]):
+    args = (str(tmp_path), "load", "fsdp", "dion", DION)
+    resumed, states = run_ranks(checkpoint_run, 2, *args)[0]
+    Q_resumed = [q for key, _, q in states if key == "Q"]
+    for a, b in zip(uninterrupted + [q for _, q in Q], resumed + Q_resumed):
         torch.testing.assert_close(a, b, rtol=TOLERANCE, atol=1e-7)

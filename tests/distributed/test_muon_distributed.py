@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import dobb
@@ -110,14 +111,18 @@ def test_sharded_muon_equals_single_device(layout, world):
         assert moved == ([returned] if layout == "ddp" else [lacking, returned])
 
 
-def checkpoint_run(rank, world, path, phase, layout):
-    """phase "save": 2 steps, DCP save, 2 more; "load": DCP load, the last 2 steps."""
+def checkpoint_run(rank, world, path, phase, layout, name="muon", options=None):
+    """phase "save": 2 steps, DCP save, 2 more; "load": DCP load, the last 2 steps.
+
+    Returns the final parameters and, per optimizer-state tensor, (key, placements or None,
+    full value). Shared with ``test_dion_distributed``.
+    """
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
     out = 16
     model, _, dp_rank, dp_size = parallelize(MLP(18, out), layout, world)
-    opt = build("muon", model, MUON)
+    opt = build(name, model, MUON if options is None else options)
     if phase == "save":
         for step in range(2):
             train_step(model, opt, step, dp_rank, dp_size, out)
@@ -137,17 +142,23 @@ def checkpoint_run(rank, world, path, phase, layout):
         set_optimizer_state_dict(model, opt, state["optim"])
     for step in range(2, 4):
         train_step(model, opt, step, dp_rank, dp_size, out)
-    momenta = [type(s["momentum"]).__name__ for s in opt.state.values() if "momentum" in s]
-    return [full(p.detach()) for p in model.parameters()], momenta
+    states = [
+        (key, tuple(v.placements) if isinstance(v, DTensor) else None, full(v))
+        for s in opt.state.values()
+        for key, v in s.items()
+        if key in ("momentum", "Q")
+    ]
+    return [full(p.detach()) for p in model.parameters()], states
 
 
 @pytest.mark.timeout(120)
 def test_dcp_resume_on_another_mesh_equals_uninterrupted(tmp_path):
     """Save under FSDP x TP on 4 ranks, resume under FSDP on 2."""
-    uninterrupted, momenta = run_ranks(
+    uninterrupted, states = run_ranks(
         checkpoint_run, 4, str(tmp_path), "save", "fsdp_tp", timeout=110
     )[0]
-    assert momenta == ["DTensor", "DTensor"]  # momentum state sharded like the weights
+    momenta = [placements for key, placements, _ in states if key == "momentum"]
+    assert len(momenta) == 2 and None not in momenta  # momentum sharded like the weights
     resumed, _ = run_ranks(checkpoint_run, 2, str(tmp_path), "load", "fsdp", timeout=110)[0]
     for a, b in zip(uninterrupted, resumed):
         torch.testing.assert_close(a, b, rtol=TOLERANCE, atol=1e-7)
