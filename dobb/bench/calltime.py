@@ -245,8 +245,12 @@ def time_optimizers(
     autocast: bool = False,
     progress: Progress = lambda _: None,
     on_repeat: Callable[[dict], None] = lambda _: None,
+    distributed: dict[str, dict] | None = None,
 ) -> dict:
     """Interleaved call times of ``names`` on ``stack`` (whose ``.grad`` must be set).
+
+    ``distributed``: further constructor arguments per optimizer (e.g. Dobb's
+    ``data_parallel``) when ``stack`` is sharded.
 
     Returns ``{name: {...}}`` with per-repeat amortized call times and their spread,
     Dobb's refresh and steady calls apart, its forward-with-hooks time, and the state bytes.
@@ -259,7 +263,10 @@ def time_optimizers(
     stack.train()
     optimizers = {
         name: build_optimizer(
-            name, stack, **optimizer_overrides(name, num_blocks, basis_interval, rank_fraction)
+            name,
+            stack,
+            **optimizer_overrides(name, num_blocks, basis_interval, rank_fraction),
+            **(distributed or {}).get(name, {}),
         )
         for name in names
     }
