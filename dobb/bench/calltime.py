@@ -1,4 +1,4 @@
-"""Optimizer-call time on the hidden matrices of a GPT: Dobb, Dion, Muon, AdamW, interleaved.
+"""Optimizer-call time on the hidden matrices of a GPT: Dobb, Dion, Muon, MuonBP, AdamW.
 
     python -m dobb.bench.calltime --config gpt2-xl --layers 2 --repeats 5 --out calltime.json
     python -m dobb.bench.calltime calibrate --device cuda --out calibration.json
@@ -13,14 +13,17 @@ What is measured:
 
 - **Call time**, amortized over one period of the optimizer's periodic work. Dobb's period
   is ``--basis-interval`` (k) calls, exactly one of which refreshes the bases (batched
-  ``eigh``), so the refresh is included; Dion, Muon and AdamW do the same work every call,
-  so their period is ``--calls`` calls. Each repeat gives one number per optimizer (the
-  mean call time over its period); we report the median and the spread (min, quartiles,
-  max) over repeats. The optimizers run interleaved, in a rotated order each repeat, after
-  one warm-up period each (lazy state, the first ``eigh``). Gradients come from one real
-  backward pass of the stack (``G = Cᵀ X`` with a fixed random output cotangent ``C``)
-  and stay fixed. Before every Dobb call a real forward pass of every layer on the token
-  batch feeds Dobb's statistics hooks; that forward is timed apart, not as part of the call.
+  ``eigh``), so the refresh is included; MuonBP's is its ``--period`` (P) calls, one full
+  Newton-Schulz step and P - 1 block steps (on one device its blocks are
+  ``--row-blocks`` row tiles, emulating FSDP over that many ranks); Dion, Muon and AdamW
+  do the same work every call, so their period is ``--calls`` calls. Each repeat gives one
+  number per optimizer (the mean call time over its period); we report the median and the
+  spread (min, quartiles, max) over repeats. The optimizers run interleaved, in a rotated
+  order each repeat, after one warm-up period each (lazy state, the first ``eigh``).
+  Gradients come from one real backward pass of the stack (``G = Cᵀ X`` with a fixed
+  random output cotangent ``C``) and stay fixed. Before every Dobb call a real forward
+  pass of every layer on the token batch feeds Dobb's statistics hooks; that forward is
+  timed apart, not as part of the call.
 - **Statistics hooks' share** of forward+backward: the stack's forward+backward with and
   without hooks (alternated), and the hooks alone (``BlockStatistics.add`` on each input).
 - **Optimizer-state bytes per parameter** of the hidden matrices.
@@ -28,10 +31,9 @@ What is measured:
   QR rates, memory bandwidth, per-op and per-matrix overheads); ``eigh``: eigh backends.
 
 All optimizers share one set of parameters (their updates do not change the work), so
-memory is parameters + gradients + the four optimizers' states. Distributed timing
-(``--layout fsdp``) is not here yet: it would shard the same stack with
-``dobb.train.parallel.parallelize`` under torchrun, build the distributed Muon and Dion,
-and time the same ``time_optimizers`` loop on every rank, reporting the slowest rank.
+memory is parameters + gradients + the optimizers' states. Sharded timing (FSDP2, HSDP,
+TP over gloo ranks) is ``dobb.bench.calltime_sharded``, which runs ``time_optimizers`` on
+every rank.
 """
 
 import argparse
@@ -214,12 +216,38 @@ def hook_overhead(
     }
 
 
-def optimizer_overrides(name: str, num_blocks: int, basis_interval: int, rank_fraction: float):
-    """Constructor arguments of the comparison (everything else: registry defaults)."""
+def optimizer_overrides(
+    name: str,
+    num_blocks: int,
+    basis_interval: int,
+    rank_fraction: float,
+    period: int = 5,
+    row_blocks: int = 1,
+) -> dict:
+    """Constructor arguments of the comparison (everything else: registry defaults).
+
+    The arguments are named as ``costmodel.predict``'s, so one dict feeds both."""
     return {
         "dobb": {"num_blocks": num_blocks, "basis_interval": basis_interval},
         "dion": {"rank_fraction": rank_fraction},
+        "muonbp": {"period": period, "row_blocks": row_blocks},
     }.get(name, {})
+
+
+def calls_per_period(name: str, options: dict, calls: int) -> int:
+    """Calls over which ``name``'s periodic work repeats (``options``: its overrides)."""
+    if name == "dobb":
+        return options["basis_interval"]
+    if name == "muonbp" and options["period"]:
+        return options["period"]
+    return calls
+
+
+# the first call of a period is the periodic one: (its key, the other calls' key)
+PERIODIC_CALLS = {
+    "dobb": ("refresh_call_s", "steady_call_s"),
+    "muonbp": ("full_call_s", "block_call_s"),
+}
 
 
 def state_bytes_measured(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> int:
@@ -242,6 +270,8 @@ def time_optimizers(
     num_blocks: int = 16,
     basis_interval: int = 10,
     rank_fraction: float = 1 / 16,
+    period: int = 5,
+    row_blocks: int = 1,
     autocast: bool = False,
     progress: Progress = lambda _: None,
     on_repeat: Callable[[dict], None] = lambda _: None,
@@ -249,25 +279,29 @@ def time_optimizers(
 ) -> dict:
     """Interleaved call times of ``names`` on ``stack`` (whose ``.grad`` must be set).
 
-    ``distributed``: further constructor arguments per optimizer (e.g. Dobb's
-    ``data_parallel``) when ``stack`` is sharded.
+    ``period`` and ``row_blocks`` are MuonBP's. ``distributed``: further constructor
+    arguments per optimizer (e.g. Dobb's ``data_parallel``) when ``stack`` is sharded.
 
     Returns ``{name: {...}}`` with per-repeat amortized call times and their spread,
-    Dobb's refresh and steady calls apart, its forward-with-hooks time, and the state bytes.
-    ``on_repeat`` gets the partial result after every repeat.
+    Dobb's refresh and MuonBP's full-step calls apart from their other calls, Dobb's
+    forward-with-hooks time, and the state bytes. ``on_repeat`` gets the partial result
+    after every repeat.
     """
     device = next(stack.parameters()).device
     params = list(stack.parameters())
     if any(p.grad is None for p in params):
         raise ValueError("every parameter needs a .grad (run forward_backward first)")
     stack.train()
+    kw = dict(
+        num_blocks=num_blocks,
+        basis_interval=basis_interval,
+        rank_fraction=rank_fraction,
+        period=period,
+        row_blocks=row_blocks,
+    )
+    overrides = {name: optimizer_overrides(name, **kw) for name in names}
     optimizers = {
-        name: build_optimizer(
-            name,
-            stack,
-            **optimizer_overrides(name, num_blocks, basis_interval, rank_fraction),
-            **(distributed or {}).get(name, {}),
-        )
+        name: build_optimizer(name, stack, **overrides[name], **(distributed or {}).get(name, {}))
         for name in names
     }
     results = {name: {"period_calls": [], "amortized_s": [], "forward_s": []} for name in names}
@@ -280,7 +314,7 @@ def time_optimizers(
         optimizer = optimizers[name]
         stats = get_entry(name).needs_statistics
         calls_s, forward_s = [], []
-        for _ in range(basis_interval if name == "dobb" else calls):
+        for _ in range(calls_per_period(name, kw, calls)):
             if stats:
                 forward_s.append(timed(forward_for_statistics, device))
             calls_s.append(timed(optimizer.step, device))
@@ -314,11 +348,13 @@ def summarize(results: dict, optimizers: dict, params: list[Tensor]) -> dict:
         if not res["amortized_s"]:
             continue
         entry = {**res, "call_s": spread(res["amortized_s"])}
-        if name == "dobb":  # call 0 of every period refreshes the bases
-            entry["refresh_call_s"] = spread([calls[0] for calls in res["period_calls"]])
-            steady = [t for calls in res["period_calls"] for t in calls[1:]]
-            if steady:
-                entry["steady_call_s"] = spread(steady)
+        if name in PERIODIC_CALLS:  # call 0 of every period: Dobb's refresh, MuonBP's full step
+            first, others = PERIODIC_CALLS[name]
+            entry[first] = spread([calls[0] for calls in res["period_calls"]])
+            rest = [t for calls in res["period_calls"] for t in calls[1:]]
+            if rest:
+                entry[others] = spread(rest)
+        if res["forward_s"]:
             entry["forward_with_hooks_s"] = spread(res["forward_s"])
         state = state_bytes_measured(optimizers[name], params)
         entry["state_bytes"] = state
@@ -562,11 +598,12 @@ def framework_overhead(
     Times each optimizer on ``matrices`` tiny (16 x 16) matrices, where the ops cost
     almost nothing, and subtracts the cost model's prediction (``hardware`` without this
     term): what remains is the Python loop, state lookups and the like, which the
-    model then charges once per matrix. Dobb runs without refreshes here (``k`` huge).
+    model then charges once per matrix. Dobb runs without refreshes here (``k`` huge),
+    MuonBP with block steps only.
     """
     device = torch.device(device)
     mats = [Matrix(f"m{i}", 16, 16) for i in range(matrices)]
-    kw = dict(num_blocks=4, basis_interval=10**9, rank_fraction=1 / 4)
+    kw = dict(num_blocks=4, basis_interval=10**9, rank_fraction=1 / 4, period=None)
     out = {}
     for name in OPTIMIZERS:
         stack = LinearStack(mats, 16, device=device)
@@ -614,6 +651,8 @@ def run(
     num_blocks: int = 16,
     basis_interval: int = 10,
     rank_fraction: float = 1 / 16,
+    period: int = 5,
+    row_blocks: int = 4,
     device: str = "cpu",
     autocast: bool = False,
     seed: int = 0,
@@ -641,6 +680,8 @@ def run(
             "num_blocks": num_blocks,
             "basis_interval": basis_interval,
             "rank_fraction": rank_fraction,
+            "period": period,
+            "row_blocks": row_blocks,
             "device": device,
             "device_name": device_name(device_),
             "autocast": "bf16" if autocast else "none",
@@ -674,6 +715,8 @@ def run(
         num_blocks=num_blocks,
         basis_interval=basis_interval,
         rank_fraction=rank_fraction,
+        period=period,
+        row_blocks=row_blocks,
         autocast=autocast,
         progress=progress,
         on_repeat=write,
@@ -706,14 +749,20 @@ def format_table(record: dict) -> str:
             f"{c['min']:.1f}–{c['max']:.1f} | {e.get('ratio_vs_dobb', float('nan')):.2f} | "
             f"{e['state_bytes_per_param']:.3f} |"
         )
+    lines.append("")  # notes below the table
     dobb = record["optimizers"].get("dobb")
     if dobb and "steady_call_s" in dobb:
-        lines.append("")
         lines.append(
             f"Dobb: refresh call {dobb['refresh_call_s']['median'] * 1e3:.1f} ms, other calls "
             f"{dobb['steady_call_s']['median'] * 1e3:.1f} ms (medians); forward with hooks "
             f"before each call {dobb['forward_with_hooks_s']['median'] * 1e3:.1f} ms (not in "
             "the call time)."
+        )
+    muonbp = record["optimizers"].get("muonbp")
+    if muonbp and "block_call_s" in muonbp:
+        lines.append(
+            f"MuonBP: full-step call {muonbp['full_call_s']['median'] * 1e3:.1f} ms, block-step "
+            f"calls {muonbp['block_call_s']['median'] * 1e3:.1f} ms (medians)."
         )
     h = record.get("hooks")
     if h:
@@ -723,7 +772,7 @@ def format_table(record: dict) -> str:
             f"(share {h['share_difference']:.1%}); hooks alone "
             f"{h['hooks_alone_s']['median'] * 1e3:.1f} ms (share {h['share_hooks_alone']:.1%})."
         )
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip()
 
 
 def calibrate_main(argv: list[str]) -> None:
@@ -773,6 +822,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--num-blocks", type=int, default=16)
     parser.add_argument("--basis-interval", type=int, default=10, help="Dobb's k")
     parser.add_argument("--rank-fraction", type=float, default=1 / 16)
+    parser.add_argument("--period", type=int, default=5, help="MuonBP's full-step period P")
+    parser.add_argument(
+        "--row-blocks",
+        type=int,
+        default=4,
+        help="MuonBP's row tiles on one device (emulates FSDP over that many ranks)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--autocast", choices=("none", "bf16"), default="none")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
@@ -797,6 +853,8 @@ def main(argv: list[str]) -> None:
         num_blocks=args.num_blocks,
         basis_interval=args.basis_interval,
         rank_fraction=args.rank_fraction,
+        period=args.period,
+        row_blocks=args.row_blocks,
         device=args.device,
         autocast=args.autocast == "bf16",
         seed=args.seed,

@@ -27,11 +27,14 @@ FLOPs per ``(m, n)`` matrix (``m`` local rows, ``n = d_in``) and step:
   ``2 m r²``, two triangular solves ``2 m r²``, Cholesky ``r³ / 3``.
 - Muon: Newton-Schulz, 5 x (``X Xᵀ``: ``2 a² b``; ``b A + c A²``: ``2 a³``; ``B X``:
   ``2 a² b``) with ``a = min(m, n)``, ``b = max(m, n)``, in bf16.
+- MuonBP (period ``P``): Muon's call on 1 of every ``P`` calls; on the others Newton-Schulz
+  of each block (the rank's row shard, cut into ``row_blocks`` tiles), no communication.
 - AdamW: elementwise only, 80 bytes per parameter (fp32).
 
 Layouts: ``single`` (one device) and ``fsdp`` (FSDP2 ``Shard(0)``: every rank holds
 ``ceil(m / p)`` rows of every matrix; the slowest rank sets the time). Under FSDP Dobb's
-update is local and its statistics are all-reduced over all ranks on refresh steps; Dion
+update is local; on refresh steps its statistics are all-reduced over all ranks, each rank
+eigh's ``1/p`` of the blocks and an all-gather shares the bases (``shard_refresh``); Dion
 all-reduces the sketch product (``k x r``), the Gram matrix (``r x r``) and ``Bᵀ P``
 (``n x r``) of every matrix every step (one buffer per round for all matrices, or one
 collective per matrix); Muon sends every matrix to an owner rank
@@ -47,12 +50,13 @@ from pathlib import Path
 
 from dobb.blocks import block_stacks
 from dobb.optim.muon import NS_STEPS
+from dobb.optim.muonbp import chunk_sizes
 from dobb.train.model import GPT_CONFIGS, gpt_config
 
 FP32, BF16 = 4, 2  # bytes per element
 OP_KINDS = ("elementwise", "reduction", "gemm_fp32", "gemm_skinny", "gemm_bf16", "bmm_fp32")
 CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
-OPTIMIZERS = ("dobb", "dion", "muon", "adamw")
+OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "adamw")
 
 # Paper's reference points (arXiv 2610.39412, abstract): GPT-2 XL, FSDP on 32 H100,
 # amortized optimizer-call time.
@@ -142,8 +146,8 @@ def state_bytes(name: str, matrix: Matrix, *, num_blocks: int = 16, rank_fractio
     mn, scalar = matrix.numel * FP32, FP32
     if name == "adamw":
         return 2 * mn + scalar
-    if name == "muon":
-        return mn
+    if name in ("muon", "muonbp"):
+        return mn + (scalar if name == "muonbp" else 0)  # MuonBP also counts its steps
     if name == "dion":
         return mn + matrix.d_in * dion_rank(matrix, rank_fraction) * FP32 + scalar
     if name == "dobb":
@@ -185,28 +189,35 @@ class Collective:
 
 @dataclass
 class Work:
-    """What one optimizer call does; ``refresh*`` happens once every ``period`` calls."""
+    """What one optimizer call does: ``step*`` on a ``step_share`` of the calls (1: every
+    call), ``refresh*`` once every ``period`` calls."""
 
     step: list[Kernel] = field(default_factory=list)
     step_comm: list[Collective] = field(default_factory=list)
     refresh: list[Kernel] = field(default_factory=list)
     refresh_comm: list[Collective] = field(default_factory=list)
     period: int = 1
+    step_share: float = 1.0
+
+    def parts(self):
+        """``(kernels, collectives, share of the calls)`` of the step and of the refresh."""
+        yield self.step, self.step_comm, self.step_share
+        yield self.refresh, self.refresh_comm, 1.0 / self.period
 
     def flops(self) -> float:
         """FLOPs per call, amortized (``eigh`` excluded: its cost is fitted, not counted)."""
-        step = sum(k.flops * k.count for k in self.step if k.kind != "eigh")
-        return step + sum(k.flops * k.count for k in self.refresh if k.kind != "eigh") / self.period
+        return sum(
+            share * sum(k.flops * k.count for k in kernels if k.kind != "eigh")
+            for kernels, _, share in self.parts()
+        )
 
     def bytes(self) -> float:
         """Device-memory bytes read plus written per call, amortized."""
-        step = sum(k.bytes * k.count for k in self.step)
-        return step + sum(k.bytes * k.count for k in self.refresh) / self.period
+        return sum(share * sum(k.bytes * k.count for k in ks) for ks, _, share in self.parts())
 
     def comm_bytes(self) -> float:
         """Collective payload bytes per call, amortized (full-buffer convention)."""
-        step = sum(c.bytes * c.count for c in self.step_comm)
-        return step + sum(c.bytes * c.count for c in self.refresh_comm) / self.period
+        return sum(share * sum(c.bytes * c.count for c in cs) for _, cs, share in self.parts())
 
 
 def elementwise(elements: float, accesses: int, count: int = 1, new: bool = False) -> Kernel:
@@ -253,16 +264,17 @@ def dobb_work(
     world: int = 1,
     num_blocks: int = 16,
     basis_interval: int = 10,
-    refresh: str = "replicated",
+    refresh: str = "sharded",
     launches: str = "per_matrix",
 ) -> Work:
     """Dobb's call: ``dobb_update`` per matrix, statistics fold, refresh every ``k`` calls.
 
-    ``refresh="replicated"`` is our implementation (every rank runs ``eigh`` on every block
-    of every matrix, from the all-reduced statistics); ``"sharded"`` is the alternative the
-    design allows: each rank eigh's ``1/p`` of the blocks, then an all-gather of the bases.
-    ``launches="per_shape"`` models an implementation that batches same-shape matrices
-    into one launch per op (fewer launches, same FLOPs and bytes); ours is per matrix.
+    ``refresh="sharded"`` is our default (``shard_refresh=True``): each rank eigh's ``1/p``
+    of the blocks of each size (zero-padded to equal chunks), then one all-gather per block
+    size shares the bases; ``"replicated"`` (``shard_refresh=False``): every rank runs
+    ``eigh`` on every block of every matrix. ``launches="per_shape"`` models an
+    implementation that batches same-shape matrices into one launch per op (fewer launches,
+    same FLOPs and bytes); ours is per matrix.
     """
     work = Work(period=basis_interval)
     eigh_blocks: dict[int, int] = {}
@@ -300,18 +312,23 @@ def dobb_work(
         # batched per shape: the same FLOPs and bytes, launched with the first of its shape
         work.step += ops if first else [_no_launch(k) for k in ops]
     work.step += finite_check(checked)
-    for size, count in sorted(eigh_blocks.items()):
-        blocks = count if refresh == "replicated" else math.ceil(count / world)
-        work.refresh += [
-            elementwise(blocks * size * size, 3, new=True),  # C + jitter I
-            Kernel("eigh", block=size, count=blocks),
-            elementwise(blocks * size * size, 2, new=True),  # flip
-            elementwise(blocks * size * size, 2),  # copy into the state
-        ]
+    split = refresh == "sharded" and world > 1
     if world > 1:
         work.refresh_comm.append(Collective("all_reduce", cov_bytes, world))
-        if refresh == "sharded":
-            work.refresh_comm.append(Collective("all_gather", cov_bytes, world))
+    for size, count in sorted(eigh_blocks.items()):
+        blocks = math.ceil(count / world) if split else count
+        elements = blocks * size * size
+        work.refresh += [
+            elementwise(count * size * size, 2, new=True),  # cat of the stacks
+            elementwise(elements, 3, new=True),  # C + jitter I
+            Kernel("eigh", block=size, count=blocks),
+            elementwise(elements, 2, new=True),  # flip
+            elementwise(count * size * size, 2),  # copy into the state
+        ]
+        if split:  # this rank's zero-padded chunk, then the all-gather of all chunks
+            work.refresh.append(elementwise(elements, 2, new=True))
+            gathered = blocks * world * size * size * FP32
+            work.refresh_comm.append(Collective("all_gather", gathered, world))
     return work
 
 
@@ -431,19 +448,7 @@ def muon_work(
         owner = min(range(world), key=loads.__getitem__)
         loads[owner] += newton_schulz_flops(m.d_out, m.d_in)
         owned[owner] += m.numel
-        a, b, full = min(m.d_out, m.d_in), max(m.d_out, m.d_in), m.numel
-        ns = [
-            Kernel("elementwise", bytes=full * (FP32 + BF16), alloc=full * BF16),  # to(bf16)
-            Kernel("reduction", bytes=full * BF16),  # Frobenius norm
-            Kernel("elementwise", bytes=full * 2 * BF16, alloc=full * BF16),  # X / norm
-        ]
-        for _ in range(NS_STEPS):
-            ns += [
-                matmul("gemm_bf16", 2.0 * a * a * b, a * b * BF16, a * a * BF16),  # A = X Xᵀ
-                matmul("gemm_bf16", 2.0 * a**3, 2 * a * a * BF16, a * a * BF16),  # b A + c A²
-                matmul("gemm_bf16", 2.0 * a * a * b, (a * a + a * b) * BF16, a * b * BF16),
-            ]
-        ns_ops[owner] += ns
+        ns_ops[owner] += newton_schulz_kernels(m.d_out, m.d_in)
     busiest = max(range(world), key=loads.__getitem__)
     work.step += ns_ops[busiest]
     work.step += finite_check(sum(local_rows(m.d_out, world) * m.d_in for m in matrices))
@@ -458,26 +463,90 @@ def muon_work(
     return work
 
 
+def newton_schulz_kernels(m: int, n: int, batch: int = 1) -> list[Kernel]:
+    """``newton_schulz`` of ``batch`` ``(m, n)`` matrices in one batched call (bf16)."""
+    a, b, full = min(m, n), max(m, n), batch * m * n
+    ns = [
+        Kernel("elementwise", bytes=full * (FP32 + BF16), alloc=full * BF16),  # to(bf16)
+        Kernel("reduction", bytes=full * BF16),  # Frobenius norms
+        Kernel("elementwise", bytes=full * 2 * BF16, alloc=full * BF16),  # X / norm
+    ]
+    aa, ab = batch * a * a, batch * a * b
+    for _ in range(NS_STEPS):
+        ns += [
+            matmul("gemm_bf16", 2.0 * aa * b, ab * BF16, aa * BF16),  # A = X Xᵀ
+            matmul("gemm_bf16", 2.0 * aa * a, 2 * aa * BF16, aa * BF16),  # b A + c A²
+            matmul("gemm_bf16", 2.0 * aa * b, (aa + ab) * BF16, ab * BF16),  # B X
+        ]
+    return ns
+
+
+def muonbp_work(
+    matrices: list[Matrix],
+    *,
+    world: int = 1,
+    period: int | None = 5,
+    row_blocks: int = 1,
+    launches: str = "per_matrix",
+    **muon_options,
+) -> Work:
+    """MuonBP's call: a block step on ``(P - 1) / P`` of the calls, Muon's (``muon_work``,
+    with its all-to-alls under FSDP) on the other ``1 / P``; ``period=None``: block steps
+    only (BlockMuon).
+
+    Block step (``block_muon_update``): momentum and direction per matrix; the rank's rows
+    cut into ``row_blocks`` tiles, equal tiles in one batched Newton-Schulz; weight decay
+    and the update per tile. No communication. ``launches="per_shape"`` models batching
+    same-shape matrices into one launch per op (as in ``dobb_work``); ours is per matrix.
+    """
+    block: list[Kernel] = []
+    shapes: set[tuple[int, int]] = set()
+    for m in matrices:
+        rows, n = local_rows(m.d_out, world), m.d_in
+        tiles = [t for t in chunk_sizes(rows, (row_blocks,)) if t]
+        e = rows * n
+        ops = [elementwise(e, 3), elementwise(e, 3, new=True)]  # M.lerp_(G), N
+        for size in sorted(set(tiles)):
+            count = tiles.count(size)
+            if count > 1:
+                ops.append(elementwise(count * size * n, 2, new=True))  # torch.stack
+            ops += newton_schulz_kernels(size, n, batch=count)
+        for size in tiles:
+            ops += [  # W_b.mul_(1 - lr wd), W_b.add_(O_b) with O_b in bf16
+                elementwise(size * n, 2),
+                Kernel("elementwise", bytes=size * n * (BF16 + 2 * FP32)),
+            ]
+        ops.append(Kernel("elementwise"))  # step += 1
+        first = launches == "per_matrix" or (m.d_out, m.d_in) not in shapes
+        shapes.add((m.d_out, m.d_in))
+        block += ops if first else [_no_launch(k) for k in ops]
+    block += finite_check(sum(local_rows(m.d_out, world) * m.d_in for m in matrices))
+    if period is None:
+        return Work(step=block)
+    full = muon_work(matrices, world=world, **muon_options)
+    return Work(
+        step=block,
+        refresh=full.step,
+        refresh_comm=full.step_comm,
+        period=period,
+        step_share=(period - 1) / period,
+    )
+
+
 def adamw_work(matrices: list[Matrix], *, world: int = 1, foreach: bool = False) -> Work:
-    """PyTorch AdamW: 8 elementwise ops (20 fp32 accesses) per parameter and step.
+    """PyTorch AdamW: 8 elementwise ops (20 fp32 accesses) per parameter and step; ``sqrt``
+    and the division by the bias correction write fresh tensors (``denom``).
 
     Single-tensor path (PyTorch's choice on CPU): 8 launches per matrix, plus ``step``.
     ``foreach`` (its choice on CUDA): the same bytes in a handful of multi-tensor launches.
     """
     work = Work()
-    accesses = (
-        2,
-        3,
-        2,
-        3,
-        2,
-        2,
-        2,
-        4,
-    )  # mul_ W, lerp_ m, mul_ v, addcmul_ v, sqrt, div, add_, addcdiv_
+    # mul_ W, lerp_ m, mul_ v, addcmul_ v, sqrt, div, add_ eps, addcdiv_ W: (accesses, new)
+    ops_of = ((2, 0), (3, 0), (2, 0), (3, 0), (2, 1), (2, 1), (2, 0), (4, 0))
     for i, m in enumerate(matrices):
         e = local_rows(m.d_out, world) * m.d_in
-        ops = [elementwise(e, a) for a in accesses] + [Kernel("elementwise", count=1)]
+        ops = [elementwise(e, a, new=bool(new)) for a, new in ops_of]
+        ops.append(Kernel("elementwise", count=1))
         work.step += ops if not (foreach and i) else [_no_launch(k) for k in ops]
     return work
 
@@ -695,10 +764,7 @@ def kernel_time(k: Kernel, hw: Hardware) -> dict[str, float]:
 def work_time(work: Work, hw: Hardware, network: Network | None = None) -> dict[str, float]:
     """Amortized seconds per call, by category (``CATEGORIES``)."""
     terms = dict.fromkeys(CATEGORIES, 0.0)
-    for kernels, comms, scale in (
-        (work.step, work.step_comm, 1.0),
-        (work.refresh, work.refresh_comm, 1.0 / work.period),
-    ):
+    for kernels, comms, scale in work.parts():
         for k in kernels:
             for key, value in kernel_time(k, hw).items():
                 terms[key] += scale * value
@@ -719,13 +785,16 @@ def build_work(
     num_blocks: int = 16,
     basis_interval: int = 10,
     rank_fraction: float = 1 / 16,
+    period: int | None = 5,
+    row_blocks: int = 1,
     foreach: bool = False,
     **options,
 ) -> Work:
     """The ``Work`` of optimizer ``name`` on ``matrices`` under FSDP over ``world`` ranks.
 
-    ``options``: ``refresh`` and ``launches`` (Dobb), ``orthogonalize`` and ``collectives``
-    (Dion), ``send_bytes`` and ``return_bytes`` (Muon).
+    ``period`` and ``row_blocks`` are MuonBP's; ``options``: ``refresh`` and ``launches``
+    (Dobb), ``orthogonalize`` and ``collectives`` (Dion), ``send_bytes`` and
+    ``return_bytes`` (Muon, MuonBP).
     """
     if name == "dobb":
         return dobb_work(
@@ -735,6 +804,8 @@ def build_work(
         return dion_work(matrices, world=world, rank_fraction=rank_fraction, **options)
     if name == "muon":
         return muon_work(matrices, world=world, **options)
+    if name == "muonbp":
+        return muonbp_work(matrices, world=world, period=period, row_blocks=row_blocks, **options)
     if name == "adamw":
         return adamw_work(matrices, world=world, foreach=foreach, **options)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")

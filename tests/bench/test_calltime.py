@@ -44,6 +44,14 @@ def test_dobb_period_is_one_refresh_plus_steady_calls(record):
     assert [len(p) for p in record["optimizers"]["muon"]["period_calls"]] == [1, 1]
 
 
+def test_muonbp_period_is_one_full_step_plus_block_steps(record):
+    muonbp = record["optimizers"]["muonbp"]
+    assert record["meta"]["period"] == 5 and record["meta"]["row_blocks"] == 4
+    assert [len(p) for p in muonbp["period_calls"]] == [5, 5]
+    assert {"full_call_s", "block_call_s"} <= set(muonbp)
+    assert "MuonBP: full-step call" in calltime.format_table(record)
+
+
 def test_state_bytes_per_param_match_the_formulas(record):
     matrices = hidden_matrices("tiny", 1)
     numel = sum(m.numel for m in matrices)

@@ -1,13 +1,17 @@
-"""The sharded call-time benchmark runs every optimizer under FSDP and HSDP."""
+"""The sharded call-time benchmark runs every optimizer under FSDP, HSDP and TP."""
 
 import json
 
 import pytest
+from torch.distributed.tensor import Shard
 
 from dobb.bench import calltime_sharded
+from dobb.bench.calltime import LinearStack
+from dobb.bench.costmodel import OPTIMIZERS, hidden_matrices
+from dobb.distributed.launch import run_ranks
 
 
-@pytest.mark.parametrize("layout, world", [("fsdp", 2), ("hsdp", 4)])
+@pytest.mark.parametrize("layout, world", [("fsdp", 2), ("hsdp", 4), ("tp", 2)])
 def test_sharded_calltime_times_every_optimizer(tmp_path, capsys, layout, world):
     out = tmp_path / "calltime.json"
     argv = ["--layout", layout, "--world", str(world), "--config", "tiny", "--layers", "1"]
@@ -16,10 +20,23 @@ def test_sharded_calltime_times_every_optimizer(tmp_path, capsys, layout, world)
     per_rank = json.loads(out.read_text())["per_rank_ms"]
     assert len(per_rank) == world
     for timings in per_rank:
-        assert set(timings) == {"dobb", "dion", "muon", "adamw"}
-        assert all(0 < ms < 60_000 for ms in timings.values())
+        assert set(timings) == set(OPTIMIZERS)
+        for t in timings.values():
+            assert 0 < t["q1"] <= t["median"] <= t["q3"] < 60_000
     printed = capsys.readouterr().out
     assert f"| dobb | {layout} | {world} |" in printed and "| 1.00 |" in printed
+
+
+def placements(rank, world, layout):
+    stack = LinearStack(hidden_matrices("tiny", 1), 8)
+    calltime_sharded.shard(stack, layout, world)
+    return {key: str(layer.weight.placements) for key, layer in stack.layers.items()}
+
+
+def test_tp_splits_rows_of_column_parallel_and_columns_of_row_parallel_layers():
+    got = run_ranks(placements, 2, "tp", timeout=60)[0]
+    assert got["blocks_0_attn_q"] == got["blocks_0_mlp_fc"] == str((Shard(0),))
+    assert got["blocks_0_attn_proj"] == got["blocks_0_mlp_proj"] == str((Shard(1),))
 
 
 def test_hsdp_needs_an_even_world():

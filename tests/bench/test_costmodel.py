@@ -15,6 +15,7 @@ from dobb.blocks import block_stacks
 from dobb.optim.dion import dion_update
 from dobb.optim.dobb import dobb_update
 from dobb.optim.muon import newton_schulz
+from dobb.optim.muonbp import block_muon_update, block_tiles
 
 M = cm.Matrix("w", 8, 16)  # d_out = 8 rows, d_in = 16
 XL = cm.hidden_matrices("gpt2-xl")
@@ -65,6 +66,48 @@ def test_muon_flops_are_newton_schulz_and_match_the_implementation():
     assert counted(lambda: newton_schulz(torch.randn(8, 16))) == 25600
 
 
+def test_muonbp_block_flops_are_newton_schulz_per_tile_and_match_the_implementation():
+    # 2 row tiles of (4, 16): 5 x (4 x 4² x 16 + 2 x 4³) each
+    tile = cm.newton_schulz_flops(4, 16)
+    block = cm.muonbp_work([M], period=None, row_blocks=2)
+    assert block.flops() == 2 * tile == 2 * 5 * (4 * 16 * 16 + 2 * 64)
+
+    def step():
+        W, G, Mom = torch.zeros(8, 16), torch.randn(8, 16), torch.zeros(8, 16)
+        tiles = block_tiles((8, 16), 2, 1)
+        kw = dict(lr=1e-3, beta=0.95, nesterov=True, weight_decay=0.0, adjust_lr="spectral")
+        block_muon_update(W, G, Mom, tiles, **kw)
+
+    assert counted(step) == 2 * tile
+    full = cm.newton_schulz_flops(8, 16)  # period P: one full step in P calls
+    every_fifth = cm.muonbp_work([M], period=5, row_blocks=2).flops()
+    assert every_fifth == pytest.approx(0.8 * 2 * tile + 0.2 * full)
+    assert cm.muonbp_work([M], period=1, row_blocks=2).flops() == full
+    # under FSDP only full steps communicate (Muon's two all-to-alls), amortized by P
+    sharded = cm.muonbp_work(XL[:6], world=8, period=5)
+    assert sharded.step_comm == [] and len(sharded.refresh_comm) == 2
+    assert sharded.comm_bytes() == pytest.approx(cm.muon_work(XL[:6], world=8).comm_bytes() / 5)
+
+
+def test_dobb_refresh_is_sharded_over_ranks_by_default():
+    mats = XL[:6]  # 16 blocks per matrix: 80 of size 100, 16 of size 400
+    sharded, replicated = (
+        cm.dobb_work(mats, world=32, refresh=r) for r in ("sharded", "replicated")
+    )
+
+    def eighs(work):  # blocks each rank eigh's, by size
+        return {k.block: k.count for k in work.refresh if k.kind == "eigh"}
+
+    assert eighs(replicated) == {100: 80, 400: 16}
+    assert eighs(sharded) == {100: 3, 400: 1} == eighs(cm.dobb_work(mats, world=32))
+    kinds = [(c.kind, c.bytes) for c in sharded.refresh_comm]
+    stats = 4 * (80 * 100**2 + 16 * 400**2)  # one all-reduce of every C_b
+    padded = [("all_gather", 4 * 3 * 32 * 100**2), ("all_gather", 4 * 32 * 400**2)]
+    assert kinds == [("all_reduce", stats), *padded]
+    assert [(c.kind, c.bytes) for c in replicated.refresh_comm] == [("all_reduce", stats)]
+    assert sharded.step_comm == []
+
+
 def test_distributed_dion_all_reduces_sketch_gram_and_r():
     mats = XL[:6]
     r = cm.dion_rank(XL[0], 1 / 16)
@@ -94,6 +137,7 @@ def test_hook_flops_are_2_n_n_s():
     [
         ("adamw", 2 * 4 * 128 + 4),
         ("muon", 4 * 128),
+        ("muonbp", 4 * 128 + 4),  # momentum and its step count
         ("dion", 4 * 128 + 4 * 16 * 2 + 4),  # Q: d_in x r = 16 x 2
         ("dobb", 4 * 128 + 2 * 4 * (4 * 4 * 4) + 8),  # C_b, Q_b: 4 blocks of 4 x 4
     ],
@@ -179,9 +223,14 @@ def test_results_command_quick(tmp_path, one_thread):
     results.main(["--quick", "--out-dir", str(tmp_path)])
     text = (tmp_path / "RESULTS.md").read_text()
     assert "python -m dobb.bench.results --quick --out-dir" in text
-    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7."):
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7.", "## 8."):
         assert heading in text
     assert "124.1" in text and "9.2" in text
+    for layout, world in results.QUICK_SHARDED:  # the sharded tables, from their JSON
+        sharded = json.loads((tmp_path / "sharded" / f"calltime_{layout}{world}.json").read_text())
+        assert len(sharded["per_rank_ms"]) == world
+        assert f"| muonbp | {layout} | {world} |" in text
+    assert "| muonbp, block-step call |" in text
     record = json.loads((tmp_path / "calltime_cpu.json").read_text())
     assert record["meta"]["complete"]
     if _has_matplotlib():
