@@ -31,14 +31,18 @@ FLOPs per ``(m, n)`` matrix (``m`` local rows, ``n = d_in``) and step:
   of each block (the rank's row shard, cut into ``row_blocks`` tiles), no communication.
 - AdamW: elementwise only, 80 bytes per parameter (fp32).
 
-Layouts: ``single`` (one device) and ``fsdp`` (FSDP2 ``Shard(0)``: every rank holds
-``ceil(m / p)`` rows of every matrix; the slowest rank sets the time). Under FSDP Dobb's
-update is local; on refresh steps its statistics are all-reduced over all ranks, each rank
-eigh's ``1/p`` of the blocks and an all-gather shares the bases (``shard_refresh``); Dion
-all-reduces the sketch product (``k x r``), the Gram matrix (``r x r``) and ``Bᵀ P``
-(``n x r``) of every matrix every step (one buffer per round for all matrices, or one
-collective per matrix); Muon sends every matrix to an owner rank
-(all-to-all, fp32), runs Newton-Schulz there, and sends the result back (all-to-all, bf16).
+Layouts (``Layout``, ``layout_of``): one device, DDP, FSDP2 (``Shard(0)``: every rank
+holds ``ceil(m / p)`` rows of every matrix), HSDP (FSDP inside a replica of ``shard``
+ranks) and Megatron TP (rows of q, k, v and the MLP's up projection, columns of the two
+output projections); the slowest rank sets the time. Dobb's update is local; on refresh
+steps its statistics are all-reduced over the data-parallel ranks, each rank of the
+innermost data axis eigh's its share of the blocks and an all-gather shares the bases
+(``shard_refresh``). Dion all-reduces over the ranks splitting a matrix's rows the
+sketch product (``k x r``), the Gram matrix (``r x r``) and ``Bᵀ P`` (``n x r``), and
+over those splitting its columns ``B Q`` (``m x r``) and the column norms, every step (one
+buffer per round for all matrices, or one collective per matrix). Muon sends every
+matrix to an owner rank (all-to-all, fp32), runs Newton-Schulz there, and sends the
+result back (all-to-all, bf16); MuonBP does so on its full steps only.
 """
 
 import argparse
@@ -49,6 +53,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dobb.blocks import block_stacks
+from dobb.distributed.sharding import local_block_stacks
 from dobb.optim.muon import NS_STEPS
 from dobb.optim.muonbp import chunk_sizes
 from dobb.train.model import GPT_CONFIGS, gpt_config
@@ -132,6 +137,70 @@ def sketch_rows(r: int) -> int:
 def local_rows(rows: int, world: int) -> int:
     """Rows of the largest FSDP2 shard: ``torch.chunk`` gives ``ceil(rows / world)``."""
     return math.ceil(rows / world)
+
+
+ROW_PARALLEL = ("attn.proj", "mlp.proj")  # TP splits their inputs (columns)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ranks split the matrices, by mesh axis (torchtitan's names).
+
+    ``shard``: FSDP2 ranks, splitting rows (``Shard(0)``); ``replicate``: HSDP or DDP
+    replicas; ``tensor``: Megatron TP ranks, splitting the rows of column-parallel matrices
+    and the columns of row-parallel ones (``ROW_PARALLEL`` names). The ranks of ``shard``
+    and ``replicate`` see different tokens (Dobb averages its statistics over them).
+    """
+
+    shard: int = 1
+    replicate: int = 1
+    tensor: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.shard * self.replicate * self.tensor
+
+    @property
+    def data(self) -> int:
+        """Ranks that see different tokens."""
+        return self.shard * self.replicate
+
+    @property
+    def refresh_split(self) -> int:
+        """Ranks sharing Dobb's refresh: its innermost data axis (``shard``, else
+        ``replicate``)."""
+        return self.shard if self.shard > 1 else self.replicate
+
+    def splits(self, m: Matrix) -> tuple[int, int]:
+        """Ranks splitting ``m``'s rows and its columns."""
+        if self.tensor > 1 and m.name.endswith(ROW_PARALLEL):
+            return self.shard, self.tensor
+        return self.shard * self.tensor, 1
+
+    def local(self, m: Matrix) -> tuple[int, int]:
+        """``(rows, columns)`` of the largest local piece of ``m``."""
+        row_split, col_split = self.splits(m)
+        return local_rows(m.d_out, row_split), math.ceil(m.d_in / col_split)
+
+
+def layout_of(name: str, world: int, *, shard: int = 8) -> Layout:
+    """The ``Layout`` of a named layout over ``world`` ranks: ``single``, ``ddp``,
+    ``fsdp``, ``hsdp`` (``shard`` ranks per replica: one node by default) or ``tp``."""
+    if name == "hsdp":
+        if world % shard:
+            raise ValueError(f"hsdp over {world} ranks needs a multiple of shard={shard}")
+        return Layout(shard=shard, replicate=world // shard)
+    layouts = {
+        "single": Layout(),
+        "ddp": Layout(replicate=world),
+        "fsdp": Layout(shard=world),
+        "tp": Layout(tensor=world),
+    }
+    if name not in layouts:
+        raise ValueError(f"unknown layout {name!r}; choose single, ddp, fsdp, hsdp or tp")
+    if name == "single" and world != 1:
+        raise ValueError(f"layout 'single' has one rank, got world={world}")
+    return layouts[name]
 
 
 # --------------------------------------------------------------------------- memory
@@ -261,7 +330,7 @@ def tensor_isfinite(elements: float) -> list[Kernel]:
 def dobb_work(
     matrices: list[Matrix],
     *,
-    world: int = 1,
+    layout: Layout = Layout(),
     num_blocks: int = 16,
     basis_interval: int = 10,
     refresh: str = "sharded",
@@ -269,21 +338,23 @@ def dobb_work(
 ) -> Work:
     """Dobb's call: ``dobb_update`` per matrix, statistics fold, refresh every ``k`` calls.
 
-    ``refresh="sharded"`` is our default (``shard_refresh=True``): each rank eigh's ``1/p``
-    of the blocks of each size (zero-padded to equal chunks), then one all-gather per block
-    size shares the bases; ``"replicated"`` (``shard_refresh=False``): every rank runs
-    ``eigh`` on every block of every matrix. ``launches="per_shape"`` models an
-    implementation that batches same-shape matrices into one launch per op (fewer launches,
-    same FLOPs and bytes); ours is per matrix.
+    Each rank updates its piece (its rows; under TP row-parallel, the blocks of its
+    columns). The statistics are all-reduced over the data ranks at a refresh.
+    ``refresh="sharded"`` is our default (``shard_refresh=True``): each of the ``p`` ranks
+    of the innermost data axis eigh's ``1/p`` of the blocks of each size (zero-padded to
+    equal chunks), then one all-gather per block size shares the bases; ``"replicated"``
+    (``shard_refresh=False``): every rank runs ``eigh`` on every block it holds.
+    ``launches="per_shape"`` models an implementation that batches same-shape matrices into
+    one launch per op (fewer launches, same FLOPs and bytes); ours is per matrix.
     """
     work = Work(period=basis_interval)
     eigh_blocks: dict[int, int] = {}
     cov_bytes = checked = 0
     shapes: set[tuple[int, int]] = set()
     for m in matrices:
-        rows, n = local_rows(m.d_out, world), m.d_in
+        rows, n = layout.local(m)
         e = rows * n
-        stacks = block_stacks(n, num_blocks)
+        stacks = local_block_stacks(block_stacks(m.d_in, num_blocks), 0, n, m.name)
         first = launches == "per_matrix" or (m.d_out, m.d_in) not in shapes
         shapes.add((m.d_out, m.d_in))
         cov = sum(s.count * s.size**2 for s in stacks)
@@ -312,11 +383,11 @@ def dobb_work(
         # batched per shape: the same FLOPs and bytes, launched with the first of its shape
         work.step += ops if first else [_no_launch(k) for k in ops]
     work.step += finite_check(checked)
-    split = refresh == "sharded" and world > 1
-    if world > 1:
-        work.refresh_comm.append(Collective("all_reduce", cov_bytes, world))
+    group = layout.refresh_split if refresh == "sharded" else 1
+    if layout.data > 1:
+        work.refresh_comm.append(Collective("all_reduce", cov_bytes, layout.data))
     for size, count in sorted(eigh_blocks.items()):
-        blocks = math.ceil(count / world) if split else count
+        blocks = math.ceil(count / group)
         elements = blocks * size * size
         work.refresh += [
             elementwise(count * size * size, 2, new=True),  # cat of the stacks
@@ -325,10 +396,10 @@ def dobb_work(
             elementwise(elements, 2, new=True),  # flip
             elementwise(count * size * size, 2),  # copy into the state
         ]
-        if split:  # this rank's zero-padded chunk, then the all-gather of all chunks
+        if group > 1:  # this rank's zero-padded chunk, then the all-gather of all chunks
             work.refresh.append(elementwise(elements, 2, new=True))
-            gathered = blocks * world * size * size * FP32
-            work.refresh_comm.append(Collective("all_gather", gathered, world))
+            gathered = blocks * group * size * size * FP32
+            work.refresh_comm.append(Collective("all_gather", gathered, group))
     return work
 
 
@@ -340,27 +411,29 @@ def _no_launch(kernel: Kernel) -> Kernel:
 def dion_work(
     matrices: list[Matrix],
     *,
-    world: int = 1,
+    layout: Layout = Layout(),
     rank_fraction: float = 1 / 16,
-    orthogonalize: str | None = None,
+    orthogonalize: str = "cholesky_qr",
     collectives: str = "batched",
 ) -> Work:
     """Dion's call (Algorithm 1, ``dion_step`` over all matrices).
 
-    ``orthogonalize``: ``"qr"`` (Householder, the single-device default) or
-    ``"cholesky_qr"`` (randomized Cholesky QR, the distributed form); default: ``"qr"`` on
-    one device, ``"cholesky_qr"`` under FSDP. Under FSDP each step all-reduces over the
-    row shards ``S P`` (``k x r``, with a nonzero flag), ``P₁ᵀ P₁`` (``r x r``) and
-    ``R = Bᵀ P`` (``n x r``) of every matrix: ``collectives="batched"`` (ours,
+    ``orthogonalize``: ``"cholesky_qr"`` (randomized Cholesky QR, the paper's distributed
+    form and the registry's default) or ``"qr"`` (Householder). Each step all-reduces,
+    over the ranks splitting a matrix's rows (FSDP, HSDP's shard axis, column-parallel
+    TP), ``S P`` (``k x r``, with a nonzero flag), ``P₁ᵀ P₁`` (``r x r``) and ``R = Bᵀ P``
+    (``n x r``); over the ranks splitting its columns (row-parallel TP), ``P = B Q``
+    (``m x r``, with the flag) and the column norms of ``R`` (``r``); a piece with whole
+    rows orthogonalizes ``P`` locally. ``collectives="batched"`` (ours,
     ``dobb.distributed.reduce.all_reduce_``) sends each round for all matrices in one
-    buffer; ``"per_matrix"`` issues three all-reduces per matrix.
+    buffer; ``"per_matrix"`` issues one all-reduce per matrix and round.
     """
-    orthogonalize = orthogonalize or ("qr" if world == 1 else "cholesky_qr")
     work = Work()
-    rounds = {"sketch": 0.0, "gram": 0.0, "R": 0.0}
+    rounds: dict[tuple[str, int], float] = {}  # (round, ranks) -> bytes
     checked = 0
     for m in matrices:
-        rows, n, r = local_rows(m.d_out, world), m.d_in, dion_rank(m, rank_fraction)
+        (rows, n), r = layout.local(m), dion_rank(m, rank_fraction)
+        row_split, col_split = layout.splits(m)
         e, mr, nr = rows * n * FP32, rows * r * FP32, n * r * FP32  # bytes
         checked += rows * n
         ops = [
@@ -369,6 +442,7 @@ def dion_work(
             matmul("gemm_skinny", 2.0 * rows * n * r, e + nr, mr),  # P = B Q
             Kernel("reduction", bytes=e),  # B.any()
         ]
+        sends = {"P": (mr + FP32, col_split)}
         if orthogonalize == "qr":
             qr_flops = 4.0 * rows * r * r - 4.0 / 3.0 * r**3  # geqrf + orgqr
             ops += [Kernel("qr", flops=max(qr_flops, 0.0), bytes=2 * mr, alloc=mr)]
@@ -385,9 +459,8 @@ def dion_work(
                 Kernel("small", flops=1.0 * rows * r * r, alloc=mr),  # P1 R2⁻¹
                 *tensor_isfinite(rows * r),  # of P2
             ]
-            rounds["sketch"] += (k * r + 1) * FP32
-            rounds["gram"] += r * r * FP32
-        rounds["R"] += nr
+            sends |= {"sketch": ((k * r + 1) * FP32, row_split), "gram": (r * r * FP32, row_split)}
+        sends |= {"R": (nr, row_split), "norms": (r * FP32, col_split)}
         ops += [
             matmul("gemm_skinny", 2.0 * rows * n * r, e + mr, nr),  # R = Bᵀ P
             matmul("gemm_skinny", 2.0 * rows * n * r, 2 * e, 0.0, new=False),  # B -= P Rᵀ
@@ -396,22 +469,18 @@ def dion_work(
             elementwise(n * r, 2),  # Q.copy_
             matmul("gemm_skinny", 2.0 * rows * n * r, 2 * e, 0.0, new=False),  # W -= P Qᵀ
         ]
-        if world > 1 and collectives == "per_matrix":
-            k = sketch_rows(r)
-            work.step_comm += [
-                Collective("all_reduce", (k * r + 1) * FP32, world),  # S P and the flag
-                Collective("all_reduce", r * r * FP32, world),  # P₁ᵀ P₁
-                Collective("all_reduce", nr, world),  # R = Bᵀ P
-            ]
+        for name, (nbytes, ranks) in sends.items():
+            if ranks > 1 and collectives == "per_matrix":
+                work.step_comm.append(Collective("all_reduce", nbytes, ranks))
+            elif ranks > 1:
+                rounds[name, ranks] = rounds.get((name, ranks), 0.0) + nbytes
         work.step += ops
     work.step += finite_check(checked)
     work.step += [Kernel("elementwise", count=3)]  # which B != 0 (cat, nonzero, host sync)
-    if world > 1 and collectives == "batched":
-        for nbytes in rounds.values():
-            if nbytes:  # one flat buffer per round: cat in, all-reduce, copy out
-                flat = nbytes / FP32
-                work.step += [elementwise(flat, 2, new=True), elementwise(flat, 2)]
-                work.step_comm.append(Collective("all_reduce", nbytes, world))
+    for (_, ranks), nbytes in rounds.items():  # one flat buffer: cat in, all-reduce, copy out
+        flat = nbytes / FP32
+        work.step += [elementwise(flat, 2, new=True), elementwise(flat, 2)]
+        work.step_comm.append(Collective("all_reduce", nbytes, ranks))
     return work
 
 
@@ -422,22 +491,28 @@ def newton_schulz_flops(m: int, n: int, steps: int = NS_STEPS) -> float:
 
 
 def muon_work(
-    matrices: list[Matrix], *, world: int = 1, send_bytes: int = FP32, return_bytes: int = BF16
+    matrices: list[Matrix],
+    *,
+    layout: Layout = Layout(),
+    send_bytes: int = FP32,
+    return_bytes: int = BF16,
 ) -> Work:
-    """Muon's call (``muon_update`` per matrix); under FSDP, whole-matrix Newton-Schulz on an
-    owner rank, as ``dobb.optim.muon.Muon`` does with an ``OwnerExchange``.
+    """Muon's call (``muon_update`` per matrix); on split matrices, whole-matrix
+    Newton-Schulz on an owner rank, as ``dobb.optim.muon.Muon`` does with an
+    ``OwnerExchange`` over the ``g`` ranks that split them (HSDP replicas repeat it).
 
     Owners: matrices go greedily, largest Newton-Schulz first, to the least loaded rank
     (LPT); the most loaded rank sets the time. Communication: one all-to-all brings every
-    row shard of the direction ``N`` to its owner (``send_bytes`` per element: the fp32
-    state dtype), one sends every rank its rows of ``O`` (``return_bytes``: bf16).
+    piece of the direction ``N`` to its owner (``send_bytes`` per element: the fp32
+    state dtype), one sends every rank its piece of ``O`` (``return_bytes``: bf16).
     """
     work = Work()
-    loads = [0.0] * world
-    owned = [0.0] * world
-    ns_ops: list[list[Kernel]] = [[] for _ in range(world)]
+    group = layout.shard * layout.tensor
+    loads = [0.0] * group
+    owned = [0.0] * group
+    ns_ops: list[list[Kernel]] = [[] for _ in range(group)]
     for m in sorted(matrices, key=lambda m: -newton_schulz_flops(m.d_out, m.d_in)):
-        rows, n = local_rows(m.d_out, world), m.d_in
+        rows, n = layout.local(m)
         e = rows * n
         work.step += [
             elementwise(e, 3),  # M.lerp_(G)
@@ -445,22 +520,27 @@ def muon_work(
             elementwise(e, 2),  # W.mul_(1 - lr wd)
             Kernel("elementwise", bytes=e * (BF16 + 2 * FP32)),  # W.add_(O), O in bf16
         ]
-        owner = min(range(world), key=loads.__getitem__)
+        owner = min(range(group), key=loads.__getitem__)
         loads[owner] += newton_schulz_flops(m.d_out, m.d_in)
         owned[owner] += m.numel
         ns_ops[owner] += newton_schulz_kernels(m.d_out, m.d_in)
-    busiest = max(range(world), key=loads.__getitem__)
+    busiest = max(range(group), key=loads.__getitem__)
     work.step += ns_ops[busiest]
-    work.step += finite_check(sum(local_rows(m.d_out, world) * m.d_in for m in matrices))
-    if world > 1:
-        # the busiest rank receives (p - 1)/p of its own matrices, and every rank sends 1/p
+    work.step += finite_check(local_elements(matrices, layout))
+    if group > 1:
+        # the busiest rank receives (g - 1)/g of its own matrices, and every rank sends 1/g
         # of every matrix: the larger of the two sets the all-to-all's volume
-        elements = max(max(owned), sum(m.numel for m in matrices) / world)
+        elements = max(max(owned), sum(m.numel for m in matrices) / group)
         work.step_comm += [
-            Collective("all_to_all", elements * send_bytes, world),  # N to the owners
-            Collective("all_to_all", elements * return_bytes, world),  # O back
+            Collective("all_to_all", elements * send_bytes, group),  # N to the owners
+            Collective("all_to_all", elements * return_bytes, group),  # O back
         ]
     return work
+
+
+def local_elements(matrices: list[Matrix], layout: Layout) -> int:
+    """Elements of the largest local pieces of ``matrices``, summed."""
+    return sum(math.prod(layout.local(m)) for m in matrices)
 
 
 def newton_schulz_kernels(m: int, n: int, batch: int = 1) -> list[Kernel]:
@@ -484,25 +564,25 @@ def newton_schulz_kernels(m: int, n: int, batch: int = 1) -> list[Kernel]:
 def muonbp_work(
     matrices: list[Matrix],
     *,
-    world: int = 1,
+    layout: Layout = Layout(),
     period: int | None = 5,
     row_blocks: int = 1,
     launches: str = "per_matrix",
     **muon_options,
 ) -> Work:
     """MuonBP's call: a block step on ``(P - 1) / P`` of the calls, Muon's (``muon_work``,
-    with its all-to-alls under FSDP) on the other ``1 / P``; ``period=None``: block steps
-    only (BlockMuon).
+    with its all-to-alls on split matrices) on the other ``1 / P``; ``period=None``: block
+    steps only (BlockMuon).
 
-    Block step (``block_muon_update``): momentum and direction per matrix; the rank's rows
-    cut into ``row_blocks`` tiles, equal tiles in one batched Newton-Schulz; weight decay
+    Block step (``block_muon_update``): momentum and direction per matrix; the rank's piece
+    cut into ``row_blocks`` row tiles, equal tiles in one batched Newton-Schulz; weight decay
     and the update per tile. No communication. ``launches="per_shape"`` models batching
     same-shape matrices into one launch per op (as in ``dobb_work``); ours is per matrix.
     """
     block: list[Kernel] = []
     shapes: set[tuple[int, int]] = set()
     for m in matrices:
-        rows, n = local_rows(m.d_out, world), m.d_in
+        rows, n = layout.local(m)
         tiles = [t for t in chunk_sizes(rows, (row_blocks,)) if t]
         e = rows * n
         ops = [elementwise(e, 3), elementwise(e, 3, new=True)]  # M.lerp_(G), N
@@ -520,10 +600,10 @@ def muonbp_work(
         first = launches == "per_matrix" or (m.d_out, m.d_in) not in shapes
         shapes.add((m.d_out, m.d_in))
         block += ops if first else [_no_launch(k) for k in ops]
-    block += finite_check(sum(local_rows(m.d_out, world) * m.d_in for m in matrices))
+    block += finite_check(local_elements(matrices, layout))
     if period is None:
         return Work(step=block)
-    full = muon_work(matrices, world=world, **muon_options)
+    full = muon_work(matrices, layout=layout, **muon_options)
     return Work(
         step=block,
         refresh=full.step,
@@ -533,7 +613,7 @@ def muonbp_work(
     )
 
 
-def adamw_work(matrices: list[Matrix], *, world: int = 1, foreach: bool = False) -> Work:
+def adamw_work(matrices: list[Matrix], *, layout: Layout = Layout(), foreach: bool = False) -> Work:
     """PyTorch AdamW: 8 elementwise ops (20 fp32 accesses) per parameter and step; ``sqrt``
     and the division by the bias correction write fresh tensors (``denom``).
 
@@ -544,7 +624,7 @@ def adamw_work(matrices: list[Matrix], *, world: int = 1, foreach: bool = False)
     # mul_ W, lerp_ m, mul_ v, addcmul_ v, sqrt, div, add_ eps, addcdiv_ W: (accesses, new)
     ops_of = ((2, 0), (3, 0), (2, 0), (3, 0), (2, 1), (2, 1), (2, 0), (4, 0))
     for i, m in enumerate(matrices):
-        e = local_rows(m.d_out, world) * m.d_in
+        e = math.prod(layout.local(m))
         ops = [elementwise(e, a, new=bool(new)) for a, new in ops_of]
         ops.append(Kernel("elementwise", count=1))
         work.step += ops if not (foreach and i) else [_no_launch(k) for k in ops]
@@ -781,7 +861,7 @@ def build_work(
     name: str,
     matrices: list[Matrix],
     *,
-    world: int = 1,
+    layout: Layout = Layout(),
     num_blocks: int = 16,
     basis_interval: int = 10,
     rank_fraction: float = 1 / 16,
@@ -790,24 +870,24 @@ def build_work(
     foreach: bool = False,
     **options,
 ) -> Work:
-    """The ``Work`` of optimizer ``name`` on ``matrices`` under FSDP over ``world`` ranks.
+    """The ``Work`` of optimizer ``name`` on ``matrices`` split as ``layout`` says.
 
     ``period`` and ``row_blocks`` are MuonBP's; ``options``: ``refresh`` and ``launches``
     (Dobb), ``orthogonalize`` and ``collectives`` (Dion), ``send_bytes`` and
     ``return_bytes`` (Muon, MuonBP).
     """
     if name == "dobb":
-        return dobb_work(
-            matrices, world=world, num_blocks=num_blocks, basis_interval=basis_interval, **options
-        )
+        kw = dict(num_blocks=num_blocks, basis_interval=basis_interval)
+        return dobb_work(matrices, layout=layout, **kw, **options)
     if name == "dion":
-        return dion_work(matrices, world=world, rank_fraction=rank_fraction, **options)
+        return dion_work(matrices, layout=layout, rank_fraction=rank_fraction, **options)
     if name == "muon":
-        return muon_work(matrices, world=world, **options)
+        return muon_work(matrices, layout=layout, **options)
     if name == "muonbp":
-        return muonbp_work(matrices, world=world, period=period, row_blocks=row_blocks, **options)
+        kw = dict(period=period, row_blocks=row_blocks)
+        return muonbp_work(matrices, layout=layout, **kw, **options)
     if name == "adamw":
-        return adamw_work(matrices, world=world, foreach=foreach, **options)
+        return adamw_work(matrices, layout=layout, foreach=foreach, **options)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
 
 
@@ -817,17 +897,19 @@ def predict(
     hardware: Hardware,
     *,
     world: int = 1,
+    layout: Layout | None = None,
     network: Network | None = None,
     **options,
 ) -> dict[str, float]:
     """Predicted amortized seconds per call by category, plus ``"total"``.
 
-    ``world > 1`` means FSDP (``Shard(0)``) over ``world`` ranks on ``network``
-    (default: ``Network()``). ``options`` go to ``build_work``.
+    ``layout`` (default: FSDP ``Shard(0)`` over ``world`` ranks; see ``layout_of``) on
+    ``network`` (default: ``Network()``). ``options`` go to ``build_work``.
     """
-    if world > 1 and network is None:
+    layout = layout or Layout(shard=world)
+    if layout.world > 1 and network is None:
         network = Network()
-    work = build_work(name, matrices, world=world, foreach=hardware.foreach, **options)
+    work = build_work(name, matrices, layout=layout, foreach=hardware.foreach, **options)
     terms = work_time(work, hardware, network)
     loops = len(matrices)
     if options.get("launches") == "per_shape":
@@ -861,19 +943,22 @@ def format_terms(rows: dict[str, dict[str, float]], unit: float = 1e-3) -> str:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description="Predict per-call time under FSDP.")
+    parser = argparse.ArgumentParser(description="Predict per-call time under a layout.")
     parser.add_argument("--config", default="gpt2-xl")
     parser.add_argument("--world", type=int, default=32)
+    parser.add_argument("--layout", choices=("fsdp", "hsdp", "tp", "ddp"), default="fsdp")
+    parser.add_argument("--shard", type=int, default=8, help="hsdp: ranks per replica")
     parser.add_argument("--hardware", type=Path, help="a calibration JSON (default: H100)")
     parser.add_argument("--algorithm", choices=("hierarchical", "ring"), default="hierarchical")
     args = parser.parse_args(argv)
     hw = Hardware.from_json(json.loads(args.hardware.read_text())) if args.hardware else H100
     network = Network(algorithm=args.algorithm)
     matrices = hidden_matrices(args.config)
+    layout = layout_of(args.layout, args.world, shard=args.shard)
     rows = {
-        name: predict(name, matrices, hw, world=args.world, network=network) for name in OPTIMIZERS
+        name: predict(name, matrices, hw, layout=layout, network=network) for name in OPTIMIZERS
     }
-    print(f"{args.config}, FSDP over {args.world} x {hw.name}, {args.algorithm} collectives (ms)")
+    print(f"{args.config}, {layout} on {hw.name}, {args.algorithm} collectives (ms)")
     print(format_terms(rows))
 
 

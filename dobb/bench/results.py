@@ -36,6 +36,7 @@ from dobb.bench.costmodel import (
     PAPER_XL_32_H100_MS,
     WIDTHS,
     Hardware,
+    Layout,
     Network,
     dobb_work,
     format_terms,
@@ -280,6 +281,33 @@ def paper_section(hardware: Hardware = H100) -> tuple[str, dict[str, dict[str, f
     return "\n".join(lines), rows
 
 
+# 32 GPUs (4 nodes of 8) split four ways; every group of 8 lies inside a node
+LAYOUTS_32 = {
+    "FSDP 32": Layout(shard=32),
+    "HSDP 4 x 8": Layout(shard=8, replicate=4),
+    "DDP 32": Layout(replicate=32),
+    "TP 8 (one node)": Layout(tensor=8),
+}
+
+
+def layout_table(hardware: Hardware = H100) -> str:
+    """Predicted ms per call of GPT-2 XL under each of ``LAYOUTS_32``."""
+    xl = hidden_matrices("gpt2-xl")
+    lines = [
+        "Predicted ms per call, GPT-2 XL, by layout (H100 model, two-level collectives; HSDP "
+        "shards inside a node and replicates across nodes; TP: Megatron's plan):",
+        "",
+        "| optimizer | " + " | ".join(LAYOUTS_32) + " |",
+        "|---|" + "---:|" * len(LAYOUTS_32),
+    ]
+    for name in OPTIMIZERS:
+        cells = [
+            ms(predict(name, xl, hardware, layout=lay)["total"]) for lay in LAYOUTS_32.values()
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def sweep_tables(hardware: Hardware = H100) -> tuple[str, dict, dict]:
     """World-size and width sweeps (H100, hierarchical), as Markdown and raw series."""
     net = Network()
@@ -475,7 +503,12 @@ batched variants of section 5):
 - With width, Dobb's block size grows (s = d/16 and 4d/16 with 16 blocks), and eigh costs
   s³: with a fixed number of blocks the refresh dominates at large widths; a fixed block
   size would keep it linear in d. Muon's whole-matrix Newton-Schulz grows as d³ on the
-  owner; MuonBP's block steps as d³/p."""
+  owner; MuonBP's block steps as d³/p.
+- By layout (last table): HSDP shares Dobb's refresh only among the 8 ranks of a replica
+  (the innermost data axis), and pure TP has no data axis at all, so every TP rank eigh's
+  all of its blocks, those of column-parallel matrices identical on every TP rank. Sharing
+  the refresh over the TP ranks too (their statistics agree) is an improvement we have
+  not made. DDP keeps whole matrices on every rank, so every update is whole-matrix."""
 
 
 def discussion(rows: dict[str, dict[str, float]]) -> str:
@@ -490,7 +523,7 @@ def discussion(rows: dict[str, dict[str, float]]) -> str:
     def share(terms, *keys):
         return sum(terms[k] for k in keys) / terms["total"]
 
-    refresh = dobb_work(hidden_matrices("gpt2-xl"), world=32).refresh
+    refresh = dobb_work(hidden_matrices("gpt2-xl"), layout=Layout(shard=32)).refresh
     blocks_per_rank = sum(k.count for k in refresh if k.kind == "eigh")
     per_matrix = rows["Dion, 3 all-reduces per matrix (hierarchical)"]
     per_matrix_ring = rows["Dion, 3 all-reduces per matrix (ring)"]
@@ -631,10 +664,12 @@ def generate(
         + paper
         + "\n\n"
         + discussion(paper_rows),
-        "## 6. Scaling with world size and model width (model)\n\n"
+        "## 6. Scaling with world size, model width and layout (model)\n\n"
         + SCALING
         + "\n\n"
         + sweeps
+        + "\n\n"
+        + layout_table()
         + "".join(f"\n\n![{p}]({p})" for p in plots),
         "## 7. GPU measurements\n\n"
         + (gpu or "No `benchmarks/gpu/*.json` yet (run `benchmarks/gpu_calltime.sh` on a GPU)."),

@@ -46,7 +46,7 @@ def test_dobb_flops_are_4_m_n_s_and_match_the_implementation():
 def test_dion_flops_are_8_m_n_r_plus_householder_qr():
     r = 2
     qr = 4 * 8 * r**2 - 4 / 3 * r**3
-    work = cm.dion_work([M], rank_fraction=r / 8)
+    work = cm.dion_work([M], rank_fraction=r / 8, orthogonalize="qr")
     assert cm.dion_rank(M, r / 8) == r
     assert work.flops() == pytest.approx(8 * 8 * 16 * r + qr)
 
@@ -84,22 +84,26 @@ def test_muonbp_block_flops_are_newton_schulz_per_tile_and_match_the_implementat
     assert every_fifth == pytest.approx(0.8 * 2 * tile + 0.2 * full)
     assert cm.muonbp_work([M], period=1, row_blocks=2).flops() == full
     # under FSDP only full steps communicate (Muon's two all-to-alls), amortized by P
-    sharded = cm.muonbp_work(XL[:6], world=8, period=5)
+    sharded = cm.muonbp_work(XL[:6], layout=cm.Layout(shard=8), period=5)
     assert sharded.step_comm == [] and len(sharded.refresh_comm) == 2
-    assert sharded.comm_bytes() == pytest.approx(cm.muon_work(XL[:6], world=8).comm_bytes() / 5)
+    assert sharded.comm_bytes() == pytest.approx(
+        cm.muon_work(XL[:6], layout=cm.Layout(shard=8)).comm_bytes() / 5
+    )
 
 
 def test_dobb_refresh_is_sharded_over_ranks_by_default():
     mats = XL[:6]  # 16 blocks per matrix: 80 of size 100, 16 of size 400
     sharded, replicated = (
-        cm.dobb_work(mats, world=32, refresh=r) for r in ("sharded", "replicated")
+        cm.dobb_work(mats, layout=cm.Layout(shard=32), refresh=r) for r in ("sharded", "replicated")
     )
 
     def eighs(work):  # blocks each rank eigh's, by size
         return {k.block: k.count for k in work.refresh if k.kind == "eigh"}
 
     assert eighs(replicated) == {100: 80, 400: 16}
-    assert eighs(sharded) == {100: 3, 400: 1} == eighs(cm.dobb_work(mats, world=32))
+    assert (
+        eighs(sharded) == {100: 3, 400: 1} == eighs(cm.dobb_work(mats, layout=cm.Layout(shard=32)))
+    )
     kinds = [(c.kind, c.bytes) for c in sharded.refresh_comm]
     stats = 4 * (80 * 100**2 + 16 * 400**2)  # one all-reduce of every C_b
     padded = [("all_gather", 4 * 3 * 32 * 100**2), ("all_gather", 4 * 32 * 400**2)]
@@ -108,18 +112,61 @@ def test_dobb_refresh_is_sharded_over_ranks_by_default():
     assert sharded.step_comm == []
 
 
+def test_layouts_split_rows_and_columns_as_torchtitan_meshes_do():
+    q, proj = XL[0], XL[5]  # attn.q (1600 x 1600), mlp.proj (1600 x 6400)
+    assert cm.layout_of("fsdp", 32).local(proj) == (50, 6400)
+    tp = cm.layout_of("tp", 4)
+    assert tp.local(q) == (400, 1600) and tp.local(proj) == (1600, 1600)  # col- / row-parallel
+    hsdp = cm.layout_of("hsdp", 32)  # 4 replicas of 8 shards
+    assert (hsdp.shard, hsdp.replicate, hsdp.data, hsdp.refresh_split) == (8, 4, 32, 8)
+    assert hsdp.local(q) == (200, 1600)
+    with pytest.raises(ValueError, match="multiple of shard"):
+        cm.layout_of("hsdp", 12)
+    with pytest.raises(ValueError, match="unknown layout"):
+        cm.layout_of("pp", 4)
+
+
+def test_dobb_under_tp_updates_its_columns_blocks_and_never_communicates():
+    tp = cm.Layout(tensor=4)
+    work = cm.dobb_work([XL[5]], layout=tp)  # 16 blocks of 400, 4 on each rank
+    assert [k.count for k in work.refresh if k.kind == "eigh"] == [4]
+    assert work.step_comm == work.refresh_comm == []  # TP ranks see the same tokens
+    assert work.flops() == 4 * 1600 * 1600 * 400
+
+
+def test_dobb_under_hsdp_averages_over_all_data_ranks_and_shares_the_refresh_in_a_replica():
+    work = cm.dobb_work(XL[:6], layout=cm.layout_of("hsdp", 32))
+    assert [(c.kind, c.group) for c in work.refresh_comm] == [
+        ("all_reduce", 32),
+        ("all_gather", 8),
+        ("all_gather", 8),
+    ]
+
+
+def test_dion_under_tp_reduces_b_q_over_column_shards_and_r_over_row_shards():
+    tp = cm.Layout(tensor=4)
+    q, proj = XL[0], XL[5]
+    r = cm.dion_rank(q, 1 / 16)
+    row_parallel = cm.dion_work([proj], layout=tp, collectives="per_matrix").step_comm
+    assert [c.bytes for c in row_parallel] == [(1600 * r + 1) * 4, r * 4]  # P and R's norms
+    col_parallel = cm.dion_work([q], layout=tp, collectives="per_matrix").step_comm
+    k = cm.sketch_rows(r)
+    assert [c.bytes for c in col_parallel] == [(k * r + 1) * 4, r * r * 4, 1600 * r * 4]
+    assert {c.group for c in row_parallel + col_parallel} == {4}
+
+
 def test_distributed_dion_all_reduces_sketch_gram_and_r():
     mats = XL[:6]
     r = cm.dion_rank(XL[0], 1 / 16)
     k = cm.sketch_rows(r)
-    per_matrix = cm.dion_work(mats, world=32, collectives="per_matrix").step_comm
+    per_matrix = cm.dion_work(mats, layout=cm.Layout(shard=32), collectives="per_matrix").step_comm
     assert len(per_matrix) == 3 * 6
     expected = {(k * r + 1) * 4, r * r * 4, XL[0].d_in * r * 4}
     assert {c.bytes for c in per_matrix[:3]} == expected
-    batched = cm.dion_work(mats, world=32).step_comm  # ours: one buffer per round
+    batched = cm.dion_work(mats, layout=cm.Layout(shard=32)).step_comm  # ours: one buffer per round
     assert len(batched) == 3
     assert sum(c.bytes for c in batched) == sum(c.bytes for c in per_matrix)
-    assert cm.dion_work(mats, world=1).step_comm == []
+    assert cm.dion_work(mats, layout=cm.Layout(shard=1)).step_comm == []
 
 
 def test_adamw_moves_80_bytes_per_parameter():
