@@ -1,9 +1,10 @@
-"""The optimizer study: tuned comparison with seeds, Dobb ablations, width trend -> STUDY.md.
+"""The optimizer study: tuned comparison with seeds, Dobb ablations, width trend, MuonBP's
+period -> STUDY.md.
 
     dobb study                          # ~40 min on 2 idle CPU cores (configs/study/budget.yaml)
     dobb study --tiny --out /tmp/study  # the whole pipeline on a tiny GPT, seconds
 
-Three parts, every run trained by `dobb.train.compare.run` (so a finished run is never
+Four parts, every run trained by `dobb.train.compare.run` (so a finished run is never
 repeated and an interrupted one resumes from its checkpoint: re-running the command after a
 kill finishes the study):
 
@@ -18,6 +19,8 @@ kill finishes the study):
     best lr moves (num_blocks, update_scale) get a small lr sweep of their own.
 (c) Width trend: the Dobb-Dion gap at several widths at fixed depth, each at its own best
     lr from a small sweep around the tuned lr of (a).
+(d) MuonBP's period P (1: Muon with MuonBP's lr scaling, 2, 20, None: BlockMuon), each with a
+    small lr sweep around MuonBP's tuned lr, against its seed-0 run (P=5) as in (b).
 
 The report (`STUDY.md` next to the output folder, plots and `study.json` inside it) is
 generated from the runs' own logs; every sentence in "What the data show" is computed.
@@ -55,6 +58,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "study" / "bu
 BASELINES = tuple(name for name in OPTIMIZERS if name != "dobb")
 NOISE_FACTOR = 2.0  # a difference "exceeds the noise" when |diff| > 2 x (pooled) seed std
 PER_RUN = (*compare.PER_RUN, "seed")  # set by the study for each run
+YES_NO = {True: "yes", False: "no"}
 
 
 # ---- the budget ----------------------------------------------------------------------
@@ -320,16 +324,19 @@ def tune(
 
 @dataclass(frozen=True)
 class Ablation:
-    """One change to Dobb's options, compared with Dobb at its tuned lr."""
+    """One change to an optimizer's options of (a), compared with it at its tuned lr."""
 
     option: str
     value: Any
     sweep: bool = False  # its best lr moves: a small sweep around `lr_center`
     note: str = ""
+    optimizer: str = "dobb"
 
 
 def ablations(width: int) -> list[Ablation]:
-    """The ablations of (b) for a model of width `width` (the MLP's input is 4 x width)."""
+    """The ablations of (b) and (d) for a model of width `width` (the MLP's input is 4 x width)."""
+    # MuonBP's period: the share of full steps moves the best lr, so every period is swept
+    period = partial(Ablation, "period", sweep=True, optimizer="muonbp")
     return [
         Ablation("num_blocks", 1, sweep=True),
         Ablation("num_blocks", 4, sweep=True),
@@ -344,13 +351,19 @@ def ablations(width: int) -> list[Ablation]:
         Ablation("basis_source", "gradients"),
         Ablation("update_scale", "muon", sweep=True, note="lr centred on Muon's tuned lr"),
         Ablation("update_scale", 1.0, sweep=True, note="Lion-like"),
+        period(1, note="a full step every update: Muon, MuonBP's lr scaling"),
+        period(2),
+        period(20),
+        period(None, note="block steps only: BlockMuon"),
     ]
 
 
-def dobb_defaults() -> dict[str, Any]:
-    """Dobb's options in (a): the class defaults, then the comparison's `OPTIONS`."""
-    params = inspect.signature(Dobb.__init__).parameters.values()
-    return {p.name: p.default for p in params if p.default is not p.empty} | OPTIONS["dobb"]
+def defaults(name: str) -> dict[str, Any]:
+    """The options of optimizer `name` in (a): class defaults, registry, `OPTIONS`."""
+    entry = get_entry(name)
+    params = inspect.signature(entry.cls.__init__).parameters.values()
+    options = {p.name: p.default for p in params if p.default is not p.empty}
+    return options | entry.hyperparameters | OPTIONS[name]
 
 
 def lr_center(ablation: Ablation, best: dict[str, float]) -> float:
@@ -358,18 +371,18 @@ def lr_center(ablation: Ablation, best: dict[str, float]) -> float:
 
     update_scale sets the update RMS to `alpha lr`: a number keeps Dobb's tuned `alpha lr`
     (lr = best x 0.2 / alpha); "muon" is meant to take Muon's lr, so it starts from Muon's
-    tuned lr. Everything else starts at Dobb's tuned lr.
+    tuned lr. Everything else starts at its optimizer's tuned lr.
     """
     if ablation.option == "update_scale":
         if ablation.value == "muon":
             return best["muon"]
         return best["dobb"] * base_alpha() / ablation.value
-    return best["dobb"]
+    return best[ablation.optimizer]
 
 
 def base_alpha() -> float:
     """Dobb's default update scale alpha (0.2, the "adamw" setting) as a number."""
-    return Dobb._scale(1, dobb_defaults())
+    return Dobb._scale(1, defaults("dobb"))
 
 
 def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) -> dict:
@@ -397,7 +410,7 @@ def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) 
         grid = [center * f for f in spec.ablation_lr_factors] if ab.sweep else [center]
         extend = spec.ablation_max_extensions if ab.sweep else 0
         later[("ablation", i)] = Sweep(
-            partial(make, "dobb", options={ab.option: ab.value}), grid, extend
+            partial(make, ab.optimizer, options={ab.option: ab.value}), grid, extend
         )
     for w in spec.widths:
         for name in ("dobb", "dion"):
@@ -482,19 +495,25 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
     best_lr, main = results["best_lr"], results["main"]
     seeds = {name: seed_stats(runs) for name, runs in results["seeds"].items()}
     pairs = {name: compare_seeds(seeds["dobb"], seeds[name]) for name in BASELINES}
-    noise = NOISE_FACTOR * seeds["dobb"]["std"]
-    reference = results["seeds"]["dobb"][0]  # Dobb at its tuned lr, seed 0
-    defaults = dobb_defaults()
+    references = {  # each ablated optimizer at its tuned lr, seed 0, and its seed noise
+        name: {
+            "run": results["seeds"][name][0]["run"],
+            "loss": loss_of(results["seeds"][name][0]),
+            "noise": NOISE_FACTOR * seeds[name]["std"],
+        }
+        for name in dict.fromkeys(ab.optimizer for ab, _ in results["ablations"])
+    }
 
     rows = []
     for ab, runs in results["ablations"]:
         top = best_run(runs)
-        delta = loss_of(top) - loss_of(reference)
+        delta = loss_of(top) - references[ab.optimizer]["loss"]
         rows.append(
             {
+                "optimizer": ab.optimizer,
                 "option": ab.option,
                 "value": ab.value,
-                "default": defaults[ab.option],
+                "default": defaults(ab.optimizer)[ab.option],
                 "note": ab.note,
                 "lrs": [s["lr"] for s in runs],
                 "losses": [loss_of(s) for s in runs],
@@ -502,7 +521,7 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
                 "best_lr": top["lr"],
                 "loss": loss_of(top),
                 "delta": delta,
-                "exceeds": bool(abs(delta) > noise),
+                "exceeds": bool(abs(delta) > references[ab.optimizer]["noise"]),
                 "at_edge": at_edge(runs),
             }
         )
@@ -516,7 +535,9 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
         )
         if same and lr in row["lrs"]:
             run = row["runs"][row["lrs"].index(lr)]
-            checks[f"{ab.option}={ab.value}"] = trace_difference(out, reference["run"], run)
+            checks[f"{ab.option}={ab.value}"] = trace_difference(
+                out, references["dobb"]["run"], run
+            )
     signum = [r for r in rows if r["note"].startswith("block size 1")]
     identity = [r for r in rows if r["option"] == "basis_source" and r["value"] == "identity"]
     if signum and identity and best_lr["dobb"] in signum[0]["lrs"]:
@@ -543,7 +564,7 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
         )
 
     used = {s["run"]: s for runs in _all_runs(results) for s in runs}
-    info = json.loads((out / "runs" / reference["run"] / "run.json").read_text())
+    info = json.loads((out / "runs" / references["dobb"]["run"] / "run.json").read_text())
     return {
         "budget": {k: v for k, v in base.to_dict().items() if k not in compare.UNCOMPARED},
         "spec": asdict(spec),
@@ -556,8 +577,7 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
         "sweep_edge": {name: at_edge(runs) for name, runs in main.items()},
         "seeds": seeds,
         "pairs": pairs,
-        "noise": noise,
-        "reference": {"run": reference["run"], "loss": loss_of(reference)},
+        "references": references,
         "ablations": rows,
         "checks": checks,
         "width": results["width"],
@@ -593,6 +613,11 @@ def _options_text(name: str) -> str:
                      for k, v in OPTIONS[name].items()) or "-"  # fmt: skip
 
 
+def _title(name: str) -> str:
+    """The optimizer's class name: Dobb, MuonBP, ..."""
+    return get_entry(name).cls.__name__
+
+
 def _label(row: dict[str, Any]) -> str:
     return f"{row['option']}={row['value']}" + (f" ({row['note']})" if row["note"] else "")
 
@@ -601,8 +626,10 @@ def findings(report: dict[str, Any]) -> list[str]:
     """Plain-language statements, each computed from the report's numbers."""
     return [
         *_comparison_findings(report),
-        *_ablation_findings(report),
+        *_ablation_findings(report, "dobb"),
+        *_signum_findings(report),
         *_width_findings(report),
+        *_ablation_findings(report, "muonbp"),
         *_scope_findings(report),
     ]
 
@@ -631,14 +658,15 @@ def _comparison_findings(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _ablation_findings(report: dict[str, Any]) -> list[str]:
-    rows, noise, lines = report["ablations"], report["noise"], []
+def _ablation_findings(report: dict[str, Any], name: str) -> list[str]:
+    title, noise, lines = _title(name), report["references"][name]["noise"], []
+    rows = [r for r in report["ablations"] if r["optimizer"] == name]
     varied = [r for r in rows if r["option"] != "stats_sync"]
     matter = sorted((r for r in varied if r["exceeds"]), key=lambda r: -abs(r["delta"]))
     within = [r for r in varied if not r["exceeds"]]
     text = (
-        f"Ablations, each against Dobb's seed-0 run at its tuned lr (threshold: 2 x Dobb's seed "
-        f"std = {noise:.4f}): "
+        f"{title} ablations, each against {title}'s seed-0 run at its tuned lr (threshold: 2 x "
+        f"{title}'s seed std = {noise:.4f}): "
     )
     if matter:
         text += "beyond the noise: " + ", ".join(f"{_label(r)} {r['delta']:+.4f}" for r in matter)
@@ -650,13 +678,19 @@ def _ablation_findings(report: dict[str, Any]) -> list[str]:
     better = [r for r in matter if r["delta"] < 0]
     if better:
         lines.append(
-            "Better than Dobb's default beyond the noise: "
+            f"Better than {title}'s default beyond the noise: "
             + ", ".join(f"{_label(r)} ({r['delta']:+.4f})" for r in better)
             + "; the default ("
             + ", ".join(sorted({f"{r['option']}={r['default']}" for r in better}))
             + ") is not the best setting at this budget."
         )
-    for r in rows:
+    return lines
+
+
+def _signum_findings(report: dict[str, Any]) -> list[str]:
+    """Dobb's Signum ablation and the same-math checks."""
+    lines = []
+    for r in report["ablations"]:
         if r["note"].startswith("block size 1"):
             effect = (
                 "within the noise: the block eigenbases do not help measurably here"
@@ -753,11 +787,13 @@ def _scope_findings(report: dict[str, Any]) -> list[str]:
 # ---- plots ---------------------------------------------------------------------------
 
 
-def plot_ablations(out: Path, report: dict[str, Any]) -> str:
-    """Horizontal bars: each ablation's final val loss minus Dobb's, with the noise band."""
+def plot_ablations(out: Path, report: dict[str, Any], name: str, file: str) -> str:
+    """Horizontal bars: each ablation of `name`, its final val loss minus `name`'s at its
+    tuned lr, with the noise band."""
     from matplotlib.figure import Figure
 
-    rows = report["ablations"]
+    title, noise = _title(name), report["references"][name]["noise"]
+    rows = [r for r in report["ablations"] if r["optimizer"] == name]
     fig = Figure(figsize=(8, 1.5 + 0.35 * len(rows)), layout="constrained")
     ax = fig.subplots()
     deltas = [r["delta"] if math.isfinite(r["delta"]) else math.nan for r in rows]
@@ -768,13 +804,12 @@ def plot_ablations(out: Path, report: dict[str, Any]) -> str:
     ax.barh(range(len(rows)), deltas, color=colors)
     ax.set_yticks(range(len(rows)), [f"{r['option']}={r['value']}" for r in rows])
     ax.invert_yaxis()
-    noise = report["noise"]
-    ax.axvspan(-noise, noise, color="tab:blue", alpha=0.15, label="2 x Dobb seed std")
+    ax.axvspan(-noise, noise, color="tab:blue", alpha=0.15, label=f"2 x {title} seed std")
     ax.axvline(0, color="black", linewidth=0.8)
-    ax.set_xlabel("final val loss minus Dobb's (lower is better)")
+    ax.set_xlabel(f"final val loss minus {title}'s (lower is better)")
     ax.legend(loc="lower right")
-    fig.savefig(out / "ablations.png", dpi=120)
-    return "ablations.png"
+    fig.savefig(out / file, dpi=120)
+    return file
 
 
 def plot_widths(out: Path, report: dict[str, Any]) -> str:
@@ -814,6 +849,7 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         return Path(os.path.relpath(out / name, doc.parent)).as_posix()
 
     seeds, best_lr, spec = report["seeds"], report["best_lr"], report["spec"]
+    dobb, muonbp = report["references"]["dobb"], report["references"]["muonbp"]
     sweeps = {  # compare's plot wants summaries; a diverged run is a gap (NaN)
         name: [{"lr": s["lr"], "final_val_loss": s["loss"] if s["loss"] < math.inf else math.nan}
                for s in runs]
@@ -821,12 +857,13 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
     }  # fmt: skip
     runs = {f"{n} (lr {best_lr[n]:.4g})": out / "runs" / seeds[n]["runs"][0] for n in seeds}
     plots = [compare.plot_sweep(out, sweeps), *compare.plot_curves(out, runs)]
-    ablation_plot, width_plot = plot_ablations(out, report), plot_widths(out, report)
+    ablation_plot = plot_ablations(out, report, "dobb", "ablations.png")
+    period_plot = plot_ablations(out, report, "muonbp", "muonbp_period.png")
+    width_plot = plot_widths(out, report)
     model = gpt_config(report["budget"]["model"], **report["budget"]["model_overrides"])
-    yes = {True: "yes", False: "no"}
 
     lines = [
-        "# Optimizer study: tuned comparison, Dobb ablations, width trend",
+        "# Optimizer study: tuned comparison, Dobb ablations, width trend, MuonBP's period",
         "",
         *_header(report, model, link),
         "",
@@ -857,7 +894,7 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
             "Dobb vs|difference of means (Dobb - other)|2 x pooled std|Welch t|exceeds noise",
             [
                 f"{n}|{p['diff']:+.4f}|{NOISE_FACTOR * p['pooled_std']:.4f}|{p['welch_t']:.2f}|"
-                f"{yes[p['exceeds']]}"
+                f"{YES_NO[p['exceeds']]}"
                 for n, p in report["pairs"].items()
             ],
         ),
@@ -879,23 +916,13 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         "",
         f"Each row changes one option of Dobb ({_options_text('dobb')}, class defaults "
         "otherwise) and is compared with Dobb's seed-0 run at its tuned lr "
-        f"({_fmt(report['reference']['loss'])}, lr {best_lr['dobb']:.4g}). num_blocks and "
+        f"({_fmt(dobb['loss'])}, lr {best_lr['dobb']:.4g}). num_blocks and "
         f"update_scale move the best lr, so they run at {spec['ablation_lr_factors']} x an lr "
         "centre (Dobb's tuned lr; for a numeric update_scale the lr keeping alpha x lr; for "
         "'muon' Muon's tuned lr) and report the best. Beyond noise: |Δ| > 2 x Dobb's seed std "
-        f"({report['noise']:.4f}).",
+        f"({dobb['noise']:.4f}).",
         "",
-        table(
-            "option|Dobb's value|ablation|lrs tried|best lr|final val loss|Δ vs Dobb|"
-            "beyond noise|note",
-            [
-                f"{r['option']}|{r['default']}|{r['value']}|"
-                f"{', '.join(f'{lr:.4g}' for lr in r['lrs'])}|{r['best_lr']:.4g}|"
-                f"{_fmt(r['loss'])}|{r['delta']:+.4f}|{yes[r['exceeds']]}|"
-                + "; ".join(filter(None, [r["note"], r["at_edge"] and "best lr at grid edge"]))
-                for r in report["ablations"]
-            ],
-        ),
+        _ablation_table(report, "dobb"),
         "",
         f"![ablations]({link(ablation_plot)})",
         "",
@@ -911,15 +938,47 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
             "n_embd|parameters|Dobb lr|Dobb loss|Dion lr|Dion loss|gap (Dobb - Dion)|beyond noise",
             [
                 f"{r['n_embd']}|{r['num_params']:,}|{r['dobb_lr']:.4g}|{_fmt(r['dobb_loss'])}|"
-                f"{r['dion_lr']:.4g}|{_fmt(r['dion_loss'])}|{r['gap']:+.4f}|{yes[r['exceeds']]}"
+                f"{r['dion_lr']:.4g}|{_fmt(r['dion_loss'])}|{r['gap']:+.4f}|{YES_NO[r['exceeds']]}"
                 for r in report["widths"]
             ],
         ),
         "",
         f"![width trend]({link(width_plot)})",
         "",
+        "## (d) MuonBP's period",
+        "",
+        "Each row sets MuonBP's period P (a full step every P updates of a matrix, block steps "
+        f"in between; {_options_text('muonbp')}; P={defaults('muonbp')['period']} in (a)) and "
+        f"is compared with MuonBP's seed-0 run at its tuned lr ({_fmt(muonbp['loss'])}, lr "
+        f"{best_lr['muonbp']:.4g}; its {seeds['muonbp']['n']} seeds: "
+        f"{_fmt(seeds['muonbp']['mean'])} ± {seeds['muonbp']['std']:.4f}). Each period ran "
+        f"at {spec['ablation_lr_factors']} x the tuned lr (extended by one point at a time, up "
+        f"to {spec['ablation_max_extensions']}, while the best is at an edge) and reports the "
+        f"best. Beyond noise: |Δ| > 2 x MuonBP's seed std ({muonbp['noise']:.4f}).",
+        "",
+        _ablation_table(report, "muonbp"),
+        "",
+        f"![MuonBP's period]({link(period_plot)})",
+        "",
     ]
     doc.write_text("\n".join(lines))
+
+
+def _ablation_table(report: dict[str, Any], name: str) -> str:
+    """The ablations of optimizer `name`, each against its seed-0 run at its tuned lr."""
+    title = _title(name)
+    return table(
+        f"option|{title}'s value|ablation|lrs tried|best lr|final val loss|Δ vs {title}|"
+        "beyond noise|note",
+        [
+            f"{r['option']}|{r['default']}|{r['value']}|"
+            f"{', '.join(f'{lr:.4g}' for lr in r['lrs'])}|{r['best_lr']:.4g}|"
+            f"{_fmt(r['loss'])}|{r['delta']:+.4f}|{YES_NO[r['exceeds']]}|"
+            + "; ".join(filter(None, [r["note"], r["at_edge"] and "best lr at grid edge"]))
+            for r in report["ablations"]
+            if r["optimizer"] == name
+        ],
+    )
 
 
 def _header(report: dict[str, Any], model, link) -> list[str]:

@@ -164,6 +164,22 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     for row in report["ablations"]:
         assert row["loss"] == min(summary(run)["final_val_loss"] for run in row["runs"])
     assert report["checks"]["stats_sync=step"] == 0  # one process: identical runs
+
+    # (d): MuonBP of (a) with only the period changed, against its seed-0 run
+    assert "## (d) MuonBP's period" in text and (out / "muonbp_period.png").exists()
+    periods = [r for r in report["ablations"] if r["optimizer"] == "muonbp"]
+    assert [r["value"] for r in periods] == [1, 2, 20, None]
+    reference = summary(report["seeds"]["muonbp"]["runs"][0])
+    for row in periods:
+        for run in row["runs"]:
+            config = json.loads((out / "runs" / run / "run.json").read_text())["config"]
+            options = compare.OPTIONS["muonbp"] | {"period": row["value"]}
+            assert config["optimizer"] == "muonbp" and config["optimizer_options"] == options
+        assert row["delta"] == pytest.approx(row["loss"] - reference["final_val_loss"])
+        best = report["best_lr"]["muonbp"]  # a small sweep around MuonBP's tuned lr
+        grid = {study.round_lr(best * f) for f in report["spec"]["ablation_lr_factors"]}
+        assert grid <= set(row["lrs"])
+        assert re.search(rf"\| period +\| 5 +\| {row['value']} +\|", text)
     assert report["compute"]["runs"] == report["new_runs"] == len(list((out / "runs").iterdir()))
 
     # a second call trains nothing; a run lost to a kill is the only one redone
