@@ -31,7 +31,7 @@ TOLERANCE = 1e-5
 def build(name, model, options, data_parallel=None):
     """Optimizer ``name`` over ``model`` (weights: the matrix algorithm; biases: AdamW)."""
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    cls = {"muon": dobb.Muon, "dion": dobb.Dion}[name]
+    cls = {"muon": dobb.Muon, "muonbp": dobb.MuonBP, "dion": dobb.Dion}[name]
     groups = dobb.param_groups(inner, cls.algorithm, exclude="^$")
     return cls(groups, **options, data_parallel=data_parallel)
 
@@ -115,7 +115,7 @@ def checkpoint_run(rank, world, path, phase, layout, name="muon", options=None):
     """phase "save": 2 steps, DCP save, 2 more; "load": DCP load, the last 2 steps.
 
     Returns the final parameters and, per optimizer-state tensor, (key, placements or None,
-    full value). Shared with ``test_dion_distributed``.
+    full value). Shared with ``test_dion_distributed`` and ``test_muonbp_distributed``.
     """
     import torch.distributed.checkpoint as dcp
 

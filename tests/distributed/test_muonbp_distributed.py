@@ -16,6 +16,7 @@ import pytest
 import torch
 from layouts import LAYOUTS, MLP, full, parallelize, train_step
 from multirank import run_ranks
+from test_muon_distributed import checkpoint_run
 
 import dobb
 from dobb.optim.muonbp import MuonBP
@@ -122,3 +123,23 @@ def test_sharded_muonbp_equals_single_device_with_matching_tiling(layout, world,
             assert [kind for kind, _, _ in full_3].count("all_to_all") == 2
         else:
             assert full_3 == result["muon"]
+
+
+@pytest.mark.timeout(120)
+def test_dcp_resume_mid_period_on_another_mesh_equals_uninterrupted(tmp_path):
+    """Save under HSDP on 2 x 2 ranks after updates 0 (full) and 1 (block) of period 3,
+    resume under FSDP on 2: update 2 is a block step and 3 a full one only if ``step``
+    round-trips.
+
+    Blocks are the local shards, so most mesh changes change the block steps' math (and
+    ``row_blocks``/``col_blocks`` come back from the checkpoint with the param groups, so a
+    new tiling cannot make up for it). HSDP shards each matrix over its data_shard axis of
+    2 exactly as FSDP on 2 does (fc1 18 x 16: 9/9 rows, fc2 16 x 18: 8/8): the same math.
+    """
+    options = {**OPTIONS, **BLOCK}
+    args = (str(tmp_path), "save", "hsdp", "muonbp", options)
+    uninterrupted, _ = run_ranks(checkpoint_run, 4, *args, timeout=110)[0]
+    args = (str(tmp_path), "load", "fsdp", "muonbp", options)
+    resumed, _ = run_ranks(checkpoint_run, 2, *args, timeout=110)[0]
+    for a, b in zip(uninterrupted, resumed):
+        torch.testing.assert_close(a, b, rtol=TOLERANCE, atol=1e-7)
