@@ -169,7 +169,10 @@ class MuonBP(Muon):
             ``"spectral"``.
 
     ``period``, ``block_lr_ratio``, ``row_blocks`` and ``col_blocks`` are group keys, so
-    one optimizer can tile each matrix like its own layout.
+    one optimizer can tile each matrix like its own layout. Like every group key they are
+    saved in ``state_dict()`` and restored by ``load_state_dict()``; the blocks of a sharded
+    matrix are its local shards, so resuming on a mesh that splits the matrices differently
+    changes the block steps (the checkpoint itself loads fine).
 
     Communication: none on block steps. On full steps, exactly Muon's: per mesh (or
     data-parallel group), one ``all_to_all`` of ``N`` to the owners and one back. Each
