@@ -453,19 +453,22 @@ def calibrate(
     a, b = randn(size, size), randn(size, size)
     meas["gemm_fp32"] = 2.0 * size**3 / seconds(lambda: a @ b)
     # the products our optimizers run, at the shapes of ``matrices``: Newton-Schulz's
-    # X Xᵀ in bf16 and Dion's rank-r products in fp32 (flop-weighted over the shapes)
-    ns_flops = ns_time = skinny_flops = skinny_time = 0.0
+    # X Xᵀ in bf16, Dion's rank-r products B Q in fp32 and its in-place rank-r updates
+    # W -= P Qᵀ (flop-weighted over the shapes)
+    ns_flops = ns_time = skinny_flops = skinny_time = update_time = 0.0
     for rows, cols in sorted({(min(m.d_out, m.d_in), max(m.d_out, m.d_in)) for m in matrices}):
         x = randn(rows, cols, dtype=torch.bfloat16)
         ns_flops += 2.0 * rows * rows * cols
         ns_time += seconds(lambda x=x: x @ x.mT)
     for m in {(m.d_out, m.d_in, dion_rank(m, rank_fraction)): m for m in matrices}.values():
         r = dion_rank(m, rank_fraction)
-        w, q = randn(m.d_out, m.d_in), randn(m.d_in, r)
+        w, q, p = randn(m.d_out, m.d_in), randn(m.d_in, r), randn(m.d_out, r)
         skinny_flops += 2.0 * m.numel * r
         skinny_time += seconds(lambda w=w, q=q: w @ q)
+        update_time += seconds(lambda w=w, q=q, p=p: w.addmm_(p, q.mT, alpha=-1e-6))
     meas["gemm_bf16"], meas["gemm_skinny"] = ns_flops / ns_time, skinny_flops / skinny_time
-    for kind in ("gemm_fp32", "gemm_bf16", "gemm_skinny"):
+    meas["gemm_update"] = skinny_flops / update_time
+    for kind in ("gemm_fp32", "gemm_bf16", "gemm_skinny", "gemm_update"):
         progress(f"{kind}: {meas[kind] / 1e9:.1f} GFLOP/s")
     blocks = sorted({s.size for m in matrices for s in block_stacks(m.d_in, num_blocks)})
     bmm, eigh = {}, {}
@@ -502,9 +505,13 @@ def calibrate(
     fresh = seconds(lambda: big.lerp(other, 0.1))
     meas["memory_bandwidth"] = sum(a * n * FP32 for a in times) / sum(times.values())
     meas["alloc_s_per_byte"] = max(0.0, (fresh - in_place) / (n * FP32))
+    # full reductions read at their own rate (on CPU slower than streaming ops)
+    reductions = (lambda: torch.linalg.vector_norm(big), lambda: big.any())
+    meas["reduction_bandwidth"] = 2 * n * FP32 / sum(seconds(op) for op in reductions)
     progress(
         f"memory: {meas['memory_bandwidth'] / 1e9:.1f} GB/s in place; a fresh output costs "
-        f"{meas['alloc_s_per_byte'] * 1e9:.3f} s/GB more"
+        f"{meas['alloc_s_per_byte'] * 1e9:.3f} s/GB more; reductions read "
+        f"{meas['reduction_bandwidth'] / 1e9:.1f} GB/s"
     )
     # fixed cost per op kind: the op on tiny tensors (dispatch, allocation, launch)
     x, y, xb = randn(64, 64), randn(64, 64), randn(64, 64, dtype=torch.bfloat16)
@@ -514,6 +521,7 @@ def calibrate(
         "reduction": lambda: torch.isfinite(x).all(),
         "gemm_fp32": lambda: torch.addmm(x, x, y, alpha=1e-3),
         "gemm_skinny": lambda: x @ y[:, :4],
+        "gemm_update": lambda: y.addmm_(x[:, :4], x[:4, :], alpha=1e-6),
         "gemm_bf16": lambda: torch.addmm(xb, xb, xb, alpha=1e-3),
         "bmm_fp32": lambda: torch.bmm(blocks, blocks),
     }
@@ -532,6 +540,7 @@ def calibrate(
         rates={
             "gemm_fp32": meas["gemm_fp32"],
             "gemm_skinny": meas["gemm_skinny"],
+            "gemm_update": meas["gemm_update"],
             "gemm_bf16": meas["gemm_bf16"],
             "qr": qr_rate,
             "small": meas["gemm_fp32"],
@@ -543,6 +552,7 @@ def calibrate(
         latency_s={"qr": qr_latency, "small": small_latency},
         foreach=gpu,
         alloc_s_per_byte=0.0 if gpu else meas["alloc_s_per_byte"],
+        reduction_bandwidth=meas["reduction_bandwidth"],
         source=f"calibrate() on {device}, torch {torch.__version__}",
         measurements={
             **meas,

@@ -59,7 +59,16 @@ from dobb.optim.muonbp import chunk_sizes
 from dobb.train.model import GPT_CONFIGS, gpt_config
 
 FP32, BF16 = 4, 2  # bytes per element
-OP_KINDS = ("elementwise", "reduction", "gemm_fp32", "gemm_skinny", "gemm_bf16", "bmm_fp32")
+FALLBACK_RATES = {"gemm_update": "gemm_skinny"}  # a kind missing from an older profile
+OP_KINDS = (
+    "elementwise",
+    "reduction",
+    "gemm_fp32",
+    "gemm_skinny",
+    "gemm_update",
+    "gemm_bf16",
+    "bmm_fp32",
+)
 CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
 OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "adamw")
 
@@ -231,8 +240,9 @@ class Kernel:
     """One launched op (or ``count`` identical ones).
 
     ``kind`` picks the rate: ``gemm_fp32``, ``gemm_skinny`` (fp32 products with a rank-r
-    side), ``gemm_bf16``, ``bmm_fp32`` (rate by ``block``), ``elementwise`` and
-    ``reduction`` (memory only), ``qr`` / ``small`` (factorizations: latency + FLOPs),
+    side), ``gemm_update`` (in-place rank-r updates ``W -= P Qᵀ``), ``gemm_bf16``,
+    ``bmm_fp32`` (rate by ``block``), ``elementwise`` and ``reduction`` (memory only),
+    ``qr`` / ``small`` (factorizations: latency + FLOPs),
     ``eigh`` (``count`` blocks of size ``block``, one launch). ``bytes``: device memory
     read plus written; ``alloc``: bytes of the freshly allocated output (first-touch
     cost on CPU; free under CUDA's caching allocator).
@@ -463,11 +473,11 @@ def dion_work(
         sends |= {"R": (nr, row_split), "norms": (r * FP32, col_split)}
         ops += [
             matmul("gemm_skinny", 2.0 * rows * n * r, e + mr, nr),  # R = Bᵀ P
-            matmul("gemm_skinny", 2.0 * rows * n * r, 2 * e, 0.0, new=False),  # B -= P Rᵀ
+            matmul("gemm_update", 2.0 * rows * n * r, 2 * e, 0.0, new=False),  # B -= P Rᵀ
             Kernel("reduction", bytes=nr),  # column norms
             elementwise(n * r, 2, count=2, new=True),  # clamp, divide
             elementwise(n * r, 2),  # Q.copy_
-            matmul("gemm_skinny", 2.0 * rows * n * r, 2 * e, 0.0, new=False),  # W -= P Qᵀ
+            matmul("gemm_update", 2.0 * rows * n * r, 2 * e, 0.0, new=False),  # W -= P Qᵀ
         ]
         for name, (nbytes, ranks) in sends.items():
             if ranks > 1 and collectives == "per_matrix":
@@ -682,6 +692,8 @@ class Hardware:
     alloc_s_per_byte: float = 0.0
     """Extra seconds per byte of a freshly allocated output (page faults on first touch;
     0 under CUDA's caching allocator)."""
+    reduction_bandwidth: float = 0.0
+    """Bytes per second a full reduction (norm, ``any``) reads; 0: ``memory_bandwidth``."""
     matrix_s: dict[str, float] = field(default_factory=dict)
     """Framework overhead beyond the ops: per matrix and call by optimizer name (Python
     loop, state lookups), and per hooked layer and forward (``"hook"``)."""
@@ -703,6 +715,11 @@ class Hardware:
     def launch(self, kind: str) -> float:
         """Fixed cost of one op of ``kind``."""
         return self.op_s.get(kind, self.op_s["elementwise"])
+
+    def rate(self, kind: str) -> float | None:
+        """FLOP/s of ``kind``; profiles measured before ``gemm_update`` existed use
+        ``gemm_skinny``'s."""
+        return self.rates.get(kind) or self.rates.get(FALLBACK_RATES.get(kind, ""))
 
     def eigh_block_s(self, size: int) -> float:
         a, b = self.eigh_s
@@ -745,6 +762,7 @@ H100 = Hardware(
     rates={
         "gemm_fp32": H100_FP32_PEAK * GEMM_EFFICIENCY,
         "gemm_skinny": H100_FP32_PEAK * BMM_EFFICIENCY,
+        "gemm_update": H100_FP32_PEAK * BMM_EFFICIENCY,
         "gemm_bf16": H100_BF16_PEAK * GEMM_EFFICIENCY,
         "qr": GPU_FACTOR_RATE,
         "small": GPU_FACTOR_RATE,
@@ -834,9 +852,12 @@ def kernel_time(k: Kernel, hw: Hardware) -> dict[str, float]:
     if kind in ("qr", "small"):
         one = (0.0 if fused else hw.latency_s[kind]) + k.flops / hw.rates[kind]
         return {"overhead": launch, "factorization": k.count * one}
-    rate = hw.bmm_rate(k.block) if kind == "bmm_fp32" else hw.rates.get(kind)
+    rate = hw.bmm_rate(k.block) if kind == "bmm_fp32" else hw.rate(kind)
     compute = k.flops / rate if rate else 0.0
-    memory = k.bytes / hw.memory_bandwidth + k.alloc * hw.alloc_s_per_byte
+    bandwidth = hw.memory_bandwidth
+    if kind == "reduction" and hw.reduction_bandwidth:
+        bandwidth = hw.reduction_bandwidth
+    memory = k.bytes / bandwidth + k.alloc * hw.alloc_s_per_byte
     category = "matmul" if compute >= memory and k.flops else "memory"
     return {"overhead": launch, category: k.count * max(compute, memory)}
 

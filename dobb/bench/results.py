@@ -161,7 +161,8 @@ def calibration_section(hw: Hardware) -> str:
             "",
             f"- fp32 GEMM {hw.rates['gemm_fp32'] / 1e9:.1f} GFLOP/s (square); at the "
             f"optimizers' shapes: bf16 X Xᵀ {hw.rates['gemm_bf16'] / 1e9:.1f} GFLOP/s "
-            f"(Newton-Schulz), fp32 rank-r {hw.rates['gemm_skinny'] / 1e9:.1f} GFLOP/s (Dion).",
+            f"(Newton-Schulz), fp32 rank-r {hw.rates['gemm_skinny'] / 1e9:.1f} GFLOP/s and "
+            f"rank-r update {hw.rate('gemm_update') / 1e9:.1f} GFLOP/s (Dion).",
             f"- fp32 bmm by block size (GFLOP/s): {bmm}.",
             f"- eigh per block (ms, batch of 16): {eigh}; fit a + b s³ with a = "
             f"{a * 1e3:.3f} ms, b = {b:.3g} s.",
@@ -171,6 +172,8 @@ def calibration_section(hw: Hardware) -> str:
             f"- Memory bandwidth (in-place lerp_, mul_, addcdiv_; read + write) "
             f"{hw.memory_bandwidth / 1e9:.1f} GB/s; "
             f"a fresh output costs {hw.alloc_s_per_byte * 1e9:.3f} s/GB more (first touch); "
+            f"full reductions read {(hw.reduction_bandwidth or hw.memory_bandwidth) / 1e9:.1f} "
+            "GB/s; "
             "per-op cost (us): "
             + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in hw.op_s.items())
             + ".",
