@@ -11,6 +11,9 @@ from torch import Tensor
 from dobb.blocks import BlockStack
 from dobb.optim.base import DTensor
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 try:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
@@ -127,5 +130,5 @@ def split_over_ranks(fn, *stacks: Tensor, group) -> Tensor:
         padded[: part.shape[0]] = part
     result = fn(*mine).contiguous()
     gathered = result.new_empty(size * chunk, *result.shape[1:])
-    dist.all_gather_into_tensor(gathered, result, group=group)
+    ALL_GATHER_SINGLE(gathered, result, group=group)
     return gathered[:n]
