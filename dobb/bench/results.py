@@ -501,7 +501,7 @@ batched variants of section 5):
 - MuonBP (P = 5) is flat and per-op bound in our eager implementation: on its block steps
   every rank runs Newton-Schulz (18 ops) on its shard of every one of the 288 matrices,
   while Muon runs it only on the matrices it owns. Batched per shape it is the cheapest
-  matrix optimizer here at 32-256 GPUs, until its full steps' all-to-alls grow.
+  matrix optimizer here at 8-256 GPUs, until its full steps' all-to-alls grow.
 - AdamW falls as 1/p: elementwise on the local shard, no communication.
 - With width, Dobb's block size grows (s = d/16 and 4d/16 with 16 blocks), and eigh costs
   s³: with a fixed number of blocks the refresh dominates at large widths; a fixed block
