@@ -52,9 +52,9 @@ if [ "$DEVICE" = cuda ] && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cud
   exit 1
 fi
 
-phase calibrate 80 "$PY" -m dobb.bench.calltime calibrate --device "$DEVICE" --config "$CONFIG" \
+phase calibrate 80 "$PY" -m dobb.bench.calibrate calibrate --device "$DEVICE" --config "$CONFIG" \
   --layers 1 --out "$OUT/calibration.json"
-phase eigh 45 "$PY" -m dobb.bench.calltime eigh --device "$DEVICE" --out "$OUT/eigh.json"
+phase eigh 45 "$PY" -m dobb.bench.calibrate eigh --device "$DEVICE" --out "$OUT/eigh.json"
 phase calltime-2 100 "$PY" -m dobb.bench.calltime --device "$DEVICE" --autocast bf16 \
   --config "$CONFIG" --layers 2 --tokens "$TOKENS" --repeats 5 --out "$OUT/calltime_xl2.json"
 

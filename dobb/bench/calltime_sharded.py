@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 
 from dobb.bench.calltime import LinearStack, forward_backward, time_optimizers
-from dobb.bench.costmodel import OPTIMIZERS, hidden_matrices
+from dobb.bench.costmodel import OPTIMIZERS
+from dobb.bench.workload import ROW_PARALLEL, hidden_matrices
 
 LAYOUT_AXES = {
     "fsdp": ("data_shard",),
     "hsdp": ("data_replicate", "data_shard"),
     "tp": ("tensor",),
 }
-ROW_PARALLEL = ("attn.proj", "mlp.proj")  # their input dimension is split under TP
 
 
 def shard(stack: LinearStack, layout: str, world: int):

@@ -12,7 +12,7 @@ the collectives its distributed form issues. A kernel costs
 (factorizations: launch + latency + FLOPs / rate; ``eigh``: a + b s³ per block), a
 collective costs the α–β time of its algorithm (``Network``), and periodic work (Dobb's
 basis refresh and statistics all-reduce) is divided by its period. Rates come from a
-``Hardware`` profile: ``dobb.bench.calltime.calibrate`` measures one on the machine it runs
+``Hardware`` profile: ``dobb.bench.calibrate`` measures one on the machine it runs
 on (CPU or GPU); ``H100`` and ``H200`` hold datasheet values times stated efficiency
 assumptions.
 
@@ -49,167 +49,31 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from dobb.bench.hardware import H100, Collective, Hardware, Network
+from dobb.bench.workload import (
+    ONE_DEVICE,
+    Layout,
+    Matrix,
+    dion_rank,
+    hidden_matrices,
+    layout_of,
+    sketch_rows,
+)
 from dobb.blocks import block_stacks
 from dobb.distributed.sharding import local_block_stacks
 from dobb.optim.muon import NS_STEPS
 from dobb.optim.muonbp import chunk_sizes
-from dobb.train.model import GPT_CONFIGS, gpt_config
 
 FP32, BF16 = 4, 2  # bytes per element
-FALLBACK_RATES = {"gemm_update": "gemm_skinny"}  # a kind missing from an older profile
-OP_KINDS = (
-    "elementwise",
-    "reduction",
-    "gemm_fp32",
-    "gemm_skinny",
-    "gemm_update",
-    "gemm_bf16",
-    "bmm_fp32",
-)
 CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
 OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "adamw")
 
 # Paper's reference points (arXiv 2610.39412, abstract): GPT-2 XL, FSDP on 32 H100,
 # amortized optimizer-call time.
 PAPER_XL_32_H100_MS = {"dobb": 9.2, "dion": 124.1}
-
-# Randomized Cholesky QR sketch rows: ceil(1.25 r) rounded up to a multiple of 128, as
-# dobb.optim.dion (microsoft/dion's values).
-SKETCH_OVERSAMPLE, SKETCH_ROW_MULTIPLE = 1.25, 128
-
-# Dion's own per-matrix overhead beyond its kernels: `momentum.any()` copies a flag to the
-# host (a device sync on GPU); counted as one extra launch.
-
-
-# --------------------------------------------------------------------------- shapes
-@dataclass(frozen=True)
-class Matrix:
-    """One hidden weight matrix, ``d_out x d_in`` (the ``nn.Linear`` layout)."""
-
-    name: str
-    d_out: int
-    d_in: int
-
-    @property
-    def numel(self) -> int:
-        return self.d_out * self.d_in
-
-
-def transformer_matrices(width: int, layers: int) -> list[Matrix]:
-    """The hidden matrices of ``layers`` GPT blocks of width ``d``: q, k, v, attention
-    output (``d x d``), MLP up (``4d x d``) and down (``d x 4d``) projections."""
-    d = width
-    per_block = (
-        ("attn.q", d, d),
-        ("attn.k", d, d),
-        ("attn.v", d, d),
-        ("attn.proj", d, d),
-        ("mlp.fc", 4 * d, d),
-        ("mlp.proj", d, 4 * d),
-    )
-    return [Matrix(f"blocks.{i}.{n}", o, k) for i in range(layers) for n, o, k in per_block]
-
-
-def hidden_matrices(config: str, layers: int | None = None) -> list[Matrix]:
-    """Hidden matrices of the first ``layers`` blocks (default: all) of a GPT config."""
-    cfg = gpt_config(config)
-    layers = cfg.n_layer if layers is None else layers
-    if not 1 <= layers <= cfg.n_layer:
-        raise ValueError(f"layers must be in [1, {cfg.n_layer}] for {config!r}, got {layers}")
-    return transformer_matrices(cfg.n_embd, layers)
-
-
-# Width sweep: the GPT-2 family, then wider GPT-style models (4d MLP). The wider ones are
-# our own choice of (width, layers), of the sizes of common 2.7B / 7B / 13B / 70B models.
-WIDTHS: dict[str, tuple[int, int]] = {
-    **{name: (c["n_embd"], c["n_layer"]) for name, c in GPT_CONFIGS.items() if "gpt2" in name},
-    "d2560-L32": (2560, 32),
-    "d4096-L32": (4096, 32),
-    "d5120-L40": (5120, 40),
-    "d8192-L80": (8192, 80),
-}
-
-
-def dion_rank(matrix: Matrix, rank_fraction: float) -> int:
-    """``r = ceil(rank_fraction * min(d_out, d_in))``, as ``Dion.rank_of``."""
-    smaller = min(matrix.d_out, matrix.d_in)
-    return min(smaller, math.ceil(round(rank_fraction * smaller, 9)))
-
-
-def sketch_rows(r: int) -> int:
-    return SKETCH_ROW_MULTIPLE * math.ceil(SKETCH_OVERSAMPLE * r / SKETCH_ROW_MULTIPLE)
-
-
-def local_rows(rows: int, world: int) -> int:
-    """Rows of the largest FSDP2 shard: ``torch.chunk`` gives ``ceil(rows / world)``."""
-    return math.ceil(rows / world)
-
-
-ROW_PARALLEL = ("attn.proj", "mlp.proj")  # TP splits their inputs (columns)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How ranks split the matrices, by mesh axis (torchtitan's names).
-
-    ``shard``: FSDP2 ranks, splitting rows (``Shard(0)``); ``replicate``: HSDP or DDP
-    replicas; ``tensor``: Megatron TP ranks, splitting the rows of column-parallel matrices
-    and the columns of row-parallel ones (``ROW_PARALLEL`` names). The ranks of ``shard``
-    and ``replicate`` see different tokens (Dobb averages its statistics over them).
-    """
-
-    shard: int = 1
-    replicate: int = 1
-    tensor: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.shard * self.replicate * self.tensor
-
-    @property
-    def data(self) -> int:
-        """Ranks that see different tokens."""
-        return self.shard * self.replicate
-
-    @property
-    def refresh_split(self) -> int:
-        """Ranks sharing Dobb's refresh: its innermost data axis (``shard``, else
-        ``replicate``)."""
-        return self.shard if self.shard > 1 else self.replicate
-
-    def splits(self, m: Matrix) -> tuple[int, int]:
-        """Ranks splitting ``m``'s rows and its columns."""
-        if self.tensor > 1 and m.name.endswith(ROW_PARALLEL):
-            return self.shard, self.tensor
-        return self.shard * self.tensor, 1
-
-    def local(self, m: Matrix) -> tuple[int, int]:
-        """``(rows, columns)`` of the largest local piece of ``m``."""
-        row_split, col_split = self.splits(m)
-        return local_rows(m.d_out, row_split), math.ceil(m.d_in / col_split)
-
-
-def layout_of(name: str, world: int, *, shard: int = 8) -> Layout:
-    """The ``Layout`` of a named layout over ``world`` ranks: ``single``, ``ddp``,
-    ``fsdp``, ``hsdp`` (``shard`` ranks per replica: one node by default) or ``tp``."""
-    if name == "hsdp":
-        if world % shard:
-            raise ValueError(f"hsdp over {world} ranks needs a multiple of shard={shard}")
-        return Layout(shard=shard, replicate=world // shard)
-    layouts = {
-        "single": Layout(),
-        "ddp": Layout(replicate=world),
-        "fsdp": Layout(shard=world),
-        "tp": Layout(tensor=world),
-    }
-    if name not in layouts:
-        raise ValueError(f"unknown layout {name!r}; choose single, ddp, fsdp, hsdp or tp")
-    if name == "single" and world != 1:
-        raise ValueError(f"layout 'single' has one rank, got world={world}")
-    return layouts[name]
 
 
 # --------------------------------------------------------------------------- memory
@@ -254,16 +118,6 @@ class Kernel:
     block: int = 0
     count: int = 1
     alloc: float = 0.0
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective over ``group`` ranks; ``bytes`` is the full buffer (nccl-tests' size)."""
-
-    kind: str  # "all_reduce", "all_gather", "all_to_all"
-    bytes: float
-    group: int
-    count: int = 1
 
 
 @dataclass
@@ -340,7 +194,7 @@ def tensor_isfinite(elements: float) -> list[Kernel]:
 def dobb_work(
     matrices: list[Matrix],
     *,
-    layout: Layout = Layout(),
+    layout: Layout = ONE_DEVICE,
     num_blocks: int = 16,
     basis_interval: int = 10,
     refresh: str = "sharded",
@@ -421,7 +275,7 @@ def _no_launch(kernel: Kernel) -> Kernel:
 def dion_work(
     matrices: list[Matrix],
     *,
-    layout: Layout = Layout(),
+    layout: Layout = ONE_DEVICE,
     rank_fraction: float = 1 / 16,
     orthogonalize: str = "cholesky_qr",
     collectives: str = "batched",
@@ -503,7 +357,7 @@ def newton_schulz_flops(m: int, n: int, steps: int = NS_STEPS) -> float:
 def muon_work(
     matrices: list[Matrix],
     *,
-    layout: Layout = Layout(),
+    layout: Layout = ONE_DEVICE,
     send_bytes: int = FP32,
     return_bytes: int = BF16,
 ) -> Work:
@@ -574,7 +428,7 @@ def newton_schulz_kernels(m: int, n: int, batch: int = 1) -> list[Kernel]:
 def muonbp_work(
     matrices: list[Matrix],
     *,
-    layout: Layout = Layout(),
+    layout: Layout = ONE_DEVICE,
     period: int | None = 5,
     row_blocks: int = 1,
     launches: str = "per_matrix",
@@ -623,7 +477,9 @@ def muonbp_work(
     )
 
 
-def adamw_work(matrices: list[Matrix], *, layout: Layout = Layout(), foreach: bool = False) -> Work:
+def adamw_work(
+    matrices: list[Matrix], *, layout: Layout = ONE_DEVICE, foreach: bool = False
+) -> Work:
     """PyTorch AdamW: 8 elementwise ops (20 fp32 accesses) per parameter and step; ``sqrt``
     and the division by the bias correction write fresh tensors (``denom``).
 
@@ -667,180 +523,6 @@ def forward_backward_work(matrices: list[Matrix], tokens: int, kind="gemm_fp32")
     return ops
 
 
-# --------------------------------------------------------------------------- hardware
-@dataclass(frozen=True)
-class Hardware:
-    """Effective rates of one device.
-
-    ``rates``: FLOP/s by kernel kind (``gemm_fp32``, ``gemm_skinny``, ``gemm_bf16``, ``qr``,
-    ``small``);
-    ``bmm_rates``: fp32 batched-matmul FLOP/s by block size (log-interpolated);
-    ``latency_s``: fixed time per factorization call by kind; ``eigh_s``: ``(a, b)`` with
-    ``a + b s³`` seconds per ``s x s`` block; ``op_s``: fixed cost of one op by kind
-    (host dispatch, allocation, launch; ``elementwise`` also stands for any other kind).
-    A kernel costs ``op_s[kind] + max(FLOPs / rate, bytes / memory_bandwidth)``.
-    """
-
-    name: str
-    rates: dict[str, float]
-    bmm_rates: dict[int, float]
-    memory_bandwidth: float
-    op_s: dict[str, float]
-    eigh_s: tuple[float, float]
-    latency_s: dict[str, float]
-    foreach: bool = False
-    alloc_s_per_byte: float = 0.0
-    """Extra seconds per byte of a freshly allocated output (page faults on first touch;
-    0 under CUDA's caching allocator)."""
-    reduction_bandwidth: float = 0.0
-    """Bytes per second a full reduction (norm, ``any``) reads; 0: ``memory_bandwidth``."""
-    matrix_s: dict[str, float] = field(default_factory=dict)
-    """Framework overhead beyond the ops: per matrix and call by optimizer name (Python
-    loop, state lookups), and per hooked layer and forward (``"hook"``)."""
-    source: str = ""
-    measurements: dict = field(default_factory=dict)
-
-    def bmm_rate(self, block: int) -> float:
-        """fp32 bmm FLOP/s at block size ``block``: log-linear between measured sizes."""
-        sizes = sorted(self.bmm_rates)
-        if block <= sizes[0]:
-            return self.bmm_rates[sizes[0]]
-        if block >= sizes[-1]:
-            return self.bmm_rates[sizes[-1]]
-        hi = next(s for s in sizes if s >= block)
-        lo = sizes[sizes.index(hi) - 1]
-        t = math.log(block / lo) / math.log(hi / lo)
-        return math.exp((1 - t) * math.log(self.bmm_rates[lo]) + t * math.log(self.bmm_rates[hi]))
-
-    def launch(self, kind: str) -> float:
-        """Fixed cost of one op of ``kind``."""
-        return self.op_s.get(kind, self.op_s["elementwise"])
-
-    def rate(self, kind: str) -> float | None:
-        """FLOP/s of ``kind``; profiles measured before ``gemm_update`` existed use
-        ``gemm_skinny``'s."""
-        return self.rates.get(kind) or self.rates.get(FALLBACK_RATES.get(kind, ""))
-
-    def eigh_block_s(self, size: int) -> float:
-        a, b = self.eigh_s
-        return a + b * size**3
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "Hardware":
-        data = dict(data)
-        data["bmm_rates"] = {int(k): v for k, v in data["bmm_rates"].items()}
-        data["eigh_s"] = tuple(data["eigh_s"])
-        return cls(**data)
-
-
-# H100 SXM5 (NVIDIA H100 datasheet): dense BF16 tensor-core 989 TFLOP/s, FP32 (CUDA cores;
-# PyTorch keeps TF32 off for matmul by default) 67 TFLOP/s, HBM3 3.35 TB/s. The efficiency
-# factors below are our assumptions, not measurements on an H100.
-H100_BF16_PEAK, H100_FP32_PEAK, H100_HBM = 989e12, 67e12, 3.35e12
-GEMM_EFFICIENCY = 0.65  # large cuBLAS GEMMs: ~0.6-0.8 of peak (790/989 seen on an H200 here)
-BMM_EFFICIENCY = 0.5  # fp32 block products (s = 100-400) and rank-r products: assumption
-HBM_EFFICIENCY = 0.85  # copy bandwidth / datasheet (4.3 / 4.8 TB/s seen on an H200 here)
-# PyTorch eager per-op cost on a fast host: dispatch ~5-10 us, hidden behind the GPU only
-# when kernels are longer; assumption.
-GPU_LAUNCH_S = 6e-6
-# eigh per s x s fp32 block through torch.linalg.eigh on CUDA: for n > 32 PyTorch loops
-# cuSOLVER syevd over the batch; pytorch/pytorch#174674 measured 914 ms for 500 blocks of
-# 100 x 100 (1.8 ms a block; GPU not named). The s³ term (10 ms at s = 400) is an
-# assumption. A batched Jacobi solver (CuPy's syevjBatched: 8.4 ms for the same 500
-# blocks, same issue) is ~100x faster: EIGH_BATCHED_JACOBI_S.
-EIGH_TORCH_CUDA_S = (1.7e-3, 1.3e-10)
-EIGH_BATCHED_JACOBI_S = (1.6e-5, 1.0e-12)
-# cuSOLVER QR / Cholesky / triangular solve of small matrices: latency-bound; assumption.
-GPU_FACTOR_LATENCY_S = {"qr": 150e-6, "small": 30e-6}
-GPU_FACTOR_RATE = 2e12  # FLOP/s of those factorizations beyond the latency: assumption
-
-H100 = Hardware(
-    name="H100 SXM5 (datasheet x assumed efficiency)",
-    rates={
-        "gemm_fp32": H100_FP32_PEAK * GEMM_EFFICIENCY,
-        "gemm_skinny": H100_FP32_PEAK * BMM_EFFICIENCY,
-        "gemm_update": H100_FP32_PEAK * BMM_EFFICIENCY,
-        "gemm_bf16": H100_BF16_PEAK * GEMM_EFFICIENCY,
-        "qr": GPU_FACTOR_RATE,
-        "small": GPU_FACTOR_RATE,
-    },
-    bmm_rates={64: H100_FP32_PEAK * BMM_EFFICIENCY},
-    memory_bandwidth=H100_HBM * HBM_EFFICIENCY,
-    op_s=dict.fromkeys(OP_KINDS, GPU_LAUNCH_S),
-    eigh_s=EIGH_TORCH_CUDA_S,
-    latency_s=GPU_FACTOR_LATENCY_S,
-    foreach=True,
-    source="NVIDIA H100 datasheet; efficiencies, launch and factorization costs assumed",
-)
-# H200: the H100's chip with HBM3e at 4.8 TB/s (NVIDIA H200 datasheet).
-H200 = replace(H100, name="H200 (datasheet x assumed efficiency)", memory_bandwidth=4.8e12 * 0.9)
-
-
-@dataclass(frozen=True)
-class Network:
-    """α–β links of a cluster of ``gpus_per_node``-GPU nodes.
-
-    Defaults: DGX H100-like nodes. NVLink 4 is 450 GB/s per direction per GPU (datasheet);
-    nccl-tests bus bandwidth on 8 H100 is typically 350-480 GB/s, so we use 360 GB/s.
-    InfiniBand NDR is 400 Gb/s = 50 GB/s per GPU (one ConnectX-7 per GPU); we use 40 GB/s
-    effective. Latency per ring step: ~3 us inside a node, ~10 us between nodes
-    (assumptions, NCCL's small-message latency is of that order).
-
-    ``algorithm``: ``"ring"`` (one flat ring over all ranks: every step pays the slowest
-    hop) or ``"hierarchical"`` (NCCL-like two-level: reduce-scatter inside the node, a
-    ring across nodes on ``1/g`` of the data, all-gather inside the node).
-    """
-
-    gpus_per_node: int = 8
-    alpha_intra: float = 3e-6
-    beta_intra: float = 360e9
-    alpha_inter: float = 10e-6
-    beta_inter: float = 40e9
-    algorithm: str = "hierarchical"
-
-    def time(self, c: Collective) -> tuple[float, float]:
-        """``(latency, bandwidth)`` seconds of ``c`` (times its count)."""
-        p, g = c.group, self.gpus_per_node
-        if p <= 1:
-            return 0.0, 0.0
-        if c.kind == "all_to_all":
-            alpha = self.alpha_intra if p <= g else self.alpha_inter
-            intra = c.bytes * (min(p, g) - 1) / p
-            inter = c.bytes * max(p - g, 0) / p
-            bw = max(intra / self.beta_intra, inter / self.beta_inter)
-            return c.count * (p - 1) * alpha, c.count * bw
-        ring = {"all_reduce": ring_all_reduce, "all_gather": ring_all_gather}[c.kind]
-        if p <= g:
-            lat, bw = ring(c.bytes, p, self.alpha_intra, self.beta_intra)
-        elif self.algorithm == "ring":
-            lat, bw = ring(c.bytes, p, self.alpha_inter, self.beta_inter)
-        else:  # two levels: inside the node on the whole buffer, across nodes on 1/g of it
-            nodes = math.ceil(p / g)
-            intra = ring_all_gather(c.bytes, g, self.alpha_intra, self.beta_intra)
-            inter = ring(c.bytes / g, nodes, self.alpha_inter, self.beta_inter)
-            twice = 2 if c.kind == "all_reduce" else 1  # reduce-scatter + all-gather
-            lat, bw = twice * intra[0] + inter[0], twice * intra[1] + inter[1]
-        return c.count * lat, c.count * bw
-
-
-def ring_all_reduce(nbytes: float, p: int, alpha: float, beta: float) -> tuple[float, float]:
-    """Ring all-reduce of ``nbytes``: ``2 (p-1) α`` + ``2 (p-1)/p · n / β``."""
-    if p <= 1:
-        return 0.0, 0.0
-    return 2 * (p - 1) * alpha, 2 * (p - 1) / p * nbytes / beta
-
-
-def ring_all_gather(nbytes: float, p: int, alpha: float, beta: float) -> tuple[float, float]:
-    """Ring all-gather of an ``nbytes`` output (reduce-scatter of an ``nbytes`` input):
-    ``(p-1) α + (p-1)/p · n / β``."""
-    if p <= 1:
-        return 0.0, 0.0
-    return (p - 1) * alpha, (p - 1) / p * nbytes / beta
-
-
 # --------------------------------------------------------------------------- predict
 def kernel_time(k: Kernel, hw: Hardware) -> dict[str, float]:
     """Seconds of one kernel entry, by category."""
@@ -882,7 +564,7 @@ def build_work(
     name: str,
     matrices: list[Matrix],
     *,
-    layout: Layout = Layout(),
+    layout: Layout = ONE_DEVICE,
     num_blocks: int = 16,
     basis_interval: int = 10,
     rank_fraction: float = 1 / 16,

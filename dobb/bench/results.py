@@ -4,7 +4,7 @@
     python -m dobb.bench.results --quick --out-dir /tmp/bench   # tiny and fast (tests)
     python -m dobb.bench.results gpu-table FILE.json ...        # Markdown of GPU runs
 
-Steps: calibrate the cost model on this machine (``calltime.calibrate``), measure the
+Steps: calibrate the cost model on this machine (``calibrate.calibrate``), measure the
 optimizer-call times in one process (``calltime.run``) and sharded over gloo ranks under
 FSDP, HSDP and TP (``calltime_sharded.run``), check the model against the single-process
 measurement, predict GPT-2 XL on 32 H100 under FSDP beside the paper's numbers, sweep
@@ -26,26 +26,19 @@ from pathlib import Path
 
 import torch
 
-from dobb.bench import calltime, calltime_sharded
+from dobb.bench import calibrate, calltime, calltime_sharded
 from dobb.bench.costmodel import (
     CATEGORIES,
-    EIGH_BATCHED_JACOBI_S,
-    H100,
-    H200,
     OPTIMIZERS,
     PAPER_XL_32_H100_MS,
-    WIDTHS,
-    Hardware,
-    Layout,
-    Network,
     dobb_work,
     format_terms,
-    hidden_matrices,
     predict,
     predict_hooks,
     state_bytes,
-    transformer_matrices,
 )
+from dobb.bench.hardware import EIGH_BATCHED_JACOBI_S, H100, H200, Hardware, Network
+from dobb.bench.workload import WIDTHS, Layout, hidden_matrices, transformer_matrices
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # the repository's
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -595,13 +588,13 @@ def generate(
 
     matrices = hidden_matrices(settings["config"], settings["layers"])
     log("calibrating the cost model on this machine ...")
-    hw = calltime.calibrate("cpu", matrices, quick=quick, progress=log)
+    hw = calibrate.calibrate("cpu", matrices, quick=quick, progress=log)
     (out_dir / "cpu_calibration.json").write_text(json.dumps(hw.to_json(), indent=1))
     thread_flag = f" --threads {threads}" if threads else ""
     shown = out_dir.resolve()
     shown = shown.relative_to(Path.cwd()) if shown.is_relative_to(Path.cwd()) else shown
     commands = [
-        f"python -m dobb.bench.calltime calibrate --config {settings['config']} --layers "
+        f"python -m dobb.bench.calibrate calibrate --config {settings['config']} --layers "
         f"{settings['layers']}{' --quick' if quick else ''}{thread_flag} "
         f"--out {shown / 'cpu_calibration.json'}",
         f"python -m dobb.bench.calltime --config {settings['config']} --layers "

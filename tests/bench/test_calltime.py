@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dobb.bench import calltime
-from dobb.bench.costmodel import OPTIMIZERS, Matrix, hidden_matrices, state_bytes
+from dobb.bench.costmodel import OPTIMIZERS, state_bytes
+from dobb.bench.workload import Matrix, hidden_matrices
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dobb.bench import calltime, results
+from dobb.bench import calibrate, calltime, hardware, results, workload
 from dobb.bench import costmodel as cm
 from dobb.blocks import block_stacks
 from dobb.optim.dion import dion_update
@@ -17,8 +17,8 @@ from dobb.optim.dobb import dobb_update
 from dobb.optim.muon import newton_schulz
 from dobb.optim.muonbp import block_muon_update, block_tiles
 
-M = cm.Matrix("w", 8, 16)  # d_out = 8 rows, d_in = 16
-XL = cm.hidden_matrices("gpt2-xl")
+M = workload.Matrix("w", 8, 16)  # d_out = 8 rows, d_in = 16
+XL = workload.hidden_matrices("gpt2-xl")
 
 
 def counted(fn) -> int:
@@ -47,7 +47,7 @@ def test_dion_flops_are_8_m_n_r_plus_householder_qr():
     r = 2
     qr = 4 * 8 * r**2 - 4 / 3 * r**3
     work = cm.dion_work([M], rank_fraction=r / 8, orthogonalize="qr")
-    assert cm.dion_rank(M, r / 8) == r
+    assert workload.dion_rank(M, r / 8) == r
     assert work.flops() == pytest.approx(8 * 8 * 16 * r + qr)
 
     def step():  # FlopCounterMode counts products, not the QR
@@ -84,17 +84,18 @@ def test_muonbp_block_flops_are_newton_schulz_per_tile_and_match_the_implementat
     assert every_fifth == pytest.approx(0.8 * 2 * tile + 0.2 * full)
     assert cm.muonbp_work([M], period=1, row_blocks=2).flops() == full
     # under FSDP only full steps communicate (Muon's two all-to-alls), amortized by P
-    sharded = cm.muonbp_work(XL[:6], layout=cm.Layout(shard=8), period=5)
+    sharded = cm.muonbp_work(XL[:6], layout=workload.Layout(shard=8), period=5)
     assert sharded.step_comm == [] and len(sharded.refresh_comm) == 2
     assert sharded.comm_bytes() == pytest.approx(
-        cm.muon_work(XL[:6], layout=cm.Layout(shard=8)).comm_bytes() / 5
+        cm.muon_work(XL[:6], layout=workload.Layout(shard=8)).comm_bytes() / 5
     )
 
 
 def test_dobb_refresh_is_sharded_over_ranks_by_default():
     mats = XL[:6]  # 16 blocks per matrix: 80 of size 100, 16 of size 400
     sharded, replicated = (
-        cm.dobb_work(mats, layout=cm.Layout(shard=32), refresh=r) for r in ("sharded", "replicated")
+        cm.dobb_work(mats, layout=workload.Layout(shard=32), refresh=r)
+        for r in ("sharded", "replicated")
     )
 
     def eighs(work):  # blocks each rank eigh's, by size
@@ -102,7 +103,9 @@ def test_dobb_refresh_is_sharded_over_ranks_by_default():
 
     assert eighs(replicated) == {100: 80, 400: 16}
     assert (
-        eighs(sharded) == {100: 3, 400: 1} == eighs(cm.dobb_work(mats, layout=cm.Layout(shard=32)))
+        eighs(sharded)
+        == {100: 3, 400: 1}
+        == eighs(cm.dobb_work(mats, layout=workload.Layout(shard=32)))
     )
     kinds = [(c.kind, c.bytes) for c in sharded.refresh_comm]
     stats = 4 * (80 * 100**2 + 16 * 400**2)  # one all-reduce of every C_b
@@ -114,20 +117,20 @@ def test_dobb_refresh_is_sharded_over_ranks_by_default():
 
 def test_layouts_split_rows_and_columns_as_torchtitan_meshes_do():
     q, proj = XL[0], XL[5]  # attn.q (1600 x 1600), mlp.proj (1600 x 6400)
-    assert cm.layout_of("fsdp", 32).local(proj) == (50, 6400)
-    tp = cm.layout_of("tp", 4)
+    assert workload.layout_of("fsdp", 32).local(proj) == (50, 6400)
+    tp = workload.layout_of("tp", 4)
     assert tp.local(q) == (400, 1600) and tp.local(proj) == (1600, 1600)  # col- / row-parallel
-    hsdp = cm.layout_of("hsdp", 32)  # 4 replicas of 8 shards
+    hsdp = workload.layout_of("hsdp", 32)  # 4 replicas of 8 shards
     assert (hsdp.shard, hsdp.replicate, hsdp.data, hsdp.refresh_split) == (8, 4, 32, 8)
     assert hsdp.local(q) == (200, 1600)
     with pytest.raises(ValueError, match="multiple of shard"):
-        cm.layout_of("hsdp", 12)
+        workload.layout_of("hsdp", 12)
     with pytest.raises(ValueError, match="unknown layout"):
-        cm.layout_of("pp", 4)
+        workload.layout_of("pp", 4)
 
 
 def test_dobb_under_tp_updates_its_columns_blocks_and_never_communicates():
-    tp = cm.Layout(tensor=4)
+    tp = workload.Layout(tensor=4)
     work = cm.dobb_work([XL[5]], layout=tp)  # 16 blocks of 400, 4 on each rank
     assert [k.count for k in work.refresh if k.kind == "eigh"] == [4]
     assert work.step_comm == work.refresh_comm == []  # TP ranks see the same tokens
@@ -135,7 +138,7 @@ def test_dobb_under_tp_updates_its_columns_blocks_and_never_communicates():
 
 
 def test_dobb_under_hsdp_averages_over_all_data_ranks_and_shares_the_refresh_in_a_replica():
-    work = cm.dobb_work(XL[:6], layout=cm.layout_of("hsdp", 32))
+    work = cm.dobb_work(XL[:6], layout=workload.layout_of("hsdp", 32))
     assert [(c.kind, c.group) for c in work.refresh_comm] == [
         ("all_reduce", 32),
         ("all_gather", 8),
@@ -144,29 +147,33 @@ def test_dobb_under_hsdp_averages_over_all_data_ranks_and_shares_the_refresh_in_
 
 
 def test_dion_under_tp_reduces_b_q_over_column_shards_and_r_over_row_shards():
-    tp = cm.Layout(tensor=4)
+    tp = workload.Layout(tensor=4)
     q, proj = XL[0], XL[5]
-    r = cm.dion_rank(q, 1 / 16)
+    r = workload.dion_rank(q, 1 / 16)
     row_parallel = cm.dion_work([proj], layout=tp, collectives="per_matrix").step_comm
     assert [c.bytes for c in row_parallel] == [(1600 * r + 1) * 4, r * 4]  # P and R's norms
     col_parallel = cm.dion_work([q], layout=tp, collectives="per_matrix").step_comm
-    k = cm.sketch_rows(r)
+    k = workload.sketch_rows(r)
     assert [c.bytes for c in col_parallel] == [(k * r + 1) * 4, r * r * 4, 1600 * r * 4]
     assert {c.group for c in row_parallel + col_parallel} == {4}
 
 
 def test_distributed_dion_all_reduces_sketch_gram_and_r():
     mats = XL[:6]
-    r = cm.dion_rank(XL[0], 1 / 16)
-    k = cm.sketch_rows(r)
-    per_matrix = cm.dion_work(mats, layout=cm.Layout(shard=32), collectives="per_matrix").step_comm
+    r = workload.dion_rank(XL[0], 1 / 16)
+    k = workload.sketch_rows(r)
+    per_matrix = cm.dion_work(
+        mats, layout=workload.Layout(shard=32), collectives="per_matrix"
+    ).step_comm
     assert len(per_matrix) == 3 * 6
     expected = {(k * r + 1) * 4, r * r * 4, XL[0].d_in * r * 4}
     assert {c.bytes for c in per_matrix[:3]} == expected
-    batched = cm.dion_work(mats, layout=cm.Layout(shard=32)).step_comm  # ours: one buffer per round
+    batched = cm.dion_work(
+        mats, layout=workload.Layout(shard=32)
+    ).step_comm  # ours: one buffer per round
     assert len(batched) == 3
     assert sum(c.bytes for c in batched) == sum(c.bytes for c in per_matrix)
-    assert cm.dion_work(mats, layout=cm.Layout(shard=1)).step_comm == []
+    assert cm.dion_work(mats, layout=workload.Layout(shard=1)).step_comm == []
 
 
 def test_adamw_moves_80_bytes_per_parameter():
@@ -196,63 +203,63 @@ def test_state_bytes_by_hand(name, expected):
 # ------------------------------------------------------------------- collectives
 def test_ring_formulas():
     n, a, b = 1e6, 1e-6, 1e9
-    assert cm.ring_all_reduce(n, 4, a, b) == pytest.approx((6e-6, 2 * 3 / 4 * n / b))
-    assert cm.ring_all_gather(n, 4, a, b) == pytest.approx((3e-6, 3 / 4 * n / b))
-    assert cm.ring_all_reduce(n, 1, a, b) == (0.0, 0.0)
+    assert hardware.ring_all_reduce(n, 4, a, b) == pytest.approx((6e-6, 2 * 3 / 4 * n / b))
+    assert hardware.ring_all_gather(n, 4, a, b) == pytest.approx((3e-6, 3 / 4 * n / b))
+    assert hardware.ring_all_reduce(n, 1, a, b) == (0.0, 0.0)
 
 
 def test_network_uses_intra_node_ring_inside_a_node_and_two_levels_across():
-    net = cm.Network()
-    c = cm.Collective("all_reduce", 8e6, 8)
-    assert net.time(c) == cm.ring_all_reduce(8e6, 8, net.alpha_intra, net.beta_intra)
-    lat, bw = net.time(cm.Collective("all_reduce", 8e6, 32))
-    intra = cm.ring_all_gather(8e6, 8, net.alpha_intra, net.beta_intra)
-    inter = cm.ring_all_reduce(1e6, 4, net.alpha_inter, net.beta_inter)
+    net = hardware.Network()
+    c = hardware.Collective("all_reduce", 8e6, 8)
+    assert net.time(c) == hardware.ring_all_reduce(8e6, 8, net.alpha_intra, net.beta_intra)
+    lat, bw = net.time(hardware.Collective("all_reduce", 8e6, 32))
+    intra = hardware.ring_all_gather(8e6, 8, net.alpha_intra, net.beta_intra)
+    inter = hardware.ring_all_reduce(1e6, 4, net.alpha_inter, net.beta_inter)
     assert (lat, bw) == pytest.approx((2 * intra[0] + inter[0], 2 * intra[1] + inter[1]))
-    ring = cm.Network(algorithm="ring").time(cm.Collective("all_reduce", 8e6, 32))
-    assert ring == pytest.approx(cm.ring_all_reduce(8e6, 32, net.alpha_inter, net.beta_inter))
+    ring = hardware.Network(algorithm="ring").time(hardware.Collective("all_reduce", 8e6, 32))
+    assert ring == pytest.approx(hardware.ring_all_reduce(8e6, 32, net.alpha_inter, net.beta_inter))
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
 @pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "all_to_all"])
 def test_collective_time_grows_with_world_size(kind, algorithm):
-    net = cm.Network(algorithm=algorithm)
-    times = [sum(net.time(cm.Collective(kind, 1e6, p))) for p in (1, 2, 8, 16, 64, 1024)]
+    net = hardware.Network(algorithm=algorithm)
+    times = [sum(net.time(hardware.Collective(kind, 1e6, p))) for p in (1, 2, 8, 16, 64, 1024)]
     assert times == sorted(times) and times[0] == 0
 
 
 def test_predictions_move_the_right_way_with_world_size():
     worlds = (8, 32, 128, 1024)
-    net = cm.Network()
-    dion = [cm.predict("dion", XL, cm.H100, world=p, network=net) for p in worlds]
+    net = hardware.Network()
+    dion = [cm.predict("dion", XL, hardware.H100, world=p, network=net) for p in worlds]
     comm = [t["comm_latency"] + t["comm_bandwidth"] for t in dion]
     assert comm == sorted(comm)  # more ranks: more latency per all-reduce
     for name in cm.OPTIMIZERS:  # each rank's share of the update shrinks
-        local = [cm.predict(name, XL, cm.H100, world=p)["memory"] for p in worlds]
+        local = [cm.predict(name, XL, hardware.H100, world=p)["memory"] for p in worlds]
         assert local == sorted(local, reverse=True), name
-    adamw = [cm.predict("adamw", XL, cm.H100, world=p)["total"] for p in worlds]
+    adamw = [cm.predict("adamw", XL, hardware.H100, world=p)["total"] for p in worlds]
     assert adamw == sorted(adamw, reverse=True)
 
 
 def test_prediction_total_is_the_sum_of_its_terms_and_refresh_is_amortized():
-    terms = cm.predict("dobb", XL[:6], cm.H100, world=32)
+    terms = cm.predict("dobb", XL[:6], hardware.H100, world=32)
     assert terms["total"] == pytest.approx(sum(terms[c] for c in cm.CATEGORIES))
-    every = cm.predict("dobb", XL[:6], cm.H100, basis_interval=1)["factorization"]
-    tenth = cm.predict("dobb", XL[:6], cm.H100, basis_interval=10)["factorization"]
+    every = cm.predict("dobb", XL[:6], hardware.H100, basis_interval=1)["factorization"]
+    tenth = cm.predict("dobb", XL[:6], hardware.H100, basis_interval=10)["factorization"]
     assert tenth == pytest.approx(every / 10)
 
 
 def test_hardware_round_trips_through_json():
-    hw = cm.replace(cm.H100, bmm_rates={64: 1e12, 256: 4e12}, matrix_s={"dobb": 1e-5})
-    again = cm.Hardware.from_json(json.loads(json.dumps(hw.to_json())))
+    hw = cm.replace(hardware.H100, bmm_rates={64: 1e12, 256: 4e12}, matrix_s={"dobb": 1e-5})
+    again = hardware.Hardware.from_json(json.loads(json.dumps(hw.to_json())))
     assert again == hw
     assert again.bmm_rate(128) == pytest.approx(2e12)  # log-linear between 64 and 256
     assert again.bmm_rate(1024) == 4e12 and again.bmm_rate(8) == 1e12
 
 
 def test_local_rows_follow_torch_chunk():
-    assert cm.local_rows(30, 4) == max(len(c) for c in torch.arange(30).chunk(4)) == 8
-    assert cm.local_rows(1600, 1024) == 2
+    assert workload.local_rows(30, 4) == max(len(c) for c in torch.arange(30).chunk(4)) == 8
+    assert workload.local_rows(1600, 1024) == 2
 
 
 # ------------------------------------------------------------------------ results
@@ -286,7 +293,7 @@ def test_results_command_quick(tmp_path, one_thread):
     (tmp_path / "gpu").mkdir()
     shutil.copy(tmp_path / "calltime_cpu.json", tmp_path / "gpu" / "calltime_xl.json")
     shutil.copy(tmp_path / "cpu_calibration.json", tmp_path / "gpu" / "calibration.json")
-    eigh = {"eigh_backends": calltime.eigh_backends("cpu", stacks=((2, 8),))}
+    eigh = {"eigh_backends": calibrate.eigh_backends("cpu", stacks=((2, 8),))}
     (tmp_path / "gpu" / "eigh.json").write_text(json.dumps(eigh))
     section = results.gpu_section(sorted((tmp_path / "gpu").glob("*.json")))
     assert "calltime_xl.json" in section and "Calibration" in section
@@ -302,7 +309,7 @@ def _has_matplotlib() -> bool:
 
 
 def test_calibrated_profile_is_positive_and_finite(tmp_path, one_thread):
-    hw = cm.Hardware.from_json(json.loads(_calibration(tmp_path)))
+    hw = hardware.Hardware.from_json(json.loads(_calibration(tmp_path)))
     values = [*hw.rates.values(), *hw.bmm_rates.values(), hw.memory_bandwidth, *hw.op_s.values()]
     assert all(v > 0 and math.isfinite(v) for v in values)
     assert all(v >= 0 for v in hw.matrix_s.values())
