@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dobb import cli
-from dobb.bench import study
+from dobb.bench import study, study_report, study_runs
 from dobb.optim.base import NonFiniteGradientError
 from dobb.train import compare
 from dobb.train.config import ConfigError, TrainConfig
@@ -38,7 +38,9 @@ class FakeRunner:
 
 
 def sweep(name, grid, max_extensions):
-    return study.Sweep(lambda lr: TrainConfig(lr=lr, out_dir=f"{name}-{lr}"), grid, max_extensions)
+    return study_runs.Sweep(
+        lambda lr: TrainConfig(lr=lr, out_dir=f"{name}-{lr}"), grid, max_extensions
+    )
 
 
 GRID = [1e-3 * 2**i for i in range(5)]  # 0.001 ... 0.016
@@ -46,39 +48,39 @@ GRID = [1e-3 * 2**i for i in range(5)]  # 0.001 ... 0.016
 
 def test_interior_best_is_not_extended():
     runner = FakeRunner(target=0.004)
-    runs = study.tune(runner, {"a": sweep("a", GRID, 3)})["a"]
-    assert runner.calls == [GRID] and not study.at_edge(runs)
-    assert study.best_run(runs)["lr"] == 0.004
+    runs = study_runs.tune(runner, {"a": sweep("a", GRID, 3)})["a"]
+    assert runner.calls == [GRID] and not study_runs.at_edge(runs)
+    assert study_runs.best_run(runs)["lr"] == 0.004
 
 
 def test_best_at_the_top_edge_extends_upward_until_interior():
     runner = FakeRunner(target=0.064)
-    runs = study.tune(runner, {"a": sweep("a", GRID, 5)})["a"]
+    runs = study_runs.tune(runner, {"a": sweep("a", GRID, 5)})["a"]
     # one point per round at the edge's spacing (x2) until the best (0.064) is interior
     assert runner.calls == [GRID, [0.032], [0.064], [0.128]]
     assert [s["lr"] for s in runs] == GRID + [0.032, 0.064, 0.128]
-    assert study.best_run(runs)["lr"] == 0.064 and not study.at_edge(runs)
+    assert study_runs.best_run(runs)["lr"] == 0.064 and not study_runs.at_edge(runs)
 
 
 def test_extensions_stop_at_the_limit_and_extend_downward():
     runner = FakeRunner(target=1e-5)
-    runs = study.tune(runner, {"a": sweep("a", GRID, 1)})["a"]
+    runs = study_runs.tune(runner, {"a": sweep("a", GRID, 1)})["a"]
     assert runner.calls == [GRID, [0.0005]]
-    assert study.best_run(runs)["lr"] == 0.0005 and study.at_edge(runs)
+    assert study_runs.best_run(runs)["lr"] == 0.0005 and study_runs.at_edge(runs)
 
 
 def test_diverged_runs_count_as_worst():
     runner = FakeRunner(target=1.0, diverge=0.01)  # 0.016 diverges: 0.008 is interior
-    runs = study.tune(runner, {"a": sweep("a", GRID, 3)})["a"]
-    assert len(runner.calls) == 1 and study.best_run(runs)["lr"] == 0.008
-    assert study.edge_extension([{"lr": 1.0, "final_val_loss": math.nan}] * 2) is None
+    runs = study_runs.tune(runner, {"a": sweep("a", GRID, 3)})["a"]
+    assert len(runner.calls) == 1 and study_runs.best_run(runs)["lr"] == 0.008
+    assert study_runs.edge_extension([{"lr": 1.0, "final_val_loss": math.nan}] * 2) is None
 
 
 def test_sweeps_run_side_by_side_and_shared_runs_once():
     runner = FakeRunner(target=0.064)
     sweeps = {"a": sweep("a", GRID, 1), "b": sweep("b", [0.064, 0.128], 0)}
     sweeps["c"] = sweep("b", [0.064], 0)  # the same run as one of b's
-    results = study.tune(runner, sweeps)
+    results = study_runs.tune(runner, sweeps)
     assert runner.calls[0] == sorted(GRID + [0.064, 0.128])  # one round, shared run once
     assert runner.calls[1:] == [[0.032]]
     assert results["c"] == [results["b"][0]]
@@ -86,10 +88,12 @@ def test_sweeps_run_side_by_side_and_shared_runs_once():
 
 # ------------------------------------------------------------------ statistics
 def test_seed_comparison_uses_pooled_std_and_welch_t():
-    a = study.seed_stats([{"run": str(i), "final_val_loss": x} for i, x in enumerate([1, 2, 3])])
-    b = study.seed_stats([{"run": "x", "final_val_loss": x} for x in (5, 7)])
+    a = study_report.seed_stats(
+        [{"run": str(i), "final_val_loss": x} for i, x in enumerate([1, 2, 3])]
+    )
+    b = study_report.seed_stats([{"run": "x", "final_val_loss": x} for x in (5, 7)])
     assert (a["mean"], a["std"], b["mean"], b["std"]) == (2, 1, 6, pytest.approx(math.sqrt(2)))
-    p = study.compare_seeds(a, b)
+    p = study_report.compare_seeds(a, b)
     pooled = math.sqrt((2 * 1 + 1 * 2) / 3)
     assert p["diff"] == -4 and p["pooled_std"] == pytest.approx(pooled)
     assert p["welch_t"] == pytest.approx(-4 / math.sqrt(1 / 3 + 2 / 2))
@@ -97,17 +101,17 @@ def test_seed_comparison_uses_pooled_std_and_welch_t():
 
 
 def test_spec_tiny_section_merges_into_full():
-    full, tiny = study.load_spec(), study.load_spec(tiny=True)
+    full, tiny = study_runs.load_spec(), study_runs.load_spec(tiny=True)
     assert tiny.seeds == 2 and len(tiny.lr_factors) == 2
     assert tiny.train["data"] == full.train["data"] and tiny.train["steps"] < full.train["steps"]
 
 
 def test_spec_rejects_per_run_keys(tmp_path):
     path = tmp_path / "s.yaml"
-    spec = study.load_spec().__dict__ | {"train": {"seed": 3}}
+    spec = study_runs.load_spec().__dict__ | {"train": {"seed": 3}}
     path.write_text(json.dumps({"full": spec}))
     with pytest.raises(ConfigError, match="sets \\['seed'\\] per run"):
-        study.load_spec(path)
+        study_runs.load_spec(path)
 
 
 def test_a_diverged_run_is_recorded_and_not_repeated(tmp_path, monkeypatch):
@@ -117,10 +121,10 @@ def test_a_diverged_run_is_recorded_and_not_repeated(tmp_path, monkeypatch):
         raise NonFiniteGradientError("non-finite gradient in h.0.fc.weight")
 
     monkeypatch.setattr(compare, "run", diverge)
-    first = study.run_one(cfg)
-    assert math.isnan(first["final_val_loss"]) and study.loss_of(first) == math.inf
+    first = study_runs.run_one(cfg)
+    assert math.isnan(first["final_val_loss"]) and study_runs.loss_of(first) == math.inf
     monkeypatch.setattr(compare, "run", lambda cfg, log: pytest.fail("repeated a diverged run"))
-    assert study.is_done(cfg) and study.run_one(cfg)["diverged"] == first["diverged"]
+    assert study_runs.is_done(cfg) and study_runs.run_one(cfg)["diverged"] == first["diverged"]
 
 
 def test_a_run_in_progress_elsewhere_is_refused(tmp_path):
@@ -129,7 +133,7 @@ def test_a_run_in_progress_elsewhere_is_refused(tmp_path):
     with open(tmp_path / "adamw-lr0.001" / ".lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # as a worker that outlived a killed study would
         with pytest.raises(RuntimeError, match="another process is training"):
-            study.run_one(cfg)
+            study_runs.run_one(cfg)
 
 
 # ------------------------------------------------------------------ the tiny pipeline
@@ -177,7 +181,7 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
             assert config["optimizer"] == "muonbp" and config["optimizer_options"] == options
         assert row["delta"] == pytest.approx(row["loss"] - reference["final_val_loss"])
         best = report["best_lr"]["muonbp"]  # a small sweep around MuonBP's tuned lr
-        grid = {study.round_lr(best * f) for f in report["spec"]["ablation_lr_factors"]}
+        grid = {study_runs.round_lr(best * f) for f in report["spec"]["ablation_lr_factors"]}
         assert grid <= set(row["lrs"])
         assert re.search(rf"\| period +\| 5 +\| {row['value']} +\|", text)
     assert report["compute"]["runs"] == report["new_runs"] == len(list((out / "runs").iterdir()))
