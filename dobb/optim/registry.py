@@ -15,6 +15,7 @@ dobb        1e-3    1e-3       update RMS is 0.2 lr, as AdamW's, so AdamW rates 
 muon        0.02    1e-3       Keller's default; lr in spectral norm per update
 muonbp      5e-3    1e-3       update RMS 0.2 lr (the paper's RMS matching) = 1e-3, Muon's
                                0.02 / sqrt(d_in) at d_in = 400 (the study's: 128-512)
+blockmuon   5e-3    1e-3       MuonBP with ``period=None``: block steps only, as MuonBP
 dion        0.02    1e-3       Muon-like scale (sqrt(d_out/d_in) P Qᵀ); reference uses 0.01;
                                randomized Cholesky QR, the paper's distributed form
 adamw       1e-3    -          betas (0.9, 0.95), as the scalar groups of the others
@@ -143,6 +144,16 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
                 ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
                 ErrorInput({"col_blocks": (2, 0)}, ValueError, "invalid col_blocks"),
             ),
+        ),
+        OptimizerEntry(
+            name="blockmuon",
+            cls=MuonBP,
+            lr=5e-3,
+            scalar_lr=1e-3,
+            hyperparameters={"period": None},  # no full steps: shard-local only
+            small_inputs=({}, {"row_blocks": 2, "col_blocks": 2}),
+            error_inputs=MATRIX_ERRORS
+            + (ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),),
         ),
         OptimizerEntry(
             name="dion",

@@ -1,12 +1,12 @@
-"""The main job: train one small GPT with Dobb, Dion, Muon and AdamW and report the result.
+"""The main job: train one small GPT with each optimizer of the comparison and report it.
 
-    dobb compare                 # mini GPT on the stdlib corpus, ~15 min on 2 CPU cores
+    dobb compare                 # mini GPT on the stdlib corpus, ~17 min on 2 CPU cores
     dobb compare --quick         # smoke run: tiny GPT, a few steps, < 1 min
     dobb compare --lr-sweep      # a log-spaced lr grid per optimizer, then compare the best
 
-Each optimizer trains at its registry learning rate (`dobb.optim.registry`; untuned
-starting values until a sweep replaces them) with the settings of the paper's comparison:
-Dobb with 16 blocks, Dion with rank fraction 1/16. Every run writes its own log under
+Each optimizer trains at its best learning rate from `dobb study` (`BEST_LRS`; the
+registry's starting lr for one the study has not tuned) with the settings of the paper's
+comparison: Dobb with 16 blocks, Dion with rank fraction 1/16. Every run writes its own log under
 `<out>/runs/<optimizer>-lr<lr>/`; the report (`summary.md`, `results.json`, PNG plots)
 is built from those logs only. A finished run (its `summary.json` exists) is not repeated,
 and an interrupted one resumes from its last checkpoint, so re-running the same command
@@ -26,26 +26,36 @@ from dobb.optim.registry import get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
 
-OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "adamw")
+OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "blockmuon", "adamw")
 # The settings compared in the Dobb paper's abstract (DESIGN.md §1); others are defaults.
-# MuonBP in one process tiles each matrix's rows as FSDP over 4 ranks would shard them.
+# MuonBP and BlockMuon in one process tile each matrix's rows as FSDP over 4 ranks would
+# shard them.
 OPTIONS: dict[str, dict[str, Any]] = {
     "dobb": {"num_blocks": 16},
     "dion": {"rank_fraction": 1 / 16},
     "muon": {},
     "muonbp": {"row_blocks": 4},
+    "blockmuon": {"row_blocks": 4},
     "adamw": {},
 }
 # Best hidden-matrix learning rates found by `dobb study` (benchmarks/STUDY.md, section (a):
 # 4 layers, width 128, 400 steps, 4 seeds). The comparison runs each optimizer there; the
 # lr sweep centres its grids on the registry's starting lrs instead.
-BEST_LRS = {"dobb": 2e-3, "dion": 1e-2, "muon": 2e-2, "muonbp": 5e-3, "adamw": 2e-3}
+BEST_LRS = {
+    "dobb": 2e-3,
+    "dion": 1e-2,
+    "muon": 2e-2,
+    "muonbp": 5e-3,
+    "blockmuon": 5e-3,
+    "adamw": 2e-3,
+}
 # Default budget: the mini GPT (4 layers, d=256, 3.3M parameters, byte tokens) at 16 x 256
 # tokens per step. Measured on the 2-core CPU machine (torch 2.13, 2 threads, another job
 # using about one core): 0.51 s/step (adamw), 0.53 (dion), 0.58 (muon), 0.55-0.95 (dobb,
 # whose many small ops suffer most from the contention; ~0.55 when it had the cores).
-# 350 steps x ~0.6 s + 11 evaluations x ~1.4 s + checkpoints ~ 225 s per run, so the four
-# runs take ~15 min. 350 steps x 4096 tokens = 1.43M tokens per run.
+# 350 steps x ~0.6 s + 11 evaluations x ~1.4 s + checkpoints ~ 225 s per run (the five
+# runs of 2026-11-30 took 14 min together), so the six take ~17 min. 350 steps x 4096
+# tokens = 1.43M tokens per run.
 BUDGET = dict(
     model="mini",
     batch_size=16,
@@ -57,7 +67,7 @@ BUDGET = dict(
     checkpoint_interval=70,
     keep_checkpoints=1,
 )
-# Smoke test: the tiny GPT, a few steps, well under a minute for all four optimizers.
+# Smoke test: the tiny GPT, a few steps, about a minute for all six optimizers.
 QUICK_BUDGET = dict(
     model="tiny",
     batch_size=8,

@@ -37,6 +37,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
+from dobb.optim.dobb import Dobb
+from dobb.optim.muon import Muon
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dobb.train.config import TrainConfig
@@ -80,7 +82,8 @@ def distributed_options(name: str, parallelism: Parallelism) -> dict[str, Any]:
     steps) split DDP-replicated matrices between them. Dion gets nothing: its compressed
     sync would need DDP to skip averaging its gradients, which the harness's DDP does not.
     """
-    if name in ("dobb", "muon", "muonbp") and parallelism.data_parallel is not None:
+    takes_it = issubclass(get_entry(name).cls, (Dobb, Muon))  # MuonBP is a Muon
+    if takes_it and parallelism.data_parallel is not None:
         return {"data_parallel": parallelism.data_parallel}
     return {}
 

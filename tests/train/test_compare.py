@@ -8,8 +8,15 @@ import torch
 from dobb import cli
 from dobb.train import compare
 
-# each optimizer at its best lr from the study (MuonBP: the registry's starting lr)
-RUNS = ["adamw-lr0.002", "dion-lr0.01", "dobb-lr0.002", "muon-lr0.02", "muonbp-lr0.005"]
+# each optimizer at its best lr from the study
+RUNS = [
+    "adamw-lr0.002",
+    "blockmuon-lr0.005",
+    "dion-lr0.01",
+    "dobb-lr0.002",
+    "muon-lr0.02",
+    "muonbp-lr0.005",
+]
 
 
 @pytest.fixture(autouse=True)
