@@ -495,7 +495,8 @@ def format_table(record: dict) -> str:
     if muonbp and "block_call_s" in muonbp:
         lines.append(
             f"MuonBP: full-step call {muonbp['full_call_s']['median'] * 1e3:.1f} ms, block-step "
-            f"calls {muonbp['block_call_s']['median'] * 1e3:.1f} ms (medians)."
+            f"calls {muonbp['block_call_s']['median'] * 1e3:.1f} ms (medians; a BlockMuon call "
+            "is a block-step call)."
         )
     h = record.get("hooks")
     if h:
