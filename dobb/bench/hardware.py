@@ -36,8 +36,8 @@ class Collective:
 class Hardware:
     """Effective rates of one device.
 
-    ``rates``: FLOP/s by kernel kind (``gemm_fp32``, ``gemm_skinny``, ``gemm_bf16``, ``qr``,
-    ``small``);
+    ``rates``: FLOP/s by kernel kind (``gemm_fp32``, ``gemm_skinny``, ``gemm_update``,
+    ``gemm_bf16``, ``qr``, ``small``);
     ``bmm_rates``: fp32 batched-matmul FLOP/s by block size (log-interpolated);
     ``latency_s``: fixed time per factorization call by kind; ``eigh_s``: ``(a, b)`` with
     ``a + b s³`` seconds per ``s x s`` block; ``op_s``: fixed cost of one op by kind

@@ -52,6 +52,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
     Args (shared by all subclasses):
         nonfinite: ``"raise"`` (default) raises ``NonFiniteGradientError`` naming the first
             bad parameter; ``"skip"`` skips the whole step. Either way no state changes.
+            The check reads only this rank's shards and communicates nothing, so under
+            FSDP or TP ranks can disagree; to skip consistently, decide on every rank from a
+            global quantity (``torch.nn.utils.clip_grad_norm_`` returns the all-reduced
+            total norm: skip ``step()`` when it is not finite).
     """
 
     algorithm: str
