@@ -28,7 +28,8 @@ import torch
 
 from dobb.bench.calltime import LinearStack, forward_backward, time_optimizers
 from dobb.bench.costmodel import OPTIMIZERS
-from dobb.bench.workload import ROW_PARALLEL, hidden_matrices
+from dobb.bench.workload import hidden_matrices
+from dobb.train.parallel import ROW_PARALLEL
 
 LAYOUT_AXES = {
     "fsdp": ("data_shard",),

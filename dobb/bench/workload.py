@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from dobb.train.model import GPT_CONFIGS, gpt_config
+from dobb.train.parallel import ROW_PARALLEL
 
 # Randomized Cholesky QR sketch rows: ceil(1.25 r) rounded up to a multiple of 128, as
 # dobb.optim.dion (microsoft/dion's values).
@@ -79,9 +80,6 @@ def local_rows(rows: int, world: int) -> int:
     return math.ceil(rows / world)
 
 
-ROW_PARALLEL = ("attn.proj", "mlp.proj")  # TP splits their inputs (columns)
-
-
 @dataclass(frozen=True)
 class Layout:
     """How ranks split the matrices, by mesh axis (torchtitan's names).
@@ -134,7 +132,7 @@ def layout_of(name: str, world: int, *, shard: int = 8) -> Layout:
             raise ValueError(f"hsdp over {world} ranks needs a multiple of shard={shard}")
         return Layout(shard=shard, replicate=world // shard)
     layouts = {
-        "single": Layout(),
+        "single": ONE_DEVICE,
         "ddp": Layout(replicate=world),
         "fsdp": Layout(shard=world),
         "tp": Layout(tensor=world),

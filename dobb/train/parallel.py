@@ -76,14 +76,19 @@ def mesh_shape(layout: str, world_size: int, tensor_parallel: int) -> tuple[int,
     return (world_size // inner, inner)
 
 
+# Megatron's split of a transformer block: these split outputs (rows), those inputs (columns)
+COLUMN_PARALLEL = ("attn.q", "attn.k", "attn.v", "mlp.fc")
+ROW_PARALLEL = ("attn.proj", "mlp.proj")
+
+
 def tensor_parallel_plan(model: nn.Module) -> dict[str, object]:
     """Megatron-style plan for ``dobb.train.model.GPT``: q, k, v and fc column-parallel,
     the two output projections row-parallel; embeddings and head stay replicated."""
     plan = {}
     for i in range(len(model.blocks)):
-        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+        for name in COLUMN_PARALLEL:
             plan[f"blocks.{i}.{name}"] = ColwiseParallel()
-        for name in ("attn.proj", "mlp.proj"):
+        for name in ROW_PARALLEL:
             plan[f"blocks.{i}.{name}"] = RowwiseParallel()
     return plan
 
