@@ -7,6 +7,10 @@ to its field's type (`"3e-4"` -> 0.0003, `"none"` -> None, `"true"` -> True). Di
 take a YAML mapping (`optimizer_options={num_blocks: 8}`) or one dotted key at a time
 (`optimizer_options.num_blocks=8`). Unknown keys and bad values raise `ConfigError` naming
 the key.
+
+A config path that is not a file is looked up among the configs shipped inside the package
+(`dobb/configs/`, which the repository's `configs/` links to): `configs/tiny.yaml`,
+`tiny.yaml` and `tiny` all name it, from any working directory.
 """
 
 import types
@@ -17,14 +21,18 @@ from typing import Any
 
 import yaml
 
+from dobb.optim.registry import OPTIMIZERS
+from dobb.train.errors import RunError
 from dobb.train.model import GPT_CONFIGS
 from dobb.train.parallel import LAYOUTS
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # shipped in the wheel
 
 TOKENIZERS = ("bytes", "gpt2")
 DECAYS = ("cosine", "linear", "constant")
 
 
-class ConfigError(ValueError):
+class ConfigError(RunError, ValueError):
     """A config key is unknown or its value is invalid; the message names the key."""
 
 
@@ -49,7 +57,7 @@ class TrainConfig:
     decay: str = "cosine"  # after warmup: "cosine", "linear" or "constant"
     min_lr_ratio: float = 0.1  # the floor of the decay, as a fraction of the peak lr
     # ---- optimizer (one registry lookup: dobb.optim.registry.build_optimizer)
-    optimizer: str = "dobb"  # dobb, dion, muon or adamw
+    optimizer: str = "dobb"  # a registry name: dobb, dion, muon, muonbp, blockmuon, adamw
     lr: float | None = None  # peak lr of the hidden matrices (all params for adamw); None: registry
     scalar_lr: float | None = None  # peak lr of embeddings/head/norms/biases; None: registry
     optimizer_options: dict = field(default_factory=dict)  # constructor args, e.g. {num_blocks: 8}
@@ -72,6 +80,7 @@ class TrainConfig:
         """Raise ConfigError naming the first invalid field; return self."""
         checks = {
             "model": (self.model in GPT_CONFIGS, f"one of {sorted(GPT_CONFIGS)}"),
+            "optimizer": (self.optimizer in OPTIMIZERS, f"one of {sorted(OPTIMIZERS)}"),
             "tokenizer": (self.tokenizer in (None, *TOKENIZERS), f"none or one of {TOKENIZERS}"),
             "decay": (self.decay in DECAYS, f"one of {DECAYS}"),
             "layout": (self.layout in LAYOUTS, f"one of {sorted(LAYOUTS)}"),
@@ -189,13 +198,52 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return values
 
 
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped in the package, e.g. `["gpt2-fineweb", "mini", "tiny"]`."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def find_config(path: str | Path) -> Path:
+    """`path` if it is a file, else the shipped config it names; ConfigError if neither.
+
+    A relative path is looked up under `CONFIG_DIR` with a leading `configs/` dropped and
+    `.yaml` added when it has no suffix: `configs/study/budget.yaml`, `tiny.yaml`, `tiny`.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_absolute():
+        rel = Path(*path.parts[1:]) if path.parts[:1] == ("configs",) else path
+        for candidate in (CONFIG_DIR / rel, CONFIG_DIR / rel.with_name(rel.name + ".yaml")):
+            if rel.parts and candidate.is_file():
+                return candidate
+    raise ConfigError(
+        f"no config file {str(path)!r}: not a file here, nor a config shipped with dobb "
+        f"({', '.join(shipped_configs())}); give the path of a YAML file or one of those names"
+    )
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document at `path`; ConfigError naming the line of a syntax error."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}; fix the file") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Defaults, then the YAML file at `path` (if given), then `key=value` overrides."""
+    """Defaults, then the YAML file at `path` (if given, see `find_config`), then overrides."""
     cfg = TrainConfig()
     if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        path = find_config(path)
+        data = read_yaml(path) or {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data)}")
+            raise ConfigError(
+                f"{path}: expected a mapping of config keys, got {type(data).__name__}"
+            )
         apply_overrides(cfg, data)
     apply_overrides(cfg, parse_overrides(list(overrides)))
     return cfg.validate()
