@@ -3,21 +3,25 @@
 from dobb.groups import param_groups
 from dobb.optim import (
     Dion,
+    Dion2,
     Dobb,
     MatrixOptimizer,
     Muon,
     MuonBP,
     NonFiniteGradientError,
+    NorMuon,
     build_optimizer,
 )
 
 __all__ = [
     "Dion",
+    "Dion2",
     "Dobb",
     "MatrixOptimizer",
     "Muon",
     "MuonBP",
     "NonFiniteGradientError",
+    "NorMuon",
     "build_optimizer",
     "param_groups",
 ]

@@ -18,6 +18,9 @@ muonbp      5e-3    1e-3       update RMS 0.2 lr (the paper's RMS matching) = 1e
 blockmuon   5e-3    1e-3       MuonBP with ``period=None``: block steps only, as MuonBP
 dion        0.02    1e-3       Muon-like scale (sqrt(d_out/d_in) P Qᵀ); reference uses 0.01;
                                randomized Cholesky QR, the paper's distributed form
+normuon     5e-3    1e-3       update RMS 0.2 lr (the paper's rescaling), as MuonBP's
+dion2       0.02    1e-3       selected rows get Muon's spectral-norm step (sqrt(d_out/d_in)
+                               O), so Muon's 0.02; the authors' code uses 0.01
 adamw       1e-3    -          betas (0.9, 0.95), as the scalar groups of the others
 ==========  ======  =========  ===========================================================
 
@@ -35,9 +38,11 @@ from torch import nn
 from dobb.groups import param_groups
 from dobb.optim.base import MatrixOptimizer
 from dobb.optim.dion import Dion
+from dobb.optim.dion2 import Dion2
 from dobb.optim.dobb import Dobb
 from dobb.optim.muon import Muon
 from dobb.optim.muonbp import MuonBP
+from dobb.optim.normuon import NorMuon
 from dobb.optim.scalar import SCALAR_ALGORITHMS
 
 
@@ -172,6 +177,43 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
                 ErrorInput({"rank_fraction": 0.0}, ValueError, "invalid rank_fraction"),
                 ErrorInput({"rank": 0}, ValueError, "invalid rank"),
                 ErrorInput({"orthogonalize": "svd"}, ValueError, "invalid orthogonalize"),
+            ),
+        ),
+        OptimizerEntry(
+            name="normuon",
+            cls=NorMuon,
+            lr=5e-3,
+            scalar_lr=1e-3,
+            small_inputs=(
+                {},
+                {"ns_dtype": torch.float32, "nesterov": True},
+                {"beta2": 0.0, "eps": 1e-10, "weight_decay": 0.1},
+            ),
+            error_inputs=MATRIX_ERRORS
+            + (
+                ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
+                ErrorInput({"beta2": -0.1}, ValueError, "invalid beta2"),
+                ErrorInput({"eps": 0.0}, ValueError, "invalid eps"),
+                ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
+                ErrorInput({"ns_dtype": torch.int32}, ValueError, "invalid ns_dtype"),
+            ),
+        ),
+        OptimizerEntry(
+            name="dion2",
+            cls=Dion2,
+            lr=0.02,
+            scalar_lr=1e-3,
+            small_inputs=(
+                {},
+                {"fraction": 1.0, "ef_decay": 0.0, "ns_dtype": torch.float32},
+                {"fraction": 0.1, "row_blocks": (2, 2), "weight_decay": 0.0},
+            ),
+            error_inputs=MATRIX_ERRORS
+            + (
+                ErrorInput({"fraction": 0.0}, ValueError, "invalid fraction"),
+                ErrorInput({"ef_decay": 1.5}, ValueError, "invalid ef_decay"),
+                ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
+                ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
             ),
         ),
         OptimizerEntry(

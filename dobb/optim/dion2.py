@@ -1,0 +1,323 @@
+"""Dion2: orthonormalize a selected fraction of the momentum's rows, feed back the rest.
+
+Ahn, Amsel, Langford, "Dion2: A Simple Method to Shrink Matrix in Muon",
+https://arxiv.org/abs/2512.16928. Each step adds the gradient to an error-feedback
+momentum, picks the rows of largest norm, orthonormalizes only those (Muon's Newton-Schulz
+on a ``k x n`` matrix instead of ``m x n``), updates only those rows of the weight and
+decays only those rows of the momentum; the other rows keep accumulating.
+
+The functional core is ``dion2_direction`` (momentum, selection, selective decay) and
+``apply_rows`` (the sparse weight update) around Muon's ``newton_schulz``. Sharded, each
+rank selects among its own rows and only the selected rows travel to the matrix's owner
+and back, through Muon's ``OwnerExchange`` on the ``k x n`` matrix of selected rows.
+"""
+
+import functools
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dobb.distributed.exchange import OwnerExchange
+from dobb.distributed.placement import MatrixPlacement, matrix_placement
+from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
+from dobb.optim.muon import NS_DTYPES, NS_STEPS, newton_schulz
+from dobb.optim.muonbp import chunk_sizes
+from dobb.optim.owner_groups import check_data_parallel, shared_buckets
+
+
+def selected_count(rows: int, fraction: float) -> int:
+    """``max(1, ceil(fraction rows))`` rows of a non-empty block are selected; 0 of none."""
+    return max(1, math.ceil(fraction * rows)) if rows else 0
+
+
+def select_rows(momentum: Tensor, blocks: list[int], fraction: float) -> Tensor:
+    """Ascending indices of the ``selected_count`` rows of largest L1 norm in each block
+    of consecutive rows (``blocks``: their sizes, summing to ``momentum.shape[0]``)."""
+    # ||M_i||_1 per row (the authors' code; the paper allows any row norm)
+    norms = momentum.abs().sum(dim=1)
+    picks, start = [], 0
+    for size in blocks:
+        k = selected_count(size, fraction)
+        if k:
+            picks.append(norms[start : start + size].topk(k).indices.sort().values + start)
+        start += size
+    return torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long, device=norms.device)
+
+
+def dion2_direction(
+    grad: Tensor, momentum: Tensor, blocks: list[int], *, fraction: float, ef_decay: float
+) -> tuple[Tensor, Tensor]:
+    """Update ``momentum`` in place; return the selected rows' indices and values (k x n)."""
+    # M <- M + G
+    momentum.add_(grad.to(momentum.dtype))
+    # S = the top ceil(f m_b) rows of each block b by ||M_i||_1
+    rows = select_rows(momentum, blocks, fraction)
+    selected = momentum[rows]
+    # M_S <- ef_decay M_S   (the unselected rows keep all of M: error feedback)
+    momentum.index_copy_(0, rows, selected * ef_decay)
+    return rows, selected
+
+
+def apply_rows(
+    param: Tensor, rows: Tensor, update: Tensor, *, lr: float, weight_decay: float, scale: float
+) -> None:
+    """``W <- W (1 - lr wd)``, then ``W_S <- W_S - lr scale O`` on the rows ``S`` only."""
+    # W <- W (1 - lr wd)
+    param.mul_(1 - lr * weight_decay)
+    # W_S <- W_S - lr s O
+    param.index_add_(0, rows, update.to(param.dtype), alpha=-lr * scale)
+
+
+def dion2_update(
+    param: Tensor,
+    grad: Tensor,
+    momentum: Tensor,
+    blocks: list[int],
+    *,
+    lr: float,
+    fraction: float,
+    ef_decay: float,
+    weight_decay: float,
+    scale: float,
+    ns_steps: int = NS_STEPS,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """One Dion2 update of a local piece of whole rows; ``param`` and ``momentum`` in place."""
+    rows, selected = dion2_direction(grad, momentum, blocks, fraction=fraction, ef_decay=ef_decay)
+    # O = NS5(M_S)
+    update = newton_schulz(selected, ns_steps, ns_dtype)
+    apply_rows(param, rows, update, lr=lr, weight_decay=weight_decay, scale=scale)
+
+
+def row_scale(shape: tuple[int, int]) -> float:
+    """``sqrt(d_out / d_in)`` of the whole matrix: the Dion papers' factor (no ``max(1, .)``)."""
+    return math.sqrt(shape[0] / shape[1])
+
+
+class Dion2(MatrixOptimizer):
+    r"""Dion2 (arXiv 2512.16928) for hidden weight matrices, selecting rows.
+
+    .. code-block:: text
+
+        per matrix W (m x n), step t; rows split into blocks b (a shard's rows, or
+        row_blocks consecutive chunks on one device):
+          M <- M + G
+          S = ∪_b  the ceil(f m_b) rows i of block b with the largest ||M_i||_1
+          O = NS5(M_S)                     Muon's Newton-Schulz on the |S| x n rows
+          M_S <- ef_decay M_S              only the selected rows decay
+          W <- W (1 - lr wd);   W_S <- W_S - lr sqrt(m/n) O
+
+    Args:
+        params: parameters or groups (``algorithm="adamw"``/``"lion"`` for the rest).
+        lr: learning rate, in units of spectral norm per update of the selected rows
+            (default 0.01, the authors' code's).
+        fraction: ``f``, the fraction of rows selected per block (default 0.25, the
+            authors' code's; the paper's headline setting).
+        ef_decay: decay of the selected rows of ``M`` (default 0.95, the authors' code's).
+        weight_decay: decoupled, multiplied by ``lr`` (default 0.01, the authors' code's).
+        ns_steps, ns_dtype: Muon's Newton-Schulz (5 quintic steps in bf16).
+        row_blocks: selection blocks of each local piece: an integer, or a tuple for nested
+            splits, cut like ``torch.chunk`` (see ``dobb.optim.muonbp.chunk_sizes``).
+            Default 1: a rank's shard selects among its own rows. On one device,
+            ``row_blocks=4`` makes the selection an FSDP run over 4 ranks makes.
+        data_parallel: as Muon's: the DDP group (or mesh) over which replicas split the
+            Newton-Schulz work; None: every replica does all of it.
+        nonfinite: ``"raise"`` or ``"skip"`` (see ``MatrixOptimizer``).
+
+    Distributed: each rank selects among its own rows (the authors' ``"local"`` scope),
+    so nothing but the selected rows moves: one ``all_to_all`` sends each rank's
+    ``k_local x n`` rows to the matrix's owner (skipped under DDP, where every rank holds
+    the whole matrix), the owner runs ``NS5`` on the stacked ``k x n`` rows (in row
+    order), and one ``all_to_all`` returns each rank its rows of ``O``. Pieces must hold
+    whole rows (DDP, FSDP ``Shard(0)``, HSDP, column-parallel TP); a ``Shard(1)``
+    parameter raises ``NotImplementedError``. The selection sizes are planned at
+    construction from ``fraction`` and ``row_blocks``; changing either later raises.
+
+    Where we chose (facts from the authors' code, microsoft/dion ``dion2.py``): the L1 row
+    norm; selection along rows always (their code picks the shorter side of an unsharded
+    matrix and the sharded side of a sharded one: rows under FSDP); the scale
+    ``sqrt(m/n)`` of the whole matrix; Muon's quintic Newton-Schulz (their default is
+    Polar Express); momentum in fp32 (or the parameter's wider dtype).
+    """
+
+    algorithm = "dion2"
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.01,
+        fraction: float = 0.25,
+        ef_decay: float = 0.95,
+        weight_decay: float = 0.01,
+        ns_steps: int = NS_STEPS,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        row_blocks: int | tuple[int, ...] = 1,
+        data_parallel=None,
+        nonfinite: str = "raise",
+    ):
+        check_data_parallel(data_parallel)
+        self._data_parallel = data_parallel
+        self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None
+        defaults = dict(
+            lr=lr,
+            fraction=fraction,
+            ef_decay=ef_decay,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            row_blocks=row_blocks,
+        )
+        super().__init__(params, defaults, nonfinite=nonfinite)
+        self._plan_exchanges()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if self._exchanges is not None:  # a group added after construction: plan again
+            self._plan_exchanges()
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        super()._validate_group(group)
+        if group["algorithm"] != self.algorithm:
+            return
+        if not 0.0 < group["fraction"] <= 1.0:
+            raise ValueError(f"invalid fraction: {group['fraction']} (must be in (0, 1])")
+        if not 0.0 <= group["ef_decay"] <= 1.0:
+            raise ValueError(f"invalid ef_decay: {group['ef_decay']} (must be in [0, 1])")
+        splits = _splits(group["row_blocks"])
+        if not splits or not all(isinstance(s, int) and s >= 1 for s in splits):
+            raise ValueError(
+                f"invalid row_blocks: {group['row_blocks']!r} (an integer >= 1 or a tuple of them)"
+            )
+        if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
+            raise ValueError(f"invalid ns_steps: {group['ns_steps']!r} (must be an integer >= 1)")
+        if group["ns_dtype"] not in NS_DTYPES:
+            raise ValueError(f"invalid ns_dtype: {group['ns_dtype']!r} (one of {NS_DTYPES})")
+        for p in group["params"]:
+            if isinstance(p, DTensor) and len(matrix_placement(p).cols) != p.shape[1]:
+                raise NotImplementedError(
+                    f"{self.name_of(p)} is split along its columns ({tuple(p.placements)}); "
+                    "Dion2 selects whole rows, so shard its rows only (FSDP Shard(0)) or "
+                    "give it to Muon"
+                )
+
+    @staticmethod
+    def blocks(rows: int, group: dict[str, Any]) -> list[int]:
+        """Sizes of the selection blocks of a local piece with ``rows`` rows."""
+        return chunk_sizes(rows, _splits(group["row_blocks"]))
+
+    def _plan_exchanges(self) -> None:
+        """One ``OwnerExchange`` per process group, over the matrices of selected rows.
+
+        The selected rows of matrix ``j`` form a ``k_j x n`` matrix; a rank's rows of it
+        are a fixed range (its piece's count, after the pieces that start above it), so
+        the exchange is planned once (collective: two ``all_gather_object`` calls).
+        """
+        groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
+        group_of = {p: g for g in groups for p in g["params"]}
+        self._exchanges = []
+        for owners, params in shared_buckets(groups, self._data_parallel):
+            pieces = []  # per matrix: (first global row or -1, selected rows) of my piece
+            for p in params:
+                rows = matrix_placement(p).rows
+                count = sum(
+                    selected_count(b, group_of[p]["fraction"])
+                    for b in self.blocks(len(rows), group_of[p])
+                )
+                pieces.append((int(rows[0]) if len(rows) else -1, count))
+            everyone = [None] * dist.get_world_size(owners)
+            dist.all_gather_object(everyone, pieces, group=owners)
+            placements = []
+            for j, (p, (first, count)) in enumerate(zip(params, pieces)):
+                distinct = dict(theirs[j] for theirs in everyone if theirs[j][0] >= 0)
+                before = sum(k for start, k in distinct.items() if start < first)
+                shape = (sum(distinct.values()), p.shape[1])
+                rows = torch.arange(before, before + count)
+                placements.append(MatrixPlacement(shape, rows, torch.arange(p.shape[1])))
+            self._exchanges.append((OwnerExchange(placements, owners), params))
+
+    # ------------------------------------------------------------------ step
+    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        return {"momentum": torch.zeros_like(param, dtype=state_dtype(param))}
+
+    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
+        shared = {p for _, params in self._exchanges for p in params}
+        for p, state, group in self._matrices_with_grad(groups):
+            if p not in shared:
+                dion2_update(
+                    local(p),
+                    local(p.grad),
+                    local(state["momentum"]),
+                    self.blocks(p.shape[0], group),
+                    lr=group["lr"],
+                    fraction=group["fraction"],
+                    ef_decay=group["ef_decay"],
+                    weight_decay=group["weight_decay"],
+                    scale=row_scale(p.shape),
+                    ns_steps=group["ns_steps"],
+                    ns_dtype=group["ns_dtype"],
+                )
+        group_of = {p: g for g in groups for p in g["params"]}
+        for exchange, params in self._exchanges:
+            self._shared_step(exchange, [(p, group_of[p]) for p in params])
+
+    def _shared_step(self, exchange: OwnerExchange, entries: list[tuple[Tensor, dict]]) -> None:
+        """Dion2 on matrices shared by ``exchange``'s ranks: only selected rows travel.
+
+        A parameter without a gradient sends zero rows and stays unchanged.
+        """
+        selected, indices = [], []
+        for j, (p, group) in enumerate(entries):
+            planned = len(exchange.pieces[j][exchange.me][0])
+            if p.grad is None:
+                selected.append(local(p).new_zeros((planned, p.shape[1]), dtype=state_dtype(p)))
+                indices.append(None)
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(self._init_matrix_state(p, group))
+            param = local(p)
+            rows, values = dion2_direction(
+                local(p.grad),
+                local(state["momentum"]),
+                self.blocks(param.shape[0], group),
+                fraction=group["fraction"],
+                ef_decay=group["ef_decay"],
+            )
+            if len(rows) != planned:
+                raise RuntimeError(
+                    f"{self.name_of(p)}: {len(rows)} rows selected but {planned} planned; "
+                    "fraction and row_blocks of a sharded matrix are fixed at construction"
+                )
+            selected.append(values)
+            indices.append(rows)
+        # M_S: every rank's selected rows to the matrix's owner (one all_to_all)
+        whole = exchange.gather(selected)
+        # O = NS5(M_S), for the matrices this rank owns
+        results = {
+            j: newton_schulz(S, entries[j][1]["ns_steps"], entries[j][1]["ns_dtype"])
+            for j, S in whole.items()
+        }
+        # O: every rank's rows back from the owner (one all_to_all)
+        dtypes = [group["ns_dtype"] for _, group in entries]
+        buffer_dtype = functools.reduce(torch.promote_types, dtypes)
+        updates = exchange.scatter(results, buffer_dtype, selected[0].device)
+        for (p, group), rows, update in zip(entries, indices, updates):
+            if rows is None:
+                continue
+            apply_rows(
+                local(p),
+                rows,
+                update.to(group["ns_dtype"]),
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                scale=row_scale(p.shape),
+            )
+
+
+def _splits(row_blocks) -> tuple:
+    """``row_blocks`` as a tuple of nested splits (an integer is one split)."""
+    return tuple(row_blocks) if isinstance(row_blocks, tuple | list) else (row_blocks,)

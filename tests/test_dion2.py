@@ -1,0 +1,95 @@
+"""Dion2: agreement with a literal float64 transcription of its algorithm, and its rules."""
+
+import math
+
+import pytest
+import torch
+from test_normuon import ns5_float64
+
+from dobb.optim.dion2 import Dion2, select_rows
+from dobb.optim.muon import Muon
+
+
+def block_sizes(m, parts):
+    """torch.chunk's split of m rows into ``parts`` blocks (empty blocks kept)."""
+    sizes = [len(c) for c in torch.arange(m).chunk(parts)]
+    return sizes + [0] * (parts - len(sizes))
+
+
+def dion2_reference(W, grads, *, lr, fraction, ef_decay, weight_decay, blocks):
+    """Dion2 step by step in float64: per block the top ceil(f m_b) rows by L1 norm."""
+    W = W.double().clone()
+    m, n = W.shape
+    M = torch.zeros_like(W)
+    for G in grads:
+        M = M + G.double()
+        S, start = [], 0
+        for size in block_sizes(m, blocks):
+            if size:
+                k = max(1, math.ceil(fraction * size))
+                norms = M[start : start + size].abs().sum(dim=1)
+                S += sorted((start + norms.argsort(descending=True)[:k]).tolist())
+            start += size
+        O = ns5_float64(M[S])
+        M[S] = ef_decay * M[S]
+        W = (1 - lr * weight_decay) * W
+        W[S] = W[S] - lr * math.sqrt(m / n) * O
+    return W
+
+
+def run(shape, grads, **options):
+    w0 = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    p = torch.nn.Parameter(w0.clone())
+    opt = Dion2([p], **options)
+    for G in grads:
+        p.grad = G.clone()
+        opt.step()
+    return w0, p.detach(), opt.state[p]["momentum"]
+
+
+def gradients(shape, steps=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("shape", [(18, 16), (16, 24)])
+@pytest.mark.parametrize("blocks, fraction", [(1, 0.25), (4, 0.25), (3, 0.5)])
+def test_matches_float64_transcription(shape, blocks, fraction):
+    hp = dict(lr=0.02, fraction=fraction, ef_decay=0.9, weight_decay=0.1)
+    grads = gradients(shape)
+    w0, ours, _ = run(shape, grads, row_blocks=blocks, ns_dtype=torch.float64, **hp)
+    ref = dion2_reference(w0, grads, blocks=blocks, **hp)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_only_selected_rows_move_and_the_rest_accumulate():
+    shape = (16, 8)
+    grads = gradients(shape, steps=1)
+    w0, w1, momentum = run(shape, grads, lr=0.1, weight_decay=0.0, fraction=0.25)
+    moved = (w1 != w0).any(dim=1)
+    assert int(moved.sum()) == 4  # ceil(0.25 * 16)
+    # the moved rows are the 4 of largest L1 norm; their momentum decayed, the rest kept G
+    top = grads[0].abs().sum(dim=1).topk(4).indices
+    assert set(moved.nonzero().flatten().tolist()) == set(top.tolist())
+    torch.testing.assert_close(momentum[~moved], grads[0][~moved], rtol=0, atol=0)
+    torch.testing.assert_close(momentum[moved], 0.95 * grads[0][moved], rtol=0, atol=0)
+
+
+def test_all_rows_without_feedback_is_muon_without_momentum():
+    shape = (24, 16)  # tall: Muon's sqrt(max(1, m/n)) equals Dion2's sqrt(m/n)
+    grads = [g.float() for g in gradients(shape, steps=3)]
+    a, b = (torch.nn.Parameter(torch.ones(shape)) for _ in range(2))
+    dion2 = Dion2([a], lr=0.02, fraction=1.0, ef_decay=0.0, ns_dtype=torch.float32)
+    muon = Muon([b], lr=0.02, momentum=0.0, weight_decay=0.01, ns_dtype=torch.float32)
+    for G in grads:
+        a.grad, b.grad = G.clone(), G.clone()
+        dion2.step()
+        muon.step()
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_select_rows_per_block():
+    M = torch.tensor([[1.0, 1.0], [5.0, 0.0], [0.0, -3.0], [2.0, 2.0], [9.0, 0.0]])
+    # blocks of 3 and 2 rows, fraction 0.5: 2 of the first block (rows 1, 2), 1 of the second
+    assert select_rows(M, [3, 2], 0.5).tolist() == [1, 2, 4]
+    assert select_rows(M, [5, 0], 0.1).tolist() == [4]  # at least one row per block
