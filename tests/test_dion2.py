@@ -30,10 +30,10 @@ def dion2_reference(W, grads, *, lr, fraction, ef_decay, weight_decay, blocks):
                 norms = M[start : start + size].abs().sum(dim=1)
                 S += sorted((start + norms.argsort(descending=True)[:k]).tolist())
             start += size
-        O = ns5_float64(M[S])
+        U = ns5_float64(M[S])
         M[S] = ef_decay * M[S]
         W = (1 - lr * weight_decay) * W
-        W[S] = W[S] - lr * math.sqrt(m / n) * O
+        W[S] = W[S] - lr * math.sqrt(m / n) * U
     return W
 
 

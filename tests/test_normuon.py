@@ -34,9 +34,9 @@ def normuon_reference(W, grads, *, lr, beta1, beta2, eps, weight_decay, nesterov
         G = G.double()
         M = beta1 * M + (1 - beta1) * G
         N = (1 - beta1) * G + beta1 * M if nesterov else M
-        O = ns5_float64(N)
-        v = beta2 * v + (1 - beta2) * (O * O).mean(dim=1, keepdim=True)
-        O_hat = O / (v.sqrt() + eps)
+        U = ns5_float64(N)
+        v = beta2 * v + (1 - beta2) * (U * U).mean(dim=1, keepdim=True)
+        O_hat = U / (v.sqrt() + eps)
         eta_hat = 0.2 * lr * math.sqrt(m * n) / O_hat.norm()
         W = W - lr * weight_decay * W - eta_hat * O_hat
     return W
