@@ -15,9 +15,9 @@ from torch import Tensor
 from dobb.optim.scalar import (
     SCALAR_ALGORITHMS,
     SCALAR_DEFAULTS,
-    adamw_update,
+    adamw_updates,
     init_scalar_state,
-    lion_update,
+    lion_updates,
 )
 
 try:
@@ -189,21 +189,26 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """Check preconditions before any state changes (Dobb: statistics present)."""
 
     def _scalar_step(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
+        """AdamW or Lion on every parameter of ``group`` with a gradient, with torch's
+        multi-tensor kernels (``adamw_updates``, ``lion_updates``): a few per group."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
             if not state:
                 state.update(init_scalar_state(p, group["algorithm"]))
-            state["step"] += 1
-            param, grad, hp = local(p), local(p.grad), {"lr": group["lr"]}
-            hp.update(betas=group["betas"], weight_decay=group["weight_decay"])
-            if group["algorithm"] == "adamw":
-                step = state["step"].item()
-                exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
-                adamw_update(param, grad, exp_avg, exp_avg_sq, step, eps=group["eps"], **hp)
-            else:
-                lion_update(param, grad, local(state["exp_avg"]), **hp)
+        steps = [state["step"] for state in states]  # CPU scalars: no device sync
+        torch._foreach_add_(steps, 1)
+        hp = dict(lr=group["lr"], betas=group["betas"], weight_decay=group["weight_decay"])
+        grads, exp_avgs = [local(p.grad) for p in params], [local(s["exp_avg"]) for s in states]
+        params = [local(p) for p in params]
+        if group["algorithm"] == "adamw":
+            exp_avg_sqs = [local(state["exp_avg_sq"]) for state in states]
+            counts = torch.stack(steps).tolist()  # one read for the whole group
+            adamw_updates(params, grads, exp_avgs, exp_avg_sqs, counts, eps=group["eps"], **hp)
+        else:
+            lion_updates(params, grads, exp_avgs, **hp)
 
     def _matrices_with_grad(self, groups: list[dict[str, Any]]):
         """``(param, state, group)`` for every matrix with a gradient; state built lazily."""

@@ -20,6 +20,7 @@ from torch import Tensor
 from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.placement import matrix_placement, mesh_group
 from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
+from dobb.optim.batching import group_by, stack_apply
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -108,6 +109,86 @@ def muon_update(
     # O = NS5(N) ≈ U Vᵀ
     update = newton_schulz(direction, ns_steps, ns_dtype)
     apply_update(param, update, lr=lr, weight_decay=weight_decay, scale=scale)
+
+
+# Batched forms of the three steps: many matrices (of any shapes) sharing hyperparameters,
+# with foreach kernels for the elementwise steps and one NS5 per stack of equal shapes, so
+# a step dispatches O(shapes) kernels, not O(matrices). ``muon_update`` is their reference.
+
+
+def nesterov_directions(
+    grads: list[Tensor], momenta: list[Tensor], *, beta: float, nesterov: bool
+) -> list[Tensor]:
+    """``nesterov_direction`` of many matrices: ``momenta`` in place, directions returned."""
+    grads = [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)]
+    # M <- mu M + (1 - mu) G
+    torch._foreach_lerp_(momenta, grads, 1 - beta)
+    # N = (1 - mu) G + mu M  (Nesterov),  else  N = M
+    return torch._foreach_lerp(grads, momenta, beta) if nesterov else list(momenta)
+
+
+@functools.cache
+def update_dtype(param_dtype: torch.dtype, ns_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``W - lr s O`` is computed in: the wider of W's and NS5's (cached: a
+    ``torch.promote_types`` call is a dispatched op)."""
+    return torch.promote_types(param_dtype, ns_dtype)
+
+
+def batched_newton_schulz(
+    directions: list[Tensor],
+    out_dtypes: list[torch.dtype],
+    steps: int = NS_STEPS,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[Tensor]:
+    """``newton_schulz`` of each matrix, cast to ``out_dtypes[i]``: one call per same-shape
+    ``(n, m, k)`` stack, each matrix still normalized by its own Frobenius norm."""
+    return stack_apply(
+        directions,
+        lambda N, out_dtype: newton_schulz(N, steps, dtype).to(out_dtype),
+        key=lambda i: out_dtypes[i],
+    )
+
+
+def apply_updates(
+    params: list[Tensor],
+    updates: list[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    scales: list[float],
+) -> None:
+    """``apply_update`` of many matrices (or pieces): one foreach call per distinct scale."""
+    if not params:  # e.g. only empty tiles
+        return
+    # W <- W (1 - lr wd)
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    for scale, indices in group_by(scales, float).items():
+        # W <- W - lr s O
+        torch._foreach_add_(
+            [params[i] for i in indices], [updates[i] for i in indices], alpha=-lr * scale
+        )
+
+
+def muon_updates(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    scales: list[float],
+    ns_steps: int = NS_STEPS,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """``muon_update`` of many whole matrices sharing hyperparameters (``scales[i]``: matrix
+    ``i``'s ``lr_scale``); ``params`` and ``momenta`` in place."""
+    directions = nesterov_directions(grads, momenta, beta=beta, nesterov=nesterov)
+    # O = NS5(N), batched by shape; cast to W's precision for the update (a widening: exact)
+    out_dtypes = [update_dtype(p.dtype, ns_dtype) for p in params]
+    updates = batched_newton_schulz(directions, out_dtypes, ns_steps, ns_dtype)
+    apply_updates(params, updates, lr=lr, weight_decay=weight_decay, scales=scales)
 
 
 class Muon(MatrixOptimizer):
@@ -255,30 +336,33 @@ class Muon(MatrixOptimizer):
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
         shared = {p for _, params in self._exchanges for p in params}
-        for group in groups:
-            for p in group["params"]:
-                if p.grad is not None and p not in shared:
-                    state = self.state[p]
-                    if not state:
-                        state.update(self._init_matrix_state(p, group))
-                    self._update_matrix(p, state, group)
+        entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
+        if entries:
+            self._local_step(entries)
         group_of = {p: g for g in groups for p in g["params"]}
         for exchange, params in self._exchanges:
             self._shared_step(exchange, [(p, group_of[p]) for p in params])
 
-    def _update_matrix(self, param: Tensor, state: dict[str, Any], group: dict) -> None:
-        muon_update(
-            local(param),
-            local(param.grad),
-            local(state["momentum"]),
-            lr=group["lr"],
-            beta=group["momentum"],
-            nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"],
-            scale=lr_scale(param.shape, group["adjust_lr"]),
-            ns_steps=group["ns_steps"],
-            ns_dtype=group["ns_dtype"],
-        )
+    def _local_step(self, entries: list[tuple[Tensor, dict, dict]]) -> None:
+        """Matrices no other rank shares, as ``(param, state, group)``: one ``muon_updates``
+        per set of hyperparameters (one device, or DDP without ``data_parallel``)."""
+        for hp, indices in group_by(
+            entries, lambda e: _hyperparameters(e[2], *UPDATE_KEYS)
+        ).items():
+            lr, beta, nesterov, weight_decay, ns_steps, ns_dtype, adjust_lr = hp
+            params = [entries[i][0] for i in indices]
+            muon_updates(
+                [local(p) for p in params],
+                [local(p.grad) for p in params],
+                [local(entries[i][1]["momentum"]) for i in indices],
+                lr=lr,
+                beta=beta,
+                nesterov=nesterov,
+                weight_decay=weight_decay,
+                scales=[lr_scale(p.shape, adjust_lr) for p in params],
+                ns_steps=ns_steps,
+                ns_dtype=ns_dtype,
+            )
 
     def _shared_step(self, exchange: OwnerExchange, entries: list[tuple[Tensor, dict]]) -> None:
         """Muon on matrices shared by ``exchange``'s ranks: NS5 on the owner of each.
@@ -286,40 +370,56 @@ class Muon(MatrixOptimizer):
         A parameter without a gradient sends a zero direction (every rank must take part)
         and is left unchanged, as on one device.
         """
-        directions = []
-        for p, group in entries:
-            if p.grad is None:
-                directions.append(torch.zeros_like(local(p), dtype=state_dtype(p)))
-                continue
-            state = self.state[p]
-            if not state:
-                state.update(self._init_matrix_state(p, group))
-            directions.append(
-                nesterov_direction(
-                    local(p.grad),
-                    local(state["momentum"]),
-                    beta=group["momentum"],
-                    nesterov=group["nesterov"],
-                )
+        live = [j for j, (p, _) in enumerate(entries) if p.grad is not None]
+        directions = [
+            None if p.grad is not None else torch.zeros_like(local(p), dtype=state_dtype(p))
+            for p, _ in entries
+        ]
+        for j in live:
+            p, group = entries[j]
+            if not self.state[p]:
+                self.state[p].update(self._init_matrix_state(p, group))
+        by_momentum = group_by(live, lambda j: _hyperparameters(entries[j][1], *MOMENTUM_KEYS))
+        for (beta, nesterov), indices in by_momentum.items():
+            params = [entries[j][0] for j in indices]
+            found = nesterov_directions(
+                [local(p.grad) for p in params],
+                [local(self.state[p]["momentum"]) for p in params],
+                beta=beta,
+                nesterov=nesterov,
             )
+            for j, direction in zip(indices, found):
+                directions[j] = direction
         # N: every piece to the matrix's owner (one all_to_all)
         whole = exchange.gather(directions)
-        # O = NS5(N), for the matrices this rank owns
-        results = {
-            j: newton_schulz(N, entries[j][1]["ns_steps"], entries[j][1]["ns_dtype"])
-            for j, N in whole.items()
-        }
+        # O = NS5(N), for the matrices this rank owns, batched by shape
+        owned = list(whole)
+        results = stack_apply(
+            [whole[j] for j in owned],
+            lambda N, hp: newton_schulz(N, *hp),
+            key=lambda i: _hyperparameters(entries[owned[i]][1], "ns_steps", "ns_dtype"),
+        )
         # O: every rank's piece back from the owner (one all_to_all)
         dtypes = [group["ns_dtype"] for _, group in entries]
         buffer_dtype = functools.reduce(torch.promote_types, dtypes)
-        updates = exchange.scatter(results, buffer_dtype, directions[0].device)
-        for (p, group), update in zip(entries, updates):
-            if p.grad is None:
-                continue
-            apply_update(
-                local(p),
-                update.to(group["ns_dtype"]),
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                scale=lr_scale(p.shape, group["adjust_lr"]),
+        updates = exchange.scatter(dict(zip(owned, results)), buffer_dtype, directions[0].device)
+        by_update = group_by(
+            live, lambda j: _hyperparameters(entries[j][1], "lr", "weight_decay", "ns_dtype")
+        )
+        for (lr, weight_decay, ns_dtype), indices in by_update.items():
+            apply_updates(
+                [local(entries[j][0]) for j in indices],
+                [updates[j].to(ns_dtype) for j in indices],
+                lr=lr,
+                weight_decay=weight_decay,
+                scales=[lr_scale(entries[j][0].shape, entries[j][1]["adjust_lr"]) for j in indices],
             )
+
+
+# Group keys that enter the math: matrices agreeing on them share kernels.
+UPDATE_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_dtype", "adjust_lr")
+MOMENTUM_KEYS = ("momentum", "nesterov")
+
+
+def _hyperparameters(group: dict[str, Any], *keys: str) -> tuple:
+    return tuple(group[key] for key in keys)

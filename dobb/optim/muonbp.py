@@ -22,13 +22,20 @@ from torch import Tensor
 from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.base import local
+from dobb.optim.batching import group_by
 from dobb.optim.muon import (
     NS_STEPS,
+    UPDATE_KEYS,
     Muon,
+    _hyperparameters,
     apply_update,
+    apply_updates,
+    batched_newton_schulz,
     lr_scale,
     nesterov_direction,
+    nesterov_directions,
     newton_schulz,
+    update_dtype,
 )
 
 Tile = tuple[slice, slice]
@@ -115,6 +122,40 @@ def block_muon_update(
             weight_decay=weight_decay,
             scale=lr_scale(tuple(update.shape), adjust_lr),
         )
+
+
+def block_muon_updates(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    tilings: list[list[Tile]],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    adjust_lr: str,
+    ns_steps: int = NS_STEPS,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """``block_muon_update`` of many local pieces sharing hyperparameters (``tilings[i]``:
+    piece ``i``'s tiles): foreach kernels, and one NS5 per tile shape across all pieces."""
+    directions = nesterov_directions(grads, momenta, beta=beta, nesterov=nesterov)
+    # (piece, tile) of every non-empty tile; a tile covering its piece is the piece itself
+    tiles = [(i, t) for i, ts in enumerate(tilings) for t in ts if _tile_numel(t, params[i])]
+    whole = [len(tilings[i]) == 1 for i, _ in tiles]
+    blocks = [directions[i] if w else directions[i][t] for (i, t), w in zip(tiles, whole)]
+    # O_b = NS5(N_b), each tile independently, batched by tile shape
+    out_dtypes = [update_dtype(params[i].dtype, ns_dtype) for i, _ in tiles]
+    updates = batched_newton_schulz(blocks, out_dtypes, ns_steps, ns_dtype)
+    # W_b <- W_b (1 - lr wd) - lr s(m_b, n_b) O_b: RMS matched by the tile's own shape
+    apply_updates(
+        [params[i] if w else params[i][t] for (i, t), w in zip(tiles, whole)],
+        updates,
+        lr=lr,
+        weight_decay=weight_decay,
+        scales=[lr_scale(tuple(b.shape), adjust_lr) for b in blocks],
+    )
 
 
 class MuonBP(Muon):
@@ -262,33 +303,50 @@ class MuonBP(Muon):
         return {**super()._init_matrix_state(param, group), "step": torch.tensor(0.0)}
 
     @staticmethod
-    def _is_full_step(state: dict[str, Any], group: dict[str, Any]) -> bool:
-        """Update k (from 0) of a matrix is full when k mod period == 0."""
-        return group["period"] is not None and int(state["step"]) % group["period"] == 0
+    def _full_steps(states: list[dict[str, Any]], groups: list[dict[str, Any]]) -> list[bool]:
+        """Update k (from 0) of a matrix is full when k mod period == 0 (one host read of
+        the CPU step counters for all matrices)."""
+        if not states:
+            return []
+        steps = torch.stack([state["step"] for state in states]).tolist()
+        return [
+            group["period"] is not None and int(k) % group["period"] == 0
+            for k, group in zip(steps, groups)
+        ]
 
-    def _update_matrix(self, param: Tensor, state: dict[str, Any], group: dict) -> None:
-        """A matrix no other rank shares (one device, no ``data_parallel``)."""
-        if self._is_full_step(state, group):
-            super()._update_matrix(param, state, group)
-        else:
-            self._block_step(param, state, group)
-        state["step"] += 1
+    def _local_step(self, entries: list[tuple[Tensor, dict, dict]]) -> None:
+        """Matrices no other rank shares (one device, no ``data_parallel``)."""
+        full = self._full_steps([e[1] for e in entries], [e[2] for e in entries])
+        due = [e for e, f in zip(entries, full) if f]
+        if due:
+            super()._local_step(due)
+        self._block_steps([(p, group) for (p, _, group), f in zip(entries, full) if not f])
+        torch._foreach_add_([state["step"] for _, state, _ in entries], 1)
 
-    def _block_step(self, param: Tensor, state: dict[str, Any], group: dict) -> None:
-        piece = local(param)
-        block_muon_update(
-            piece,
-            local(param.grad),
-            local(state["momentum"]),
-            block_tiles(tuple(piece.shape), group["row_blocks"], group["col_blocks"]),
-            lr=group["lr"] * group["block_lr_ratio"],
-            beta=group["momentum"],
-            nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"],
-            adjust_lr=group["adjust_lr"],
-            ns_steps=group["ns_steps"],
-            ns_dtype=group["ns_dtype"],
-        )
+    def _block_steps(self, entries: list[tuple[Tensor, dict]]) -> None:
+        """Block steps of ``(param, group)`` pairs: one ``block_muon_updates`` per set of
+        hyperparameters."""
+        key = lambda e: _hyperparameters(e[1], *UPDATE_KEYS, "block_lr_ratio")  # noqa: E731
+        for hp, indices in group_by(entries, key).items():
+            lr, beta, nesterov, weight_decay, ns_steps, ns_dtype, adjust_lr, ratio = hp
+            params = [entries[i][0] for i in indices]
+            pieces = [local(p) for p in params]
+            block_muon_updates(
+                pieces,
+                [local(p.grad) for p in params],
+                [local(self.state[p]["momentum"]) for p in params],
+                [
+                    block_tiles(tuple(piece.shape), group["row_blocks"], group["col_blocks"])
+                    for piece, group in zip(pieces, (entries[i][1] for i in indices))
+                ],
+                lr=lr * ratio,
+                beta=beta,
+                nesterov=nesterov,
+                weight_decay=weight_decay,
+                adjust_lr=adjust_lr,
+                ns_steps=ns_steps,
+                ns_dtype=ns_dtype,
+            )
 
     def _shared_step(self, exchange: OwnerExchange, entries: list[tuple[Tensor, dict]]) -> None:
         """Block steps locally; the matrices due for a full step through Muon's exchange.
@@ -300,17 +358,16 @@ class MuonBP(Muon):
         for p, group in live:
             if not self.state[p]:
                 self.state[p].update(self._init_matrix_state(p, group))
-        due = [(p, group) for p, group in live if self._is_full_step(self.state[p], group)]
-        full = {p for p, _ in due}
-        for p, group in live:
-            if p not in full:
-                self._block_step(p, self.state[p], group)
+        states = [self.state[p] for p, _ in live]
+        full = self._full_steps(states, [group for _, group in live])
+        due = [e for e, f in zip(live, full) if f]
+        self._block_steps([e for e, f in zip(live, full) if not f])
         if due and len(due) == len(live):  # the usual case: Muon's planned exchange
             super()._shared_step(exchange, entries)
         elif due:
             super()._shared_step(self._subset_exchange(exchange, due), due)
-        for p, _ in live:
-            self.state[p]["step"] += 1
+        if states:
+            torch._foreach_add_([state["step"] for state in states], 1)
 
     def _subset_exchange(self, exchange: OwnerExchange, due: list[tuple[Tensor, dict]]):
         """An exchange over just the matrices ``due`` (planned collectively, then kept)."""
@@ -338,3 +395,8 @@ def _splits(blocks) -> tuple[int, ...]:
 def _slices(sizes: list[int]) -> list[slice]:
     starts = list(itertools.accumulate(sizes, initial=0))
     return [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def _tile_numel(tile: Tile, piece: Tensor) -> int:
+    (rows, cols), (m, n) = tile, piece.shape
+    return len(range(m)[rows]) * len(range(n)[cols])

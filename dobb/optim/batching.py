@@ -1,0 +1,49 @@
+"""Group tensors that can share kernels, so a step costs O(groups) kernels, not O(tensors).
+
+Same-shape matrices stack into one ``(n, m, k)`` batch; tensors of one dtype and device
+with the same hyperparameters share ``torch._foreach_*`` calls. ``group_by`` finds such
+groups; ``stack_apply`` runs a batched function once per same-shape stack.
+"""
+
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+T = TypeVar("T")
+
+
+def group_by(items: Iterable[T], key: Callable[[T], Hashable]) -> dict[Any, list[int]]:
+    """Indices of ``items`` by ``key(item)``; groups and indices in first-seen order."""
+    groups: dict[Any, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item), []).append(i)
+    return groups
+
+
+def stack_apply(
+    tensors: list[Tensor],
+    fn: Callable[[Tensor, Any], Tensor],
+    key: Callable[[int], Hashable] = lambda i: None,
+) -> list[Tensor]:
+    """``[fn(t, key(i)) for i, t in enumerate(tensors)]``, as one call per same-shape stack.
+
+    Tensors of one shape, dtype, device and ``key(i)`` (e.g. hyperparameters) stack into
+    ``(n, *shape)``; ``fn(stack, k)`` must treat each slice on its own and return
+    ``(n, *shape')``. A group of one is passed unstacked (``shape``, not ``(1, *shape)``).
+    Results of a stack are views of its output.
+    """
+    groups = group_by(
+        range(len(tensors)),
+        lambda i: (tuple(tensors[i].shape), tensors[i].dtype, tensors[i].device, key(i)),
+    )
+    out: list[Tensor] = [None] * len(tensors)
+    for (*_, k), indices in groups.items():
+        if len(indices) == 1:
+            out[indices[0]] = fn(tensors[indices[0]], k)
+            continue
+        results = fn(torch.stack([tensors[i] for i in indices]), k).unbind()
+        for i, result in zip(indices, results):
+            out[i] = result
+    return out
