@@ -4,15 +4,25 @@
     dobb compare [--quick] [--lr-sweep] ...      the optimizer comparison (the main job)
     dobb study [--tiny] [--out DIR]              tuned comparison, ablations -> STUDY.md
 
-`python -m dobb` is the same command.
+`python -m dobb` is the same command. A config is a YAML path or the name of one shipped
+with dobb (`configs/tiny.yaml` works from any directory). A failure the user can fix (bad
+config, data, optimizer options, damaged checkpoints, an `out_dir` in use, a layout
+without torchrun) prints one line, `dobb: error: <what, and how to fix it>`, and exits
+with status 2; `--debug` or DOBB_DEBUG=1 shows its traceback too. Any other error is a
+bug and shows its traceback.
 """
 
 import argparse
+import importlib.util
 import os
 import shlex
 import sys
+import warnings
 
-from dobb.train.config import ConfigError, load_config, parse_overrides
+from dobb.train.config import ConfigError, find_config, load_config, parse_overrides
+from dobb.train.errors import RunError, RunWarning
+
+DEBUG_ENV = "DOBB_DEBUG"  # set to 1 for the traceback of an expected error, as --debug
 
 
 def _csv(text: str) -> list[str]:
@@ -32,11 +42,19 @@ def _lr_grid(text: str) -> tuple[str, list[float]]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dobb", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", help=f"tracebacks for expected errors too ({DEBUG_ENV}=1)"
+    )
 
-    t = sub.add_parser("train", help="train a GPT from a YAML config plus key=value overrides")
+    t = sub.add_parser(
+        "train", parents=[common], help="train a GPT from a YAML config plus key=value overrides"
+    )
     t.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
 
-    c = sub.add_parser("compare", help="compare Dobb, Dion, Muon and AdamW on one small GPT")
+    c = sub.add_parser(
+        "compare", parents=[common], help="compare the optimizers on one small GPT (the main job)"
+    )
     c.add_argument("--quick", action="store_true", help="smoke run: tiny GPT, a few steps")
     c.add_argument("--lr-sweep", action="store_true", help="log-spaced lr grid per optimizer")
     c.add_argument("--out", default=None, help="report folder (default: runs/compare[-quick])")
@@ -59,7 +77,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides")
 
-    s = sub.add_parser("study", help="seeds, lr sweeps, Dobb ablations, width trend -> STUDY.md")
+    s = sub.add_parser(
+        "study", parents=[common], help="seeds, lr sweeps, Dobb ablations, width trend -> STUDY.md"
+    )
     s.add_argument("--tiny", action="store_true", help="the whole pipeline on a tiny GPT")
     s.add_argument("--out", default=None, help="runs and plots (default: benchmarks/study)")
     s.add_argument("--doc", default=None, help="the report (default: STUDY.md next to --out)")
@@ -71,15 +91,54 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
-    try:
-        if args.command == "train":
-            return _train(args.args)
-        if args.command == "study":
-            return _study(args, "dobb " + shlex.join(argv))
-        return _compare(args, "dobb " + shlex.join(argv))
-    except (ConfigError, FileExistsError) as e:  # a bad config, or an out_dir in use
-        print(f"dobb: error: {e}", file=sys.stderr)
-        return 2
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    with warnings.catch_warnings():  # restores showwarning when main returns
+        warnings.showwarning = _show_warning
+        try:
+            if args.command == "train":
+                return _train(args.args)
+            if args.command == "study":
+                return _study(args, "dobb " + shlex.join(argv))
+            return _compare(args, "dobb " + shlex.join(argv))
+        except (RunError, FileExistsError) as e:  # FileExistsError: compare's out_dir in use
+            if debug:
+                raise
+            print(f"dobb: error: {one_line(e)}", file=sys.stderr)
+            return _leave(2)
+
+
+def _leave(code: int) -> int:
+    """`code`; under torchrun, exit the process with it at once instead: a plain interpreter
+    exit sometimes dies in gloo's teardown (DESIGN.md §5)."""
+    if "RANK" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def one_line(error: BaseException) -> str:
+    """The message of `error` on one line (a multi-line message's lines joined by '; ')."""
+    return "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
+_default_show_warning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A RunWarning as `dobb: warning: <message>`; any other warning as Python shows it."""
+    if issubclass(category, RunWarning):
+        print(f"dobb: warning: {one_line(message)}", file=sys.stderr if file is None else file)
+    else:
+        _default_show_warning(message, category, filename, lineno, file, line)
+
+
+def _require(module: str, extra: str, command: str) -> None:
+    """RunError before any work if `command` needs `module`, which the extra `extra` installs."""
+    if importlib.util.find_spec(module) is None:
+        raise RunError(
+            f"`dobb {command}` needs {module}, which is not installed: pip install 'dobb[{extra}]'"
+        )
 
 
 def _train(items: list[str]) -> int:
@@ -90,16 +149,13 @@ def _train(items: list[str]) -> int:
         raise ConfigError(f"expected at most one config file, got {paths}")
     cfg = load_config(paths[0] if paths else None, [a for a in items if "=" in a])
     summary = train(cfg)
-    if "RANK" in os.environ:
-        # a plain interpreter exit sometimes dies in gloo's teardown (DESIGN.md §5)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    print(f"final val loss {summary['final_val_loss']:.4f}; logs in {cfg.out_dir}")
-    return 0
+    if "RANK" not in os.environ:
+        print(f"final val loss {summary['final_val_loss']:.4f}; logs in {cfg.out_dir}")
+    return _leave(0)
 
 
 def _compare(args, command: str) -> int:
+    _require("matplotlib", "bench", "compare")  # its plots; found now, not after the runs
     import torch
 
     from dobb.train.compare import LR_FACTORS, OPTIMIZERS, compare
@@ -122,8 +178,10 @@ def _compare(args, command: str) -> int:
 
 
 def _study(args, command: str) -> int:
+    _require("matplotlib", "bench", "study")
     from dobb.bench.study import study
 
     out = args.out or ("runs/study-tiny" if args.tiny else "benchmarks/study")
-    study(out, args.doc, tiny=args.tiny, config=args.config, workers=args.workers, command=command)
+    config = find_config(args.config or "configs/study/budget.yaml")  # from the package if need be
+    study(out, args.doc, tiny=args.tiny, config=config, workers=args.workers, command=command)
     return 0

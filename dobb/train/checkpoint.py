@@ -1,17 +1,21 @@
-"""Atomic distributed checkpoints (DCP) that a killed run resumes from exactly.
+"""Atomic, checksummed distributed checkpoints (DCP) that a killed run resumes from exactly.
 
 Layout of `<root>/step_000120/` (written as `step_000120.tmp/`, renamed when complete):
 
     .metadata, __*_*.distcp   DCP: the model and optimizer state (sharded DTensors as shards)
     rng_rank<r>.pt            this rank's RNG states (torch, CUDA, numpy, python)
-    COMPLETE                  JSON metadata (step, scheduler state, config), written last
+    COMPLETE                  JSON metadata (step, scheduler state, config) and, under
+                              "files", every other file's size in bytes and SHA-256; written last
 
-Every rank writes its part into the `.tmp` directory; after a barrier rank 0 writes
-`COMPLETE` and renames the directory. A directory without `COMPLETE`, or still called
-`.tmp`, is a checkpoint that was interrupted and `latest_checkpoint` skips it. The data
-position needs no saving: batch `step` is a pure function of (seed, step, rank).
+Every rank writes its part into the `.tmp` directory; after a barrier rank 0 hashes the
+files, writes `COMPLETE` and renames the directory. A `.tmp` directory is a save that was
+interrupted and is ignored. `intact_checkpoint` checks each `step_*` directory, newest
+first, against its marker (present, every file there with its size and checksum) and
+skips a damaged one with a `RunWarning` naming it and the fault. The data position needs
+no saving: batch `step` is a pure function of (seed, step, rank).
 """
 
+import hashlib
 import json
 import os
 import random
@@ -33,25 +37,32 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dobb.train.errors import RunError, RunWarning
+
 MARKER = "COMPLETE"
 CHECKPOINT_NAME = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(RunError):
+    """No intact checkpoint to resume from, or one that does not fit the model."""
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
 
-def complete_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first; `.tmp` and unmarked dirs are ignored."""
+def checkpoint_dirs(root: str | Path) -> list[Path]:
+    """Every `step_*` directory under `root`, marked or not, oldest first (`.tmp` ignored)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := CHECKPOINT_NAME.match(p.name)) and (p / MARKER).is_file()
-    ]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoints under `root` with a `COMPLETE` marker, oldest first (not verified)."""
+    return [p for p in checkpoint_dirs(root) if (p / MARKER).is_file()]
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -63,6 +74,67 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The JSON metadata a complete checkpoint's `COMPLETE` marker holds."""
     return json.loads((Path(path) / MARKER).read_text())
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    """`{name: {"bytes": size, "sha256": hex digest}}` of every file in `directory` but the
+    marker, sorted by name: what `COMPLETE` records and `checkpoint_fault` checks."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MARKER)
+    return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
+
+
+def checkpoint_fault(path: str | Path) -> str | None:
+    """What is wrong with the checkpoint directory `path` (a phrase), or None if intact.
+
+    Intact: `COMPLETE` is valid JSON listing files, and each listed file exists with the
+    recorded size and SHA-256. Files the marker does not list are not looked at.
+    """
+    path = Path(path)
+    try:
+        files = read_metadata(path)["files"]
+    except FileNotFoundError:
+        return f"no {MARKER} marker (its save never finished, or the marker was deleted)"
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return f"its {MARKER} marker is unreadable or lists no files"
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if (size := file.stat().st_size) != expected["bytes"]:
+            return f"{name} has {size} bytes, {expected['bytes']} were saved (truncated?)"
+        if sha256_file(file) != expected["sha256"]:
+            return f"{name} fails its SHA-256 check (corrupted)"
+    return None
+
+
+def intact_checkpoint(root: str | Path) -> Path | None:
+    """The newest intact checkpoint under `root`; None if `root` holds no checkpoint at all.
+
+    Damaged ones (see `checkpoint_fault`) are skipped with a `RunWarning` naming each and
+    its fault. If there are checkpoints but none is intact, `CheckpointError`: nothing on
+    disk is changed, the user decides. Reads every file of each checkpoint it checks (run
+    it on one rank and share the answer).
+    """
+    found = checkpoint_dirs(root)
+    faults = []
+    for path in reversed(found):
+        fault = checkpoint_fault(path)
+        if fault is None:
+            return path
+        faults.append(f"{path.name}: {fault}")
+        warnings.warn(f"skipping damaged checkpoint {path}: {fault}", RunWarning, stacklevel=2)
+    if found:
+        raise CheckpointError(
+            f"no intact checkpoint in {root} ({'; '.join(faults)}); nothing was changed: "
+            "delete or repair the damaged ones to start again from the last intact step, or "
+            "choose another out_dir"
+        )
+    return None
 
 
 def _distributed() -> bool:
@@ -123,7 +195,8 @@ def save_checkpoint(
 ) -> Path:
     """Save a checkpoint of `step` under `root` on every rank (a collective); return its path.
 
-    metadata: JSON-serializable (step, scheduler state, config, ...), stored in `COMPLETE`.
+    metadata: JSON-serializable (step, scheduler state, config, ...), stored in `COMPLETE`
+    beside the size and SHA-256 of every file (rank 0 reads them all once).
     keep: complete checkpoints to keep, oldest deleted first (0: all).
     """
     final = checkpoint_dir(root, step)
@@ -142,7 +215,8 @@ def save_checkpoint(
     torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _barrier()  # every rank's files are on disk
     if _rank() == 0:
-        _write_atomic(tmp / MARKER, json.dumps({"step": step, **metadata}, indent=1))
+        marker = {"step": step, **metadata, "files": file_manifest(tmp)}
+        _write_atomic(tmp / MARKER, json.dumps(marker, indent=1))
         shutil.rmtree(final, ignore_errors=True)  # an unmarked dir of the same step, if any
         os.replace(tmp, final)
         if keep:
@@ -158,19 +232,27 @@ def load_checkpoint(
     """Load model, optimizer and this rank's RNG state from `path`; return its metadata.
 
     Works into another world size or layout (DCP reshards); the RNG state of a rank that
-    did not exist when saving is left as it is.
+    did not exist when saving is left as it is. Does not verify checksums (see
+    `intact_checkpoint`); `CheckpointError` if `path` is unmarked or does not fit.
     """
     path = Path(path)
     if not (path / MARKER).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
     # an optimizer with empty state gets it here (DCP runs one zero-lr step to build it)
     state = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),
     }
-    _dcp(dcp.load, state, path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    try:
+        _dcp(dcp.load, state, path)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    except (RuntimeError, KeyError, ValueError) as e:  # another model, optimizer or layout
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} does not load into this model and optimizer ({first}); resume with the "
+            "config it was saved with, or choose another out_dir"
+        ) from e
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))  # numpy and python states: our own file

@@ -89,7 +89,7 @@ class TrainConfig:
             "grad_accum": (self.grad_accum >= 1, ">= 1"),
             "block_size": (self.block_size is None or self.block_size >= 1, ">= 1 or none"),
             "steps": (self.steps >= 1, ">= 1"),
-            "warmup_steps": (0 <= self.warmup_steps <= self.steps, "in [0, steps]"),
+            "warmup_steps": (0 <= self.warmup_steps <= self.steps, f"in [0, steps={self.steps}]"),
             "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
             "lr": (self.lr is None or self.lr >= 0, ">= 0 or none"),
             "scalar_lr": (self.scalar_lr is None or self.scalar_lr >= 0, ">= 0 or none"),

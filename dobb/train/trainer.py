@@ -1,9 +1,15 @@
 """The training loop: `train(cfg) -> summary`, one process or every rank of a `torchrun` job.
 
-Top to bottom: join the job, load data, build the model and apply the layout (DDP, FSDP2,
-TP, HSDP, FSDP x TP), build the optimizer by registry name with a warmup + decay
-schedule, resume from the latest complete checkpoint, then loop: micro-batches,
-backward, optional clipping, a timed `opt.step()`, periodic validation and checkpoints.
+Top to bottom: join the job, decide where to start (a fresh `out_dir`, or the newest
+intact checkpoint of the run in it), load data, build the model and apply the layout
+(DDP, FSDP2, TP, HSDP, FSDP x TP), build the optimizer by registry name with a warmup +
+decay schedule, resume, then loop: micro-batches, backward, optional clipping, a timed
+`opt.step()`, periodic validation and checkpoints.
+
+A run never replaces another: an `out_dir` that already holds a run's files is refused
+(`RunError`) unless `resume=true`, which continues it from its newest intact checkpoint
+(or starts it over when it has none). Failures the user can fix (data, optimizer options,
+layout, checkpoints) are raised as `RunError` with a one-line message.
 
 Rank 0 writes to `cfg.out_dir`:
 
@@ -40,9 +46,10 @@ from tqdm import tqdm
 from dobb.optim.dobb import Dobb
 from dobb.optim.muon import Muon
 from dobb.optim.registry import build_optimizer, get_entry
-from dobb.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from dobb.train.config import TrainConfig
+from dobb.train.checkpoint import intact_checkpoint, load_checkpoint, save_checkpoint
+from dobb.train.config import ConfigError, TrainConfig
 from dobb.train.data import TokenStream
+from dobb.train.errors import RunError, RunWarning
 from dobb.train.model import GPT, gpt_config
 from dobb.train.parallel import Parallelism, init_distributed, parallelize
 
@@ -92,6 +99,59 @@ def distributed_options(name: str, parallelism: Parallelism) -> dict[str, Any]:
 def load_data(spec: str, val_spec, val_fraction, tokenizer, cache_dir) -> TokenStream:
     """`TokenStream.load`, cached per process (compare runs and tests load the corpus once)."""
     return TokenStream.load(spec, val_fraction, val_spec, tokenizer, cache_dir)
+
+
+def start_point(cfg: TrainConfig) -> Path | None:
+    """The checkpoint a run of `cfg` resumes from, or None to start at step 0.
+
+    Without `resume`, an `out_dir` holding any of `RUN_FILES` is refused (a run is never
+    silently replaced). With it, the newest intact checkpoint (damaged ones skipped with
+    a warning; none intact: `CheckpointError`), or None if there is no checkpoint.
+    """
+    out = Path(cfg.out_dir)
+    if cfg.resume:
+        found = intact_checkpoint(out / "checkpoints")
+        if found is None and any((out / name).exists() for name in RUN_FILES):
+            warnings.warn(f"{out} has no checkpoint to resume; starting over", RunWarning, 2)
+        return found
+    held = [name for name in RUN_FILES if (out / name).exists()]
+    if held:
+        raise RunError(
+            f"out_dir {str(out)!r} already holds a run ({', '.join(held)}); pass resume=true to "
+            "continue it, or choose another out_dir (runs are never overwritten)"
+        )
+    return None
+
+
+def _on_rank0(decide: Callable[[], Any]) -> Any:
+    """`decide()` on rank 0 only, its result (or its RunError) shared with every rank."""
+    outcome = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            outcome = [(True, decide())]
+        except RunError as e:
+            outcome = [(False, e)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_data_length(data: TokenStream, data_spec: str, block_size: int) -> None:
+    """RunError unless both splits hold more than `block_size` tokens (one window + target)."""
+    for split, tokens in data.splits.items():
+        if len(tokens) <= block_size:
+            raise RunError(
+                f"data {data_spec!r}: its {split} split has {len(tokens)} tokens, a batch needs "
+                f"more than block_size={block_size}; give more data, a smaller block_size"
+                + (" or a larger val_fraction" if split == "val" else "")
+            )
 
 
 def optimizer_state_bytes_per_param(opt: torch.optim.Optimizer, num_params: int) -> float:
@@ -199,6 +259,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     return total.item()
 
 
+RUN_FILES = ("run.json", "metrics.jsonl", "summary.json", "checkpoints")  # a run's files
+
+
 class RunLog:
     """Rank 0's files in `out_dir`: run.json, metrics.jsonl, summary.json (other ranks: no-op)."""
 
@@ -272,34 +335,44 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     device = init_distributed()
     rank, world_size = _world()
     out, checkpoints = Path(cfg.out_dir), Path(cfg.out_dir) / "checkpoints"
+    resumed = _on_rank0(lambda: start_point(cfg))  # before any work: refuse early
 
     # ---- data and model: the same seed on every rank, so every rank builds the same init
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
-    data = load_data(cfg.data, cfg.val_data, cfg.val_fraction, cfg.tokenizer, cfg.data_cache)
-    model, par = build_model(cfg, data.vocab_size, device)
+    try:
+        data = load_data(cfg.data, cfg.val_data, cfg.val_fraction, cfg.tokenizer, cfg.data_cache)
+    except (OSError, ValueError, ModuleNotFoundError) as e:  # data.py's messages name the fix
+        raise RunError(str(e)) from e
+    try:
+        model, par = build_model(cfg, data.vocab_size, device)
+    except ValueError as e:  # a layout that needs torchrun, a world size that does not fit
+        launch = "" if dist.is_initialized() else "; launch it with torchrun or use layout=single"
+        raise ConfigError(f"layout={cfg.layout!r}: {e}{launch}") from e
     num_params = sum(p.numel() for p in model.parameters())  # global sizes under DTensor
     block_size = (model.module if hasattr(model, "module") else model).cfg.block_size
+    check_data_length(data, cfg.data, block_size)
 
     # ---- optimizer and schedule: one registry lookup, one LambdaLR for every optimizer
-    opt = build_optimizer(
-        cfg.optimizer,
-        model,
-        cfg.lr,
-        scalar_lr=cfg.scalar_lr,
-        **cfg.optimizer_options,
-        **distributed_options(cfg.optimizer, par),
-    )
+    try:
+        opt = build_optimizer(
+            cfg.optimizer,
+            model,
+            cfg.lr,
+            scalar_lr=cfg.scalar_lr,
+            **cfg.optimizer_options,
+            **distributed_options(cfg.optimizer, par),
+        )
+    except (TypeError, ValueError) as e:  # an unknown or invalid constructor option
+        raise ConfigError(
+            f"optimizer={cfg.optimizer!r} with optimizer_options={cfg.optimizer_options}: {e}; "
+            f"the docstring of {_qualname(get_entry(cfg.optimizer).cls)} lists its options"
+        ) from e
     scheduler = LambdaLR(opt, lr_schedule(cfg))
 
-    # ---- resume from the latest complete checkpoint (the data position is the step)
-    start, resumed = 0, latest_checkpoint(checkpoints)
-    if resumed is not None and not cfg.resume:
-        raise FileExistsError(
-            f"{out} holds checkpoints of an earlier run; pass resume=true to continue it, or "
-            "choose another out_dir"
-        )
+    # ---- resume (the data position is the step)
+    start = 0
     if resumed is not None:
         meta = load_checkpoint(resumed, model, opt)
         scheduler.load_state_dict(meta["scheduler"])
@@ -307,7 +380,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         changed = [k for k, v in cfg.to_dict().items() if meta["config"].get(k) != v]
         changed = sorted(set(changed) - {"resume", "progress"})
         if changed and rank == 0:
-            warnings.warn(f"resuming {resumed} with changed config fields {changed}", stacklevel=2)
+            warnings.warn(f"resuming {resumed} with changed fields {changed}", RunWarning, 2)
     info = run_info(cfg, data, world_size, num_params) | {"resumed_from": resumed and str(resumed)}
     log = RunLog(out, rank == 0, info, start if resumed else None)
 
