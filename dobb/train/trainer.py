@@ -378,7 +378,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         scheduler.load_state_dict(meta["scheduler"])
         start = meta["step"]
         changed = [k for k, v in cfg.to_dict().items() if meta["config"].get(k) != v]
-        changed = sorted(set(changed) - {"resume", "progress"})
+        changed = sorted(set(changed) - {"resume", "progress", "out_dir"})  # a run may move
         if changed and rank == 0:
             warnings.warn(f"resuming {resumed} with changed fields {changed}", RunWarning, 2)
     info = run_info(cfg, data, world_size, num_params) | {"resumed_from": resumed and str(resumed)}

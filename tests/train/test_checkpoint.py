@@ -1,15 +1,25 @@
-"""A killed run resumes from its last complete checkpoint exactly; partial ones are ignored."""
+"""A killed run resumes from its last complete checkpoint exactly; partial ones are ignored;
+a damaged one is skipped for the newest intact one, and with none intact nothing is touched."""
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from dobb.optim.registry import OPTIMIZERS
-from dobb.train.checkpoint import MARKER, complete_checkpoints, latest_checkpoint, read_metadata
+from dobb.train.checkpoint import (
+    MARKER,
+    CheckpointError,
+    checkpoint_fault,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_metadata,
+)
 from dobb.train.config import TrainConfig
 from dobb.train.data import TokenStream
+from dobb.train.errors import RunWarning
 from dobb.train.model import GPT, gpt_config
 from dobb.train.trainer import train
 
@@ -90,7 +100,8 @@ def test_half_written_checkpoints_are_ignored(tmp_path, monkeypatch):
     assert latest_checkpoint(root).name == "step_000004"
     assert read_metadata(root / "step_000004")["step"] == 4
 
-    summary = train(config(out, "dobb", resume=True))
+    with pytest.warns(RunWarning, match="step_000005: no COMPLETE marker"):  # .tmp: silent
+        summary = train(config(out, "dobb", resume=True))
     whole = train(config(tmp_path / "whole", "dobb"))
     assert summary["final_val_loss"] == whole["final_val_loss"]
     assert (root / "step_000008" / MARKER).is_file()
@@ -104,3 +115,93 @@ def test_keep_prunes_oldest_and_missing_root_has_none(tmp_path):
         "step_000006",
         "step_000008",
     ]
+
+
+# ---- damaged checkpoints --------------------------------------------------------------
+
+
+def truncate(path):
+    data = (path / "__0_0.distcp").read_bytes()
+    (path / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+
+
+def flip_a_byte(path):
+    data = bytearray((path / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size, loads without complaint: only the checksum sees it
+    (path / "__0_0.distcp").write_bytes(bytes(data))
+
+
+def delete_a_file(path):
+    (path / "rng_rank0.pt").unlink()
+
+
+def remove_the_marker(path):
+    (path / MARKER).unlink()
+
+
+DAMAGE = {  # how a checkpoint is damaged -> the fault the warning names
+    truncate: r"__0_0.distcp has \d+ bytes, \d+ were saved",
+    flip_a_byte: "__0_0.distcp fails its SHA-256 check",
+    delete_a_file: "rng_rank0.pt is missing",
+    remove_the_marker: "no COMPLETE marker",
+}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """An uninterrupted 8-step Dobb run with both checkpoints (4 and 8) kept."""
+    out = tmp_path_factory.mktemp("finished")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every test here: bit-for-bit comparisons need equal threads
+    train(config(out, "dobb"))
+    torch.set_num_threads(threads)
+    return out
+
+
+def files(root) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_marker_records_size_and_checksum_of_every_file(finished_run):
+    path = finished_run / "checkpoints" / "step_000008"
+    listed = read_metadata(path)["files"]
+    assert sorted(listed) == sorted(p.name for p in path.iterdir() if p.name != MARKER)
+    assert all(listed[name]["bytes"] == (path / name).stat().st_size for name in listed)
+    assert checkpoint_fault(path) is None
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("damage", DAMAGE, ids=lambda f: f.__name__)
+def test_damaged_checkpoint_is_skipped_and_the_resumed_run_is_exact(tmp_path, finished_run, damage):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    damage(run / "checkpoints" / "step_000008")
+    assert checkpoint_fault(run / "checkpoints" / "step_000004") is None
+
+    with pytest.warns(
+        RunWarning, match=f"skipping damaged checkpoint .*step_000008: {DAMAGE[damage]}"
+    ):
+        summary = train(config(run, "dobb", resume=True))  # from step 4: steps 5..8 again
+
+    whole = json.loads((finished_run / "summary.json").read_text())
+    assert summary["final_val_loss"] == whole["final_val_loss"]
+    assert losses(run) == losses(finished_run)
+    assert checkpoint_fault(run / "checkpoints" / "step_000008") is None  # saved again
+    a = final_params(finished_run / "checkpoints" / "step_000008")
+    b = final_params(run / "checkpoints" / "step_000008")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+
+
+def test_no_intact_checkpoint_stops_and_touches_nothing(tmp_path, finished_run):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    flip_a_byte(run / "checkpoints" / "step_000004")
+    truncate(run / "checkpoints" / "step_000008")
+    before = files(run)
+    message = "no intact checkpoint in .*step_000008: .*bytes.*; step_000004: .*SHA-256"
+    with pytest.warns(RunWarning), pytest.raises(CheckpointError, match=message):
+        train(config(run, "dobb", resume=True))
+    assert files(run) == before

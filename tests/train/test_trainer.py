@@ -8,7 +8,8 @@ import torch
 
 from dobb.optim.registry import OPTIMIZERS
 from dobb.train.checkpoint import latest_checkpoint
-from dobb.train.config import ConfigError, TrainConfig, load_config
+from dobb.train.config import CONFIG_DIR, ConfigError, TrainConfig, find_config, load_config
+from dobb.train.errors import RunError, RunWarning
 from dobb.train.parallel import Parallelism
 from dobb.train.trainer import distributed_options, lr_schedule, train
 
@@ -95,8 +96,20 @@ def test_dobb_and_muon_get_the_data_parallel_group():
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     train(tiny(tmp_path, optimizer="adamw", steps=2, checkpoint_interval=2))
     assert latest_checkpoint(tmp_path / "checkpoints") is not None
-    with pytest.raises(FileExistsError, match="resume=true"):
+    with pytest.raises(RunError, match="resume=true"):
         train(tiny(tmp_path, optimizer="adamw", steps=2, checkpoint_interval=2))
+
+
+def test_a_run_is_never_overwritten(tmp_path):
+    train(tiny(tmp_path, optimizer="adamw", steps=2))  # no checkpoints: only the logs
+    logs = {name: (tmp_path / name).read_bytes() for name in ("run.json", "metrics.jsonl")}
+    with pytest.raises(RunError, match="already holds a run .*run.json, metrics.jsonl"):
+        train(tiny(tmp_path, optimizer="adamw", steps=3))
+    assert {name: (tmp_path / name).read_bytes() for name in logs} == logs
+    # resume=true with nothing to resume from starts over, and says so
+    with pytest.warns(RunWarning, match="no checkpoint to resume; starting over"):
+        train(tiny(tmp_path, optimizer="adamw", steps=3, resume=True))
+    assert [r["step"] for r in metrics(tiny(tmp_path))] == [1, 2, 3]
 
 
 # ---- config ---------------------------------------------------------------------------
@@ -156,6 +169,24 @@ def test_bad_yaml_key_names_the_key(tmp_path):
 
 def test_shipped_configs_load(pytestconfig):
     paths = sorted((pytestconfig.rootpath / "configs").glob("*.yaml"))
-    assert paths
+    assert paths and [p.name for p in paths] == sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
     for path in paths:
+        load_config(path)
+
+
+def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("configs/tiny.yaml", "tiny.yaml", "tiny"):
+        assert find_config(name) == CONFIG_DIR / "tiny.yaml"
+    assert find_config("configs/study/budget.yaml") == CONFIG_DIR / "study" / "budget.yaml"
+    (tmp_path / "tiny.yaml").write_text("model: tiny\nsteps: 3\n")
+    assert load_config("tiny.yaml").steps == 3  # a file here comes first
+    with pytest.raises(ConfigError, match="no config file 'nope.yaml'.*mini, tiny"):
+        find_config("nope.yaml")
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: tiny\nsteps: [1,\n")
+    with pytest.raises(ConfigError, match="bad.yaml: invalid YAML at line 3"):
         load_config(path)
