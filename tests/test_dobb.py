@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 import dobb
+import dobb.optim.dobb as dobb_module
 from dobb.blocks import block_stacks, eigenbasis, power_qr_basis
-from dobb.optim.dobb import dobb_update
+from dobb.optim.dobb import dobb_update, dobb_update_batched
 
 
 def mlp(dtype=torch.float32, d_in=12, hidden=20, d_out=6, seed=0):
@@ -513,3 +514,46 @@ def test_control_basis_sources(source):
     n = 0.05 * g + 0.95 * (0.05 * g)
     expected = torch.cat([torch.sign(n[:, i : i + 4] @ q) @ q.T for i, q in zip((0, 4), basis)], 1)
     torch.testing.assert_close(w - layer.weight.detach(), 0.1 * 0.2 * expected)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_batched_update_equals_per_matrix_reference(transposed, nesterov):
+    """``dobb_update_batched`` on n matrices == ``dobb_update`` on each (ragged blocks)."""
+    gen = torch.Generator().manual_seed(5)
+    n, rows, d_in, num_blocks = 3, 6, 11, 3
+    stacks = block_stacks(d_in, num_blocks)
+    shape = (d_in, rows) if transposed else (rows, d_in)
+    params = [torch.randn(*shape, generator=gen) for _ in range(n)]
+    grads = [torch.randn(*shape, generator=gen) for _ in range(n)]
+    momenta = [torch.randn(*shape, generator=gen) for _ in range(n)]
+    bases = [
+        [eigenbasis((a := torch.randn(s.count, s.size, s.size, generator=gen)) @ a.mT)
+         for s in stacks]
+        for _ in range(n)
+    ]  # fmt: skip
+    hp = dict(lr=0.1, beta=0.9, nesterov=nesterov, weight_decay=0.05, scale=0.2)
+    ref_params, ref_momenta = [p.clone() for p in params], [m.clone() for m in momenta]
+    for p, g, m, b in zip(ref_params, grads, ref_momenta, bases):
+        orient = (lambda t: t.mT) if transposed else (lambda t: t)
+        dobb_update(orient(p), orient(g), orient(m), b, stacks, **hp)
+    stacked = [torch.stack([b[i] for b in bases]) for i in range(len(stacks))]
+    dobb_update_batched(params, grads, momenta, stacked, stacks, transposed=transposed, **hp)
+    for got, want in zip(params + momenta, ref_params + ref_momenta):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(params[0], ref_params[1])  # the matrices really differ
+
+
+def test_batches_split_by_shape_hyperparameters_and_size(monkeypatch):
+    """Same-shape matrices share a batch; another lr, shape or the size cap splits them."""
+    layers = [nn.Linear(8, 8, bias=False) for _ in range(3)] + [nn.Linear(8, 4, bias=False)]
+    groups = [{"params": [layers[0].weight, layers[1].weight, layers[3].weight]},
+              {"params": [layers[2].weight], "lr": 0.5}]  # fmt: skip
+    opt = dobb.Dobb(groups, lr=0.1, num_blocks=2, missing_stats="identity")
+    for layer in layers:
+        layer.weight.grad = torch.ones_like(layer.weight)
+    active = list(opt._matrices_with_grad(opt.param_groups))
+    sizes = sorted(len(batch) for batch in opt._batches(active))
+    assert sizes == [1, 1, 2]
+    monkeypatch.setattr(dobb_module, "BATCH_ELEMENTS", 64)  # one 8 x 8 matrix per batch
+    assert sorted(len(batch) for batch in opt._batches(active)) == [1, 1, 1, 1]

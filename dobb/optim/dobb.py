@@ -36,6 +36,9 @@ STATS_SYNC_MODES = ("refresh", "step")
 # Where the block bases come from: Dobb's activation moments, or controls for ablations.
 BASIS_SOURCES = ("activations", "gradients", "random", "identity")
 STACK_KEYS = (("cov", "basis"), ("cov_tail", "basis_tail"))  # at most two block sizes
+# Largest batch of same-shape matrices updated together (elements of the stacked momentum);
+# bounds the batched step's temporary memory at a few copies of this many state elements.
+BATCH_ELEMENTS = 1 << 26
 
 
 def dobb_update(
@@ -70,6 +73,50 @@ def dobb_update(
         # W_b <- W_b - lr alpha U_b
         target = param[:, s.start : s.stop].unflatten(1, (s.count, s.size))
         target.add_(update.transpose(0, 1), alpha=-lr * scale)
+
+
+def dobb_update_batched(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    bases: list[Tensor],
+    stacks: tuple[BlockStack, ...],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    scale: float,
+    transposed: bool = False,
+) -> None:
+    """``dobb_update`` for ``n`` matrices of one local shape, in a fixed number of kernels.
+
+    ``params``, ``grads`` and ``momenta`` hold ``n`` tensors of one shape: ``(rows, d_in)``, or
+    ``(d_in, rows)`` with ``transposed=True`` (GPT-2's ``Conv1D``). ``bases[i]`` is
+    ``(n, count, size, size)``: the bases of ``stacks[i]`` for every matrix. The arithmetic is
+    ``dobb_update``'s, op for op, on ``(n, ...)`` stacks; updates in place.
+    """
+    n = len(params)
+    grad = torch.stack(grads).to(momenta[0].dtype)  # (n, *shape)
+    # M <- mu M + (1 - mu) G
+    torch._foreach_lerp_(momenta, grad.unbind(0), 1 - beta)
+    # N = (1 - mu) G + mu M  (Nesterov),  else  N = M
+    direction = grad.lerp_(torch.stack(momenta), beta) if nesterov else torch.stack(momenta)
+    direction = direction.mT if transposed else direction  # (n, rows, d_in)
+    rows, d_in = direction.shape[1:]
+    update = direction.new_empty(n, rows, d_in)
+    for basis, s in zip(bases, stacks, strict=True):
+        blocks = direction[..., s.start : s.stop].unflatten(2, (s.count, s.size)).transpose(1, 2)
+        blocks = blocks.reshape(n * s.count, rows, s.size)  # (n count, rows, size)
+        basis = basis.reshape(n * s.count, s.size, s.size)
+        # U_b = sign(N_b Q_b) Q_bᵀ
+        block_update = torch.bmm(torch.bmm(blocks, basis).sign_(), basis.mT)
+        target = update[..., s.start : s.stop].unflatten(2, (s.count, s.size))
+        target.copy_(block_update.unflatten(0, (n, s.count)).transpose(1, 2))
+    update = update.mT if transposed else update
+    # W <- W (1 - lr wd) - lr alpha U
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_add_(params, update.unbind(0), alpha=-lr * scale)
 
 
 class Dobb(MatrixOptimizer):
@@ -323,48 +370,71 @@ class Dobb(MatrixOptimizer):
         return state
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
+        """The algorithm box for every matrix: statistics EMA, due refreshes, update.
+
+        Each phase runs batched (foreach kernels, or one ``bmm`` per batch of same-shape
+        matrices), so a step dispatches a number of kernels set by the distinct shapes, not
+        by the number of matrices. Step counters are CPU tensors read with ``tolist``: the
+        schedule costs no device sync.
+        """
         active = list(self._matrices_with_grad(groups))
-        for p, state, group in active:
-            state["step"] += 1
-            means = self._new_statistics(p, group)
-            if means is not None:
-                self._fold_statistics(state, means, group["stats_beta"])
-                self._unsynced.add(id(state))
+        if not active:
+            return
+        states = [state for _, state, _ in active]
+        torch._foreach_add_([state["step"] for state in states], 1.0)
+        steps = torch.stack([state["step"] for state in states]).tolist()
+        folded = self._fold_statistics(active)
         due = [
-            (state, group)
-            for _, state, group in active
-            if (int(state["step"]) - 1) % group["basis_interval"] == 0 and state["stats_steps"] > 0
+            (state, group, stats_steps)
+            for (_, state, group), step, stats_steps in zip(active, steps, folded)
+            if (int(step) - 1) % group["basis_interval"] == 0 and stats_steps > 0
         ]
-        synced = (
-            [state for _, state, _ in active] if self.stats_sync == "step" else [s for s, _ in due]
-        )
+        synced = states if self.stats_sync == "step" else [state for state, _, _ in due]
         self._average_statistics(synced)
         self._refresh(due)
-        for p, state, group in active:
+        for batch in self._batches(active):
+            p, _, group = batch[0]
+            dim = self._input_dims.get(p, 1)
             stacks = self._stacks(p, group)
-            bases = [local(state[basis_key]) for _, basis_key in STACK_KEYS[: len(stacks)]]
-            # (d_in, d_out) weights (Conv1D) are updated through their transpose
-            orient = (lambda t: t.mT) if self._input_dims.get(p, 1) == 0 else (lambda t: t)
-            dobb_update(
-                orient(local(p)),
-                orient(local(p.grad)),
-                orient(local(state["momentum"])),
+            bases = [
+                torch.stack([local(state[basis_key]) for _, state, _ in batch])
+                for _, basis_key in STACK_KEYS[: len(stacks)]
+            ]
+            dobb_update_batched(
+                [local(q) for q, _, _ in batch],
+                [local(q.grad) for q, _, _ in batch],
+                [local(state["momentum"]) for _, state, _ in batch],
                 bases,
                 stacks,
                 lr=group["lr"],
                 beta=group["momentum"],
                 nesterov=group["nesterov"],
                 weight_decay=group["weight_decay"],
-                scale=self._scale(p.shape[self._input_dims.get(p, 1)], group),
+                scale=self._scale(p.shape[dim], group),
+                transposed=dim == 0,
             )
 
+    def _batches(self, active: list[tuple[Tensor, dict, dict]]) -> list[list[tuple]]:
+        """``active`` split into batches that can share kernels, each of at most
+        ``BATCH_ELEMENTS`` elements: same local shape, orientation, block layout, dtypes,
+        device and hyperparameters."""
+        batches: dict[tuple, list[list[tuple]]] = {}
+        for entry in active:
+            p, state, group = entry
+            param, grad, dim = local(p), local(p.grad), self._input_dims.get(p, 1)
+            key = (
+                tuple(param.shape), dim, self._stacks(p, group), param.dtype, grad.dtype,
+                state["momentum"].dtype, param.device, self._scale(p.shape[dim], group),
+                *(group[k] for k in ("lr", "momentum", "nesterov", "weight_decay")),
+            )  # fmt: skip
+            chunks = batches.setdefault(key, [[]])
+            if chunks[-1] and (len(chunks[-1]) + 1) * param.numel() > BATCH_ELEMENTS:
+                chunks.append([])
+            chunks[-1].append(entry)
+        return [chunk for chunks in batches.values() for chunk in chunks]
+
     def _new_statistics(self, param: Tensor, group: dict[str, Any]) -> list[Tensor] | None:
-        """This step's block moments ``S_b`` per stack, or None if there are none."""
-        if group["basis_source"] == "activations":
-            stats = self._stats.get(param)
-            return stats.pop_mean() if stats is not None else None
-        if group["basis_source"] != "gradients":
-            return None  # fixed bases
+        """Block moments ``G_bᵀ G_b / rows`` of the gradient (``basis_source="gradients"``)."""
         grad = local(param.grad)
         grad = grad.mT if self._input_dims.get(param, 1) == 0 else grad
         means = []
@@ -374,16 +444,45 @@ class Dobb(MatrixOptimizer):
             means.append(cols.mT @ cols / max(1, grad.shape[0]))  # G_bᵀ G_b / rows
         return means
 
-    @staticmethod
-    def _fold_statistics(state: dict[str, Any], means: list[Tensor], beta: float) -> None:
-        """``C_b <- S_b`` the first time, else ``C_b <- beta C_b + (1 - beta) S_b``."""
-        first = state["stats_steps"] == 0
-        for (cov_key, _), mean in zip(STACK_KEYS, means):
-            if first:
-                local(state[cov_key]).copy_(mean)
-            else:
-                local(state[cov_key]).lerp_(mean, 1 - beta)
-        state["stats_steps"] += 1
+    def _fold_statistics(self, active: list[tuple[Tensor, dict, dict]]) -> list[float]:
+        """Fold this step's moments ``S_b`` into ``C_b`` for every matrix that has them.
+
+        ``C_b <- S_b`` the first time, else ``C_b <- beta C_b + (1 - beta) S_b``, where
+        ``S_b = A_b / n`` (``A_b``: the hooks' sums over ``n`` tokens, then reset). Returns
+        every matrix's ``stats_steps`` after the fold.
+        """
+        stats_steps = torch.stack([state["stats_steps"] for _, state, _ in active]).tolist()
+        folding, sums, tokens = [], [], []  # (index, covs, means or None); hook sums
+        for i, (p, state, group) in enumerate(active):
+            covs = [local(state[cov]) for cov, _ in STACK_KEYS if cov in state]
+            stats = self._stats.get(p)
+            if group["basis_source"] == "activations" and stats is not None and stats.tokens:
+                folding.append((i, covs, None))
+                sums += stats.sums
+                tokens += [float(stats.tokens)] * len(stats.sums)
+                stats.tokens = 0
+            elif group["basis_source"] == "gradients":
+                folding.append((i, covs, self._new_statistics(p, group)))
+        if not folding:
+            return stats_steps
+        hook_means = iter(torch._foreach_div(sums, tokens) if sums else [])
+        torch._foreach_zero_(sums) if sums else None
+        first, later = ([], []), {}  # (covs, means) to copy; beta -> (covs, means) to lerp
+        for i, covs, means in folding:
+            means = means or [next(hook_means) for _ in covs]
+            _, state, group = active[i]
+            beta = group["stats_beta"]
+            target = first if stats_steps[i] == 0 else later.setdefault(beta, ([], []))
+            target[0].extend(covs)
+            target[1].extend(means)
+            stats_steps[i] += 1
+            self._unsynced.add(id(state))
+        if first[0]:
+            torch._foreach_copy_(*first)
+        for beta, (covs, means) in later.items():
+            torch._foreach_lerp_(covs, means, 1 - beta)
+        torch._foreach_add_([active[i][1]["stats_steps"] for i, _, _ in folding], 1.0)
+        return stats_steps
 
     def _average_statistics(self, states: list[dict[str, Any]]) -> None:
         """Average ``C_b`` over the data-parallel ranks (the only communication of Dobb)."""
@@ -416,24 +515,19 @@ class Dobb(MatrixOptimizer):
         self.synchronize_statistics()
         return super().state_dict()
 
-    def _refresh(self, due: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
-        """Recompute the bases of ``due`` matrices, batching equal block sizes together."""
-        for method in BASIS_METHODS:
-            keys = [
-                (state, cov_key, basis_key)
-                for state, group in due
-                if method == ("eigh" if state["stats_steps"] == 1 else group["basis_method"])
-                for cov_key, basis_key in STACK_KEYS
-                if cov_key in state
-            ]
-            if not keys:
-                continue
-            covs = [local(state[c]) for state, c, _ in keys]
-            bases = refresh_bases(
-                covs, [local(state[b]) for state, _, b in keys], method, self._run
+    def _refresh(self, due: list[tuple[dict[str, Any], dict[str, Any], float]]) -> None:
+        """Recompute the bases of ``due`` ``(state, group, stats_steps)`` matrices, one batched
+        solver call per method and block size (``eigh`` on a matrix's first statistics)."""
+        by_method: dict[str, list[tuple[dict, str, str]]] = {}
+        for state, group, stats_steps in due:
+            method = "eigh" if stats_steps == 1 else group["basis_method"]
+            by_method.setdefault(method, []).extend(
+                (state, cov_key, basis_key) for cov_key, basis_key in STACK_KEYS if cov_key in state
             )
-            for (state, _, basis_key), basis in zip(keys, bases):
-                local(state[basis_key]).copy_(basis)
+        for method, keys in by_method.items():
+            targets = [local(state[b]) for state, _, b in keys]
+            covs = [local(state[c]) for state, c, _ in keys]
+            torch._foreach_copy_(targets, refresh_bases(covs, targets, method, self._run))
 
     @staticmethod
     def _scale(d_in: int, group: dict[str, Any]) -> float:

@@ -1,0 +1,60 @@
+"""Count what one optimizer step dispatches: aten ops and device-to-host reads.
+
+Speed targets live here, not in timed tests: a GPU step costs about one kernel launch per
+dispatched op, and a host read stalls the device queue. A host read is an
+``aten._local_scalar_dense`` call (``.item()``, ``bool(t)``, ``int(t)``); reading CPU step
+counters with ``tolist()`` dispatches nothing, so on CPU every counted read is one that would
+also stall a GPU.
+"""
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dobb.optim.registry import build_optimizer
+from dobb.train.model import GPT, gpt_config
+
+HOST_READS = ("aten::_local_scalar_dense",)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched inside the ``with`` block, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def host_reads(self) -> int:
+        return sum(n for name, n in self.ops.items() if name.startswith(HOST_READS))
+
+
+def tiny_gpt(n_layer: int, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(gpt_config("tiny", n_layer=n_layer, n_embd=32, n_head=2, block_size=16))
+
+
+def count_step(name: str, n_layer: int, *, warmup_steps: int = 2, **overrides) -> OpCounter:
+    """Ops of the step after ``warmup_steps`` steps of optimizer ``name`` on a tiny GPT."""
+    model = tiny_gpt(n_layer)
+    opt = build_optimizer(name, model, **overrides)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    for step in range(warmup_steps + 1):
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        if step < warmup_steps:
+            opt.step()
+            continue
+        with OpCounter() as counter:
+            opt.step()
+    return counter

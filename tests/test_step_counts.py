@@ -1,0 +1,33 @@
+"""What one optimizer step dispatches, counted (never timed): kernels and host reads.
+
+A non-refresh step of a batched optimizer costs a number of kernels set by the distinct
+matrix shapes, not by the depth of the model, and reads the device at most once (the
+non-finite check). Counted on the tiny GPT at 4 and 16 layers.
+"""
+
+import pytest
+from opcount import count_step
+
+from dobb.blocks import block_stacks
+
+
+@pytest.mark.parametrize("name", ["dobb", "muon", "muonbp", "blockmuon"])
+def test_ops_per_step_do_not_grow_with_depth(name):
+    shallow, deep = count_step(name, 4), count_step(name, 16)
+    assert deep.total <= 1.15 * shallow.total, (shallow.total, deep.total, deep.ops)
+
+
+@pytest.mark.parametrize("name", ["dobb", "muon", "muonbp", "blockmuon"])
+def test_one_host_read_per_step(name):
+    """Only the non-finite check reads the device (step counters live on the CPU)."""
+    assert count_step(name, 4).host_reads == 1
+    assert count_step(name, 16).host_reads == 1
+
+
+def test_dobb_refresh_step_reads_at_most_once_per_block_size():
+    """A refresh (step 11, the second) adds at most one read per distinct block size."""
+    counter = count_step("dobb", 4, warmup_steps=10, num_blocks=3)
+    widths = (32, 128)  # the tiny GPT's input widths: n_embd and the MLP's 4 n_embd
+    sizes = {s.size for width in widths for s in block_stacks(width, 3)}
+    assert counter.ops["aten::_linalg_eigh"] == len(sizes) == 4
+    assert counter.host_reads <= 1 + len(sizes), counter.ops
