@@ -137,10 +137,15 @@ class GramCache:
     the compute and output dtypes. It is used only while the tensor that made it is alive
     (a weak reference: the cache never keeps an input alive), still at that address and
     unmodified (its ``_version``, bumped by every in-place op on it or its views). An
-    entry is dropped when its input is freed; ``clear()`` drops the rest.
+    entry is dropped when its input is freed, when ``max_entries`` newer inputs have been
+    seen (so a forward pass holds a few ``(d_in, size)`` results at most, not one per
+    layer: layers that share an input usually run one after another), or at ``clear()``.
     """
 
-    def __init__(self):
+    def __init__(self, max_entries: int = 4):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
         self._entries: dict[tuple, tuple[weakref.ref, int, list[Tensor]]] = {}
 
     def __len__(self) -> int:
@@ -171,9 +176,13 @@ class GramCache:
                 and source.data_ptr() == address
                 and source._version == version == x._version
             ):
+                self._entries[key] = self._entries.pop(key)  # most recently used last
                 return grams
         grams = block_grams(x, stacks, compute_dtype, out_dtype)
         entries = self._entries
+        entries.pop(key, None)
+        while len(entries) >= self.max_entries:
+            del entries[next(iter(entries))]  # the least recently used
 
         def drop(dead: weakref.ref) -> None:  # the input was freed: its address may be reused
             if entries.get(key, (None,))[0] is dead:

@@ -160,6 +160,22 @@ def test_cache_holds_no_tensor_after_pop_and_never_keeps_inputs_alive():
     assert alive() is None and len(cache) == 0  # a freed input takes its entry with it
 
 
+def test_cache_keeps_the_most_recent_inputs_only():
+    x, y = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    products = []
+    for max_entries in (1, 2):
+        cache = GramCache(max_entries)
+        stats = BlockStatistics(STACKS, torch.float32, "cpu", cache=cache)
+        with Ops() as ops:
+            for z in (x, x, y, x):  # x, x share at any size; the last x only if x was kept
+                stats.add(z)
+        products.append(ops.ops["aten::bmm"] // len(STACKS))
+        assert len(cache) == max_entries
+    assert products == [3, 2]
+    with pytest.raises(ValueError, match="max_entries must be >= 1"):
+        GramCache(0)
+
+
 # ----------------------------------------------------------------------------- precision
 def test_16bit_products_match_fp32_within_bf16_tolerance():
     gen = torch.Generator().manual_seed(1)
