@@ -214,12 +214,15 @@ def optimizer_overrides(
     rank_fraction: float,
     period: int = 5,
     row_blocks: int = 1,
+    basis_method: str | None = None,
 ) -> dict:
     """Constructor arguments of the comparison (everything else: registry defaults).
 
-    The arguments are named as ``costmodel.predict``'s, so one dict feeds both."""
+    The arguments are named as ``costmodel.predict``'s, so one dict feeds both;
+    ``basis_method`` (Dobb's refresh solver, default: the class's) is passed only if set."""
+    method = {} if basis_method is None else {"basis_method": basis_method}
     return {
-        "dobb": {"num_blocks": num_blocks, "basis_interval": basis_interval},
+        "dobb": {"num_blocks": num_blocks, "basis_interval": basis_interval, **method},
         "dion": {"rank_fraction": rank_fraction},
         "muonbp": {"period": period, "row_blocks": row_blocks},
     }.get(name, {})
@@ -263,6 +266,7 @@ def time_optimizers(
     rank_fraction: float = 1 / 16,
     period: int = 5,
     row_blocks: int = 1,
+    basis_method: str | None = None,
     autocast: bool = False,
     progress: Progress = lambda _: None,
     on_repeat: Callable[[dict], None] = lambda _: None,
@@ -270,7 +274,8 @@ def time_optimizers(
 ) -> dict:
     """Interleaved call times of ``names`` on ``stack`` (whose ``.grad`` must be set).
 
-    ``period`` and ``row_blocks`` are MuonBP's. ``distributed``: further constructor
+    ``period`` and ``row_blocks`` are MuonBP's, ``basis_method`` Dobb's (None: its
+    default). ``distributed``: further constructor
     arguments per optimizer (e.g. Dobb's ``data_parallel``) when ``stack`` is sharded.
 
     Returns ``{name: {...}}`` with per-repeat amortized call times and their spread,
@@ -290,7 +295,7 @@ def time_optimizers(
         period=period,
         row_blocks=row_blocks,
     )
-    overrides = {name: optimizer_overrides(name, **kw) for name in names}
+    overrides = {name: optimizer_overrides(name, **kw, basis_method=basis_method) for name in names}
     optimizers = {
         name: build_optimizer(name, stack, **overrides[name], **(distributed or {}).get(name, {}))
         for name in names
@@ -386,6 +391,7 @@ def run(
     rank_fraction: float = 1 / 16,
     period: int = 5,
     row_blocks: int = 4,
+    basis_method: str | None = None,
     device: str = "cpu",
     autocast: bool = False,
     seed: int = 0,
@@ -415,6 +421,7 @@ def run(
             "rank_fraction": rank_fraction,
             "period": period,
             "row_blocks": row_blocks,
+            "basis_method": basis_method or "default",
             "device": device,
             "device_name": device_name(device_),
             "autocast": "bf16" if autocast else "none",
@@ -450,6 +457,7 @@ def run(
         rank_fraction=rank_fraction,
         period=period,
         row_blocks=row_blocks,
+        basis_method=basis_method,
         autocast=autocast,
         progress=progress,
         on_repeat=write,
@@ -537,6 +545,9 @@ def main(argv: list[str]) -> None:
         default=4,
         help="MuonBP's row tiles on one device (emulates FSDP over that many ranks)",
     )
+    parser.add_argument(
+        "--basis-method", help="Dobb's basis_method (refresh solver); default: Dobb's default"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--autocast", choices=("none", "bf16"), default="none")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
@@ -563,6 +574,7 @@ def main(argv: list[str]) -> None:
         rank_fraction=args.rank_fraction,
         period=args.period,
         row_blocks=args.row_blocks,
+        basis_method=args.basis_method,
         device=args.device,
         autocast=args.autocast == "bf16",
         seed=args.seed,

@@ -94,3 +94,20 @@ def test_linear_stack_gradients_are_cotangent_times_input():
 def test_bad_layer_count_raises():
     with pytest.raises(ValueError, match="layers must be in"):
         hidden_matrices("tiny", 3)
+
+
+def test_basis_method_option_reaches_dobb(tmp_path):
+    out = tmp_path / "power_qr.json"
+    args = ["--config", "tiny", "--tokens", "16", "--repeats", "1", "--optimizers", "dobb"]
+    calltime.main([*args, "--basis-interval", "2", "--basis-method", "power_qr", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["complete"] and saved["meta"]["basis_method"] == "power_qr"
+    assert calltime.optimizer_overrides("dobb", 4, 2, 0.5, basis_method="power_qr") == {
+        "num_blocks": 4,
+        "basis_interval": 2,
+        "basis_method": "power_qr",
+    }
+    assert "basis_method" not in calltime.optimizer_overrides("dobb", 4, 2, 0.5)
+    assert "basis_method" not in calltime.optimizer_overrides("muon", 4, 2, 0.5, basis_method="x")
+    with pytest.raises(ValueError, match="basis_method"):  # Dobb itself rejects the name
+        calltime.main([*args, "--basis-method", "no-such-solver"])
