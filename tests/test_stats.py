@@ -176,6 +176,18 @@ def test_cache_keeps_the_most_recent_inputs_only():
         GramCache(0)
 
 
+def test_inference_tensors_are_not_cached():
+    """An inference tensor has no version counter, so an in-place change would be unseen."""
+    with torch.inference_mode():
+        x = torch.randn(4, WIDTH)
+    cache = GramCache()
+    stats = BlockStatistics(STACKS, torch.float32, "cpu", cache=cache)
+    stats.add(x)
+    assert len(cache) == 0 and stats.tokens == 4
+    for total, e in zip(stats.sums, reference_sums([x])):
+        torch.testing.assert_close(total.double(), e, rtol=1e-5, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- precision
 def test_16bit_products_match_fp32_within_bf16_tolerance():
     gen = torch.Generator().manual_seed(1)
