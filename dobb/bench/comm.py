@@ -24,6 +24,11 @@ column evaluates the formula on the model's shapes and this rank's pieces:
 - Muon: ``m n (W - 1) / W`` fp32 to the owners and ``m n (W - 1) / W`` bf16 back, over
   all ``W`` ranks of the mesh together, for an evenly split matrix (per rank: ``/ W``);
   DDP: nothing to the owners, ``m n (W - 1)`` bf16 back (per rank ``/ W``).
+- NorMuon: Muon's, plus (sharded layouts) one all-reduce of one fp64 ``||Ô||_F²`` per
+  matrix.
+- Dion2: Muon's on the ``K x n`` matrix of selected rows, ``K = Σ_shards ceil(f m_local)``
+  (DDP: ``K = ceil(f m)``). NorMuon and Dion2 need whole rows on each rank, so they run
+  under ``ddp`` and ``fsdp`` only (TP's row-parallel weights split columns).
 """
 
 import argparse
@@ -39,7 +44,9 @@ import torch
 import torch.distributed as dist
 
 LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")
-OPTIMIZERS = ("dobb", "dion", "muon", "muonbp")
+OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "normuon", "dion2")
+# optimizers that run on only some layouts (the rest run on every one)
+SUPPORTED_LAYOUTS = {"normuon": ("ddp", "fsdp"), "dion2": ("ddp", "fsdp")}
 BATCH = 4  # sequences per rank and step
 
 
@@ -54,6 +61,8 @@ def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dic
     rows = []
     for layout in layouts:
         for name in optimizers:
+            if layout not in SUPPORTED_LAYOUTS.get(name, LAYOUTS):
+                continue
             torch.manual_seed(0)
             model, par = parallelize(GPT(cfg), layout, tensor_parallel=2)
             opt = build_optimizer(name, model, **_options(name, layout, par.data_parallel))
@@ -85,18 +94,26 @@ def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
     """This rank's bytes in ``opt.step()`` by the formulas of the module docstring."""
     from dobb.distributed.placement import matrix_placement
     from dobb.optim.dion import Dion
+    from dobb.optim.dion2 import Dion2, selected_count
 
     matrices = [(p, g) for g in opt.param_groups if g["algorithm"] == name for p in g["params"]]
     if name == "muonbp":  # a full step (the first, then every period) moves what Muon's does
         if any(not _muonbp_full_step(step, g) for _, g in matrices):
             return 0
         name = "muon"
-    total = 0
+    if name == "normuon" and layout != "ddp":  # ||Ô||_F² of every matrix, one fp64 each
+        total = 8 * len(matrices)
+    else:
+        total = 0
     gathered: Counter = Counter()  # Dobb's sharded refresh: blocks per size, all matrices
     for p, group in matrices:
         placement = matrix_placement(p)
         m, n = p.shape
         m_local, n_local = len(placement.rows), len(placement.cols)
+        if name == "dion2":  # Muon's exchange on the selected rows: K x n, K = W k_local
+            blocks = Dion2.blocks(m_local, group)
+            m_local = sum(selected_count(b, group["fraction"]) for b in blocks)
+            m = m_local * (1 if layout == "ddp" else world)
         split_rows, split_cols = len(placement.row_groups), len(placement.col_groups)
         if name == "dobb":
             refresh = (step - 1) % group["basis_interval"] == 0
@@ -138,6 +155,8 @@ FORMULAS = {
     "dion": "per row axis (k r + 1 + r² + n r), per col axis (m r + 1 + r) fp32",
     "muon": "m n (W-1)/W fp32 to owner + m n (W-1)/W bf16 back (DDP: m n (W-1) bf16)",
     "muonbp": "full step (step 1, then every period): as Muon; block step: 0",
+    "normuon": "as Muon + 1 fp64 per matrix all-reduced (DDP: as Muon)",
+    "dion2": "as Muon on the K x n selected rows, K = Σ_shards ceil(f m_shard)",
 }
 
 

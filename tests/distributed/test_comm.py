@@ -148,3 +148,27 @@ def test_run_ranks_times_out_on_a_hung_rank():
     with pytest.raises(TimeoutError, match="did not finish within 10"):
         run_ranks(_hang_rank_0_at_a_barrier, 2, timeout=10)
     assert time.monotonic() - start < 20
+
+
+@pytest.mark.timeout(300)
+def test_normuon_and_dion2_collectives_match_the_analytic_table():
+    """Measured bytes inside ``opt.step()`` equal the formula of ``dobb.bench.comm`` on the
+    tiny GPT over 2 ranks: Muon's exchange (on the selected rows for Dion2), plus
+    NorMuon's all-reduce of one float per matrix on sharded layouts."""
+    from dobb.bench.comm import measure
+
+    results = run_ranks(measure, 2, "tiny", ("ddp", "fsdp"), ("normuon", "dion2"), timeout=280)
+    expected = {
+        ("ddp", "normuon"): [("all_to_all", 2)],
+        ("ddp", "dion2"): [("all_to_all", 2)],
+        ("fsdp", "normuon"): [("all_to_all", 2), ("all_to_all", 2), ("all_reduce", 2)],
+        ("fsdp", "dion2"): [("all_to_all", 2), ("all_to_all", 2)],
+    }
+    rows = results[0]
+    assert sorted({(r["layout"], r["name"]) for r in rows}) == sorted(expected)
+    for i, row in enumerate(rows):
+        for result in results:
+            kinds = [(kind, size) for kind, size, _ in result[i]["events"]]
+            assert kinds == expected[row["layout"], row["name"]], row
+        measured = sum(e[2] for r in results for e in r[i]["events"])
+        assert measured == sum(r[i]["analytic"] for r in results) > 0, row
