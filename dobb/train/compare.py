@@ -29,13 +29,16 @@ from dobb.train.trainer import train
 OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "blockmuon", "adamw")
 # The settings compared in the Dobb paper's abstract (DESIGN.md §1); others are defaults.
 # MuonBP and BlockMuon in one process tile each matrix's rows as FSDP over 4 ranks would
-# shard them.
+# shard them; Dion2 selects its rows per such block, as FSDP's shards would. NorMuon and
+# Dion2 are not in OPTIMIZERS yet (no tuned lr): run them with --optimizers.
 OPTIONS: dict[str, dict[str, Any]] = {
     "dobb": {"num_blocks": 16},
     "dion": {"rank_fraction": 1 / 16},
     "muon": {},
     "muonbp": {"row_blocks": 4},
     "blockmuon": {"row_blocks": 4},
+    "normuon": {},
+    "dion2": {"row_blocks": 4},
     "adamw": {},
 }
 # Best hidden-matrix learning rates found by `dobb study` (benchmarks/STUDY.md, section (a):
