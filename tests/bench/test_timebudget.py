@@ -1,0 +1,89 @@
+"""Time-budget benchmark on a tiny GPT: the record's fields, the time schedule, rendering."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dobb.bench import timebudget
+from dobb.train.data import write_bin_shard
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Random byte-vocabulary shards (the tiny config's vocabulary)."""
+    path = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(0)
+    write_bin_shard(path / "train.bin", rng.integers(0, 256, 20_000), 256)
+    write_bin_shard(path / "val.bin", rng.integers(0, 256, 2_000), 256)
+    return path
+
+
+@pytest.fixture(scope="module")
+def record(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "timebudget.json"
+    timebudget.run(
+        data_dir,
+        ("dobb", "adamw"),
+        config="tiny",
+        budget_s=1.0,
+        device="cpu",
+        batch_size=4,
+        evals=2,
+        eval_batches=1,
+        lrs={"adamw": 3e-3},
+        out=out,
+        command="test",
+    )
+    return json.loads(out.read_text())
+
+
+def test_each_optimizer_trained_for_the_budget(record):
+    meta = record["meta"]
+    assert meta["complete"] and meta["budget_s"] == 1.0 and meta["tokens_per_step"] == 4 * 64
+    assert meta["data"]["train_tokens"] == 20_000 and meta["data"]["val_tokens"] == 2_000
+    assert list(record["optimizers"]) == ["dobb", "adamw"]
+    for name, entry in record["optimizers"].items():
+        assert entry["steps"] >= 1 and not entry["diverged"], name
+        assert 1.0 <= entry["train_s"] < 1.0 + 30  # stops at the first step past the budget
+        assert entry["tokens_per_s"] == pytest.approx(
+            entry["steps"] * 4 * 64 / entry["train_s"], rel=1e-9
+        )
+        assert entry["opt_ms"]["mean"] > 0 and entry["fwd_bwd_ms"]["median"] > 0
+        assert entry["eval_s"] > 0
+        points = entry["points"]
+        assert 1 <= len(points) <= 2 and points[-1]["time_s"] >= 1.0
+        assert points[-1]["step"] == entry["steps"]
+        for p in points:
+            assert set(p) == {"time_s", "step", "train_loss", "val_loss"}
+            # random tokens over 256 ids: loss near ln 256 = 5.55
+            assert math.isfinite(p["val_loss"]) and 4 < p["val_loss"] < 8
+        assert [row[1] for row in entry["curve"]] == sorted(row[1] for row in entry["curve"])
+    assert record["optimizers"]["adamw"]["lr"] == 3e-3  # --lr override
+    assert record["optimizers"]["dobb"]["lr"] == 1e-3  # the registry's starting lr
+    assert record["optimizers"]["dobb"]["options"] == {"num_blocks": 16}
+
+
+def test_render_writes_table_and_plot(record, tmp_path):
+    path = tmp_path / "timebudget.json"
+    path.write_text(json.dumps(record))
+    md, png = timebudget.render(path, tmp_path / "rendered")
+    text = md.read_text()
+    assert "| dobb | 0.001 |" in text and "| adamw | 0.003 |" in text and "`test`" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    factor = [timebudget.lr_factor(f, 0.1, 0.2) for f in (0.0, 0.05, 0.1, 0.55, 1.0, 1.5)]
+    assert factor == pytest.approx([0.0, 0.5, 1.0, 0.6, 0.2, 0.2])
+
+
+def test_bad_inputs_name_the_fix(data_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="timebudget prepare"):
+        timebudget.run(tmp_path, ("adamw",), config="tiny", device="cpu")
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        timebudget.run(data_dir, ("sgd",), config="tiny", device="cpu")
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        timebudget.parse_lrs(["dobb:1e-3"])
+    assert timebudget.parse_lrs(["dobb=2e-3"]) == {"dobb": 2e-3}
