@@ -47,3 +47,18 @@ def stack_apply(
         for i, result in zip(indices, results):
             out[i] = result
     return out
+
+
+def foreach_mul_(tensors: list[Tensor], factor: float) -> None:
+    """``t.mul_(factor)`` for every tensor: one ``torch._foreach_mul_`` for the fp32/fp64 ones.
+
+    bf16/fp16 tensors take ``mul_`` one by one: torch's CPU ``_foreach_mul_`` rounds the
+    scalar to the tensor's dtype first (``1 - 2e-3`` becomes ``1 - 3.9e-3`` in bf16), which
+    ``mul_`` does not.
+    """
+    wide = [t for t in tensors if t.dtype not in (torch.bfloat16, torch.float16)]
+    if wide:
+        torch._foreach_mul_(wide, factor)
+    for t in tensors:
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t.mul_(factor)

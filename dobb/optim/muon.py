@@ -20,7 +20,7 @@ from torch import Tensor
 from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.placement import matrix_placement, mesh_group
 from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
-from dobb.optim.batching import group_by, stack_apply
+from dobb.optim.batching import foreach_mul_, group_by, stack_apply
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -161,7 +161,7 @@ def apply_updates(
     if not params:  # e.g. only empty tiles
         return
     # W <- W (1 - lr wd)
-    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    foreach_mul_(params, 1 - lr * weight_decay)
     for scale, indices in group_by(scales, float).items():
         # W <- W - lr s O
         torch._foreach_add_(

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor
 
+from dobb.optim.batching import foreach_mul_
+
 SCALAR_ALGORITHMS = ("adamw", "lion")
 SCALAR_DEFAULTS = {"adamw": {"betas": (0.9, 0.95), "eps": 1e-8}, "lion": {"betas": (0.9, 0.99)}}
 
@@ -87,7 +89,7 @@ def adamw_updates(
     beta1, beta2 = betas
     # W <- W (1 - lr wd)
     if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
+        foreach_mul_(params, 1 - lr * weight_decay)
     # m <- beta1 m + (1 - beta1) g ;  v <- beta2 v + (1 - beta2) g^2
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -115,7 +117,7 @@ def lion_updates(
     updates = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
     torch._foreach_sign_(updates)
     # W <- W (1 - lr wd) - lr u
-    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_add_(params, updates, alpha=-lr)
     # m <- beta2 m + (1 - beta2) g
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta2)
