@@ -4,9 +4,13 @@ A faithful baseline of https://github.com/KellerJordan/Muon (post:
 https://kellerjordan.github.io/posts/muon/): SGD with Nesterov momentum whose update is
 replaced by (approximately) the nearest semi-orthogonal matrix, computed with five quintic
 Newton-Schulz iterations in bfloat16. The update is three pure steps on local tensors
-(``nesterov_direction``, ``newton_schulz``, ``apply_update``); on one device
-``muon_update`` runs them in a row, and the distributed path runs the same three with the
-direction gathered to one owner rank per matrix in between (``OwnerExchange``).
+(``nesterov_direction``, ``newton_schulz``, ``apply_update``); ``muon_update`` runs them in
+a row on one matrix (the reference). The optimizer runs their batched forms
+(``nesterov_directions``, ``batched_newton_schulz``, ``apply_updates``; ``muon_updates``
+on one device): foreach kernels over all matrices and one Newton-Schulz per stack of
+same-shape matrices, so a step costs O(shapes) kernels, not O(matrices), as Keller's and
+the Dion authors' implementations batch. The distributed path runs the same three with
+the direction gathered to one owner rank per matrix in between (``OwnerExchange``).
 """
 
 import functools
@@ -120,6 +124,7 @@ def nesterov_directions(
     grads: list[Tensor], momenta: list[Tensor], *, beta: float, nesterov: bool
 ) -> list[Tensor]:
     """``nesterov_direction`` of many matrices: ``momenta`` in place, directions returned."""
+    # a copy only where the dtypes differ (bf16 gradients, fp32 momentum)
     grads = [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)]
     # M <- mu M + (1 - mu) G
     torch._foreach_lerp_(momenta, grads, 1 - beta)
@@ -239,6 +244,10 @@ class Muon(MatrixOptimizer):
     Bytes per matrix: up to ``m n`` to the owner, ``m n`` (times replicas) back, in the
     state dtype and in ``ns_dtype``. With ``ns_dtype=torch.float32`` the result equals the
     single-device update up to float rounding of the matmuls.
+
+    Matrices sharing hyperparameters share kernels: momentum, direction and update are
+    ``torch._foreach_*`` ops, and same-shape matrices go through one batched NS5 (each
+    normalized by its own norm; equal to the lone call up to matmul rounding).
 
     Differences from the reference, all harmless: momentum is kept in fp32 (or the
     parameter's dtype where wider), and the shape scale multiplies ``lr`` rather than the

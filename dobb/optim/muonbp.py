@@ -9,7 +9,9 @@ takes a full step (BlockMuon).
 
 Everything but the block step is Muon's (``dobb.optim.muon``): momentum, Newton-Schulz, the
 update and the shared-matrix exchange. This module adds the tiling of a local piece into
-blocks, the block step on those tiles, and the choice of step.
+blocks, the block step on those tiles (``block_muon_update``, the reference, and
+``block_muon_updates``, which batches same-shape tiles across all matrices), and the choice
+of step.
 """
 
 import itertools
