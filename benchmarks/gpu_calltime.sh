@@ -1,28 +1,42 @@
 #!/usr/bin/env bash
-# Single-GPU optimizer-call time on GPT-2 XL shapes (Dobb, Dion, Muon, AdamW), statistics-
-# hook overhead, eigh backends, and a cost-model calibration of the GPU. Needs torch with
-# CUDA and nothing else (no network, no installs): our package is pure Python.
+# Single-GPU optimizer-call time on GPT-2 XL shapes (Dobb, Dion, Muon, MuonBP and its block
+# step = a BlockMuon call, AdamW) with the batched steps and Dobb's BASIS_METHOD, the
+# statistics-hook share of forward+backward, the refresh solvers (or eigh backends), and a
+# cost-model calibration of the GPU. Needs torch with CUDA and nothing else (no network, no
+# installs): our package is pure Python.
 #
-#   OUT=/some/dir bash benchmarks/gpu_calltime.sh          # from anywhere; ~5-7 minutes
+#   OUT=/some/dir bash benchmarks/gpu_calltime.sh          # from anywhere; at most 8 minutes
+#   DEVICE=cpu CONFIG=tiny TOKENS=64 OUT=/tmp/gpu_smoke bash benchmarks/gpu_calltime.sh
 #
-# Phases, each under its own timeout, each writing its results as it goes (a phase that
-# fails or times out leaves partial JSON and the script carries on):
+# With the device tool: run(command="OUT=$OUT bash benchmarks/gpu_calltime.sh",
+# timeout_s=540); nothing needs carrying.
+#
+# Phases, each under its own timeout (together at most ~470 s), each writing its results as
+# it goes (a phase that fails or times out leaves partial JSON and the script carries on):
 #   env          nvidia-smi, torch and CUDA versions                     -> env.txt
 #   calibrate    matmul/bmm/eigh/QR rates, bandwidth, per-op costs       -> calibration.json
-#   eigh         torch CUDA vs torch CPU vs CuPy eigh, one XL block      -> eigh.json
+#   solvers      Dobb's refresh solvers on SIZES blocks (python -m dobb.eigensolve), or,
+#                where that module has no command line, eigh backends    -> solvers.json
+#                (torch CUDA vs CPU vs CuPy eigh, dobb.bench.calibrate)     or eigh.json
 #   calltime-2   2 XL blocks, 5 repeats                                  -> calltime_xl2.json
 #   calltime-N   as many XL blocks (up to 48) as fit BUDGET_FULL seconds -> calltime_xl.json
-#   table        Markdown of both call-time runs                         -> gpu_calltime.md
-# plus log.txt: 7 files (the lent machine returns at most 8). Copy the JSON files to
-# benchmarks/gpu/ and run `python -m dobb.bench.results` to put them in RESULTS.md.
+#   table        Markdown of the call-time runs, calibration, eigh       -> gpu_calltime.md
+# plus log.txt: 7 files (the lent machine returns at most 8, 16 MB each). Then, here:
+#   cp <files_at>/*.json <files_at>/env.txt <files_at>/log.txt benchmarks/gpu/
+#   python -m dobb.bench.results gpu-table benchmarks/gpu/*.json > benchmarks/gpu/gpu_calltime.md
+#   python -m dobb.bench.results        # RESULTS.md quotes benchmarks/gpu/
+# (or copy gpu_calltime.md as it came back; solvers.json is printed in log.txt by its phase).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to an output directory}
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
 PY=${PYTHON:-python3}
 TOKENS=${TOKENS:-4096}            # token batch of the statistics forward passes
 DEVICE=${DEVICE:-cuda}            # DEVICE=cpu CONFIG=tiny TOKENS=64: a smoke test without GPU
 CONFIG=${CONFIG:-gpt2-xl}
-BUDGET_FULL=${BUDGET_FULL:-200}   # seconds for the largest run (its timeout)
+BUDGET_FULL=${BUDGET_FULL:-190}   # seconds for the largest run (its timeout)
+BASIS_METHOD=${BASIS_METHOD:-auto}  # Dobb's refresh solver; eigh where Dobb does not accept it
+SIZES=${SIZES:-100:144,400:16}    # solver table: block size:count (XL: 100 and 400)
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
@@ -52,11 +66,28 @@ if [ "$DEVICE" = cuda ] && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cud
   exit 1
 fi
 
-phase calibrate 80 "$PY" -m dobb.bench.calibrate calibrate --device "$DEVICE" --config "$CONFIG" \
+# Dobb's basis_method: the requested one if Dobb accepts it, else eigh (say which)
+if ! "$PY" -c 'import sys, torch, dobb
+dobb.Dobb([torch.nn.Parameter(torch.zeros(4, 4))], lr=1e-3, basis_method=sys.argv[1])' \
+  "$BASIS_METHOD" 2>/dev/null; then
+  log "Dobb does not accept basis_method=$BASIS_METHOD: using eigh"
+  BASIS_METHOD=eigh
+fi
+log "Dobb basis_method=$BASIS_METHOD"
+
+phase calibrate 70 "$PY" -m dobb.bench.calibrate calibrate --device "$DEVICE" --config "$CONFIG" \
   --layers 1 --out "$OUT/calibration.json"
-phase eigh 45 "$PY" -m dobb.bench.calibrate eigh --device "$DEVICE" --out "$OUT/eigh.json"
-phase calltime-2 100 "$PY" -m dobb.bench.calltime --device "$DEVICE" --autocast bf16 \
-  --config "$CONFIG" --layers 2 --tokens "$TOKENS" --repeats 5 --out "$OUT/calltime_xl2.json"
+solver_help=$("$PY" -m dobb.eigensolve --help 2>/dev/null || true)
+if [[ $solver_help == *--sizes* ]]; then
+  phase solvers 60 sh -c "'$PY' -m dobb.eigensolve --device '$DEVICE' --sizes '$SIZES' \
+    --out '$OUT/solvers.json' && cat '$OUT/solvers.json'"
+else
+  log "python -m dobb.eigensolve has no command line here: eigh backends instead"
+  phase eigh 45 "$PY" -m dobb.bench.calibrate eigh --device "$DEVICE" --out "$OUT/eigh.json"
+fi
+phase calltime-2 90 "$PY" -m dobb.bench.calltime --device "$DEVICE" --autocast bf16 \
+  --config "$CONFIG" --layers 2 --tokens "$TOKENS" --repeats 5 --basis-method "$BASIS_METHOD" \
+  --out "$OUT/calltime_xl2.json"
 
 # Scale the 2-block run's wall time to the budget (time grows about linearly with blocks).
 LAYERS=$("$PY" - "$OUT/calltime_xl2.json" "$BUDGET_FULL" "$CONFIG" <<'EOF' || echo 0
@@ -74,7 +105,7 @@ EOF
 if [ "$LAYERS" -gt 2 ]; then
   phase "calltime-$LAYERS" "$BUDGET_FULL" "$PY" -m dobb.bench.calltime --device "$DEVICE" \
     --autocast bf16 --config "$CONFIG" --layers "$LAYERS" --tokens "$TOKENS" --repeats 5 \
-    --out "$OUT/calltime_xl.json"
+    --basis-method "$BASIS_METHOD" --out "$OUT/calltime_xl.json"
 else
   log "no larger run (blocks=$LAYERS): the 2-block run was incomplete or too slow for BUDGET_FULL, or the model has no more blocks"
 fi

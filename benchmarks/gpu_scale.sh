@@ -25,6 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to an output directory}
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 CONFIG=${CONFIG:-gpt2}
