@@ -34,6 +34,7 @@ BATCH=${BATCH:-16}                            # sequences of the config's 1024 t
 DATA=${DATA:-benchmarks/gpu/data/code-gpt2}
 OPTIMIZERS=${OPTIMIZERS:-dobb,dion,muon,blockmuon,adamw}
 BASIS_METHOD=${BASIS_METHOD:-auto}            # Dobb's refresh solver; eigh if not accepted
+MATMUL_PRECISION=${MATMUL_PRECISION:-highest}  # fp32 products: highest (torch default) or high (TF32)
 LIMIT=${LIMIT:-330}                           # seconds for the training phase
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 mkdir -p "$OUT"
@@ -65,7 +66,8 @@ log "Dobb basis_method=$BASIS_METHOD"
 start=$SECONDS rc=0
 timeout --kill-after=10 "$LIMIT" "$PY" -m dobb.bench.timebudget run --data "$DATA" \
   --device "$DEVICE" --config "$CONFIG" --budget-s "$BUDGET" --batch-size "$BATCH" \
-  --optimizers "$OPTIMIZERS" --basis-method "$BASIS_METHOD" --out "$OUT/timebudget.json" \
+  --optimizers "$OPTIMIZERS" --basis-method "$BASIS_METHOD" \
+  --matmul-precision "$MATMUL_PRECISION" --out "$OUT/timebudget.json" \
   2>&1 | tee -a "$LOG" || rc=$?
 log "training: exit $rc after $((SECONDS - start)) s"
 # the plot; the table is in the log (render regenerates timebudget.md from the JSON anywhere)

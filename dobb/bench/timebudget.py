@@ -35,6 +35,7 @@ import math
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import UTC, datetime
@@ -306,13 +307,16 @@ def run(
     min_lr_ratio: float = 0.1,
     grad_clip: float = 1.0,
     autocast: bool = True,
+    matmul_precision: str = "highest",
     seed: int = 0,
     out: Path | None = None,
     command: str | None = None,
     progress: Progress = lambda _: None,
 ) -> dict:
     """Train ``config`` with each of ``names`` for ``budget_s`` s; return (and write) the
-    record. ``data``: a folder with ``train.bin`` and ``val.bin`` (``prepare``)."""
+    record. ``data``: a folder with ``train.bin`` and ``val.bin`` (``prepare``);
+    ``matmul_precision``: ``torch.set_float32_matmul_precision`` for the run ("high": TF32
+    for the fp32 products, e.g. the optimizers' own)."""
     lrs = lrs or {}
     for name in (*names, *lrs):
         get_entry(name)  # ValueError naming the known optimizers
@@ -349,6 +353,7 @@ def run(
             "schedule": {"warmup_frac": warmup_frac, "min_lr_ratio": min_lr_ratio},
             "grad_clip": grad_clip,
             "autocast": "bf16" if autocast else "none",
+            "matmul_precision": matmul_precision,
             "seed": seed,
             "data": {
                 "path": str(data),
@@ -369,29 +374,44 @@ def run(
         if out is not None:
             write_json(out, record)
 
+    def train_or_report(name: str) -> dict:
+        """``train_for``'s record, or what it saved with the error that stopped it: one
+        optimizer's failure must not cost the others their runs (traceback in the log)."""
+        try:
+            return train_for(
+                name,
+                stream,
+                cfg,
+                budget_s=budget_s,
+                device=device_,
+                batch_size=batch_size,
+                evals=evals,
+                eval_batches=eval_batches,
+                lr=lrs.get(name),
+                options=options[name],
+                warmup_frac=warmup_frac,
+                min_lr_ratio=min_lr_ratio,
+                grad_clip=grad_clip,
+                autocast=autocast,
+                seed=seed,
+                on_point=lambda entry: save(name, entry),
+                progress=progress,
+            )
+        except Exception as error:
+            traceback.print_exc()
+            progress(f"{name}: FAILED ({type(error).__name__}); going on with the others")
+            message = f"{type(error).__name__}: {error}"
+            return {**record["optimizers"].get(name, {}), "error": message}
+
     progress(f"{config}: {record['meta']['params'] / 1e6:.1f}M parameters, {device_name(device_)}")
-    warm_up(cfg, device_, batch_size, autocast)
-    for name in names:
-        entry = train_for(
-            name,
-            stream,
-            cfg,
-            budget_s=budget_s,
-            device=device_,
-            batch_size=batch_size,
-            evals=evals,
-            eval_batches=eval_batches,
-            lr=lrs.get(name),
-            options=options[name],
-            warmup_frac=warmup_frac,
-            min_lr_ratio=min_lr_ratio,
-            grad_clip=grad_clip,
-            autocast=autocast,
-            seed=seed,
-            on_point=lambda entry, name=name: save(name, entry),
-            progress=progress,
-        )
-        save(name, entry)
+    previous_precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul_precision)
+    try:
+        warm_up(cfg, device_, batch_size, autocast)
+        for name in names:
+            save(name, train_or_report(name))
+    finally:
+        torch.set_float32_matmul_precision(previous_precision)
     record["meta"]["complete"] = True
     if out is not None:
         write_json(out, record)
@@ -402,7 +422,7 @@ def run(
 def table(record: dict) -> str:
     """Markdown: per optimizer its lr, steps, throughput, call times and the val losses."""
     meta = record["meta"]
-    columns = max([len(e["points"]) for e in record["optimizers"].values()] + [1])
+    columns = max([len(e.get("points", [])) for e in record["optimizers"].values()] + [1])
     lines = [
         "| optimizer | lr | steps | tokens/s | opt ms/call (mean, median) | fwd+bwd ms | "
         + " | ".join(f"val loss @ s ({i + 1})" for i in range(columns))
@@ -410,10 +430,16 @@ def table(record: dict) -> str:
         "|---|---:|---:|---:|---:|---:|" + "---:|" * columns,
     ]
     for name, e in record["optimizers"].items():
+        label = name + (" (diverged)" if e.get("diverged") else "")
+        if "error" in e:
+            label += " (FAILED: " + e["error"][:120].replace("|", "/").replace("\n", " ") + ")"
+        if "tokens_per_s" not in e:  # failed before its first evaluation
+            lines.append(f"| {label} | " + " | ".join(["-"] * (5 + columns)) + " |")
+            continue
         vals = [f"{p['val_loss']:.3f} @ {p['time_s']:.0f}" for p in e["points"]]
         vals += ["-"] * (columns - len(vals))
         lines.append(
-            f"| {name}{' (diverged)' if e['diverged'] else ''} | {e['lr']:.3g} | {e['steps']} | "
+            f"| {label} | {e['lr']:.3g} | {e['steps']} | "
             f"{e['tokens_per_s']:,.0f} | {e['opt_ms']['mean']:.1f}, {e['opt_ms']['median']:.1f} | "
             f"{e['fwd_bwd_ms']['median']:.1f} | " + " | ".join(vals) + " |"
         )
@@ -421,7 +447,8 @@ def table(record: dict) -> str:
     schedule = meta["schedule"]
     head = (
         f"{meta['config']} ({meta['params'] / 1e6:.1f}M parameters), {meta['device_name']}, "
-        f"torch {meta['torch']}, autocast {meta['autocast']}, {meta['date']}.{state} "
+        f"torch {meta['torch']}, autocast {meta['autocast']}, fp32 matmul precision "
+        f"{meta['matmul_precision']}, {meta['date']}.{state} "
         f"{meta['budget_s']:g} s of training per optimizer (evaluation excluded), "
         f"{meta['tokens_per_step']:,} tokens per step, lr warmup {schedule['warmup_frac']:g} "
         f"of the budget then cosine to {schedule['min_lr_ratio']:g} x; validation on "
@@ -441,17 +468,17 @@ def plot(record: dict, path: Path) -> None:
     ax = fig.subplots()
     for i, (name, e) in enumerate(record["optimizers"].items()):
         color = f"C{i}"
-        if e["curve"]:
+        if e.get("curve"):
             t, _, loss = zip(*e["curve"])
             ax.plot(t, loss, color=color, alpha=0.35, linewidth=0.8)
-        if e["points"]:
+        if e.get("points"):
             t = [p["time_s"] for p in e["points"]]
             ax.plot(t, [p["val_loss"] for p in e["points"]], "o-", color=color, label=name)
     meta = record["meta"]
     ax.set_xlabel("training time (s, evaluation excluded)")
     ax.set_ylabel("loss (markers: validation; thin: train)")
     ax.set_title(f"{meta['config']} on {meta['device_name']}, {meta['budget_s']:g} s each")
-    finals = [p["val_loss"] for e in record["optimizers"].values() for p in e["points"]]
+    finals = [p["val_loss"] for e in record["optimizers"].values() for p in e.get("points", [])]
     if finals:  # the early steep part would flatten the comparison
         ax.set_ylim(min(finals) - 0.2, max(finals) + 0.5)
     ax.grid(alpha=0.3)
@@ -512,6 +539,12 @@ def main(argv: list[str]) -> None:
     r.add_argument("--min-lr-ratio", type=float, default=0.1)
     r.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping")
     r.add_argument("--autocast", choices=("bf16", "none"), default="bf16")
+    r.add_argument(
+        "--matmul-precision",
+        choices=("highest", "high"),
+        default="highest",
+        help="torch.set_float32_matmul_precision (high: TF32)",
+    )
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, required=True, help="JSON output")
     d = sub.add_parser("render", help="Markdown table and PNG plot from the JSON")
@@ -545,6 +578,7 @@ def main(argv: list[str]) -> None:
             min_lr_ratio=args.min_lr_ratio,
             grad_clip=args.grad_clip,
             autocast=args.autocast == "bf16",
+            matmul_precision=args.matmul_precision,
             seed=args.seed,
             out=args.out,
             command="python -m dobb.bench.timebudget " + " ".join(argv),

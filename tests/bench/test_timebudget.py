@@ -87,3 +87,24 @@ def test_bad_inputs_name_the_fix(data_dir, tmp_path):
     with pytest.raises(ValueError, match="NAME=VALUE"):
         timebudget.parse_lrs(["dobb:1e-3"])
     assert timebudget.parse_lrs(["dobb=2e-3"]) == {"dobb": 2e-3}
+
+
+def test_a_failing_optimizer_is_recorded_and_the_others_still_run(data_dir, tmp_path):
+    out = tmp_path / "timebudget.json"
+    record = timebudget.run(
+        data_dir,
+        ("dobb", "adamw"),
+        config="tiny",
+        budget_s=0.3,
+        device="cpu",
+        batch_size=2,
+        evals=1,
+        eval_batches=1,
+        lrs={"dobb": -1.0},  # the constructor rejects it
+        out=out,
+    )
+    assert record["meta"]["complete"]
+    assert "invalid learning rate" in record["optimizers"]["dobb"]["error"]
+    assert record["optimizers"]["adamw"]["steps"] >= 1
+    md, _ = timebudget.render(out, tmp_path)
+    assert "| dobb (FAILED: ValueError: invalid learning rate" in md.read_text()
