@@ -27,7 +27,13 @@ from dobb.distributed.sharding import (
     split_over_ranks,
 )
 from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
-from dobb.stats import BlockStatistics, layer_weights, statistics_hook, tracked_layers
+from dobb.stats import (
+    BlockStatistics,
+    GramCache,
+    layer_weights,
+    statistics_hook,
+    tracked_layers,
+)
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 BASIS_METHODS = ("eigh", "power_qr")
@@ -96,12 +102,13 @@ def dobb_update_batched(
     ``(n, count, size, size)``: the bases of ``stacks[i]`` for every matrix. The arithmetic is
     ``dobb_update``'s, op for op, on ``(n, ...)`` stacks; updates in place.
     """
-    n = len(params)
-    grad = torch.stack(grads).to(momenta[0].dtype)  # (n, *shape)
+    n, dtype = len(params), momenta[0].dtype
+    if grads[0].dtype != dtype:  # e.g. bf16 gradients, fp32 momentum
+        grads = torch.stack(grads).to(dtype).unbind(0)
     # M <- mu M + (1 - mu) G
-    torch._foreach_lerp_(momenta, grad.unbind(0), 1 - beta)
+    torch._foreach_lerp_(momenta, grads, 1 - beta)
     # N = (1 - mu) G + mu M  (Nesterov),  else  N = M
-    direction = grad.lerp_(torch.stack(momenta), beta) if nesterov else torch.stack(momenta)
+    direction = torch.stack(torch._foreach_lerp(grads, momenta, beta) if nesterov else momenta)
     direction = direction.mT if transposed else direction  # (n, rows, d_in)
     rows, d_in = direction.shape[1:]
     update = direction.new_empty(n, rows, d_in)
@@ -115,7 +122,8 @@ def dobb_update_batched(
         target.copy_(block_update.unflatten(0, (n, s.count)).transpose(1, 2))
     update = update.mT if transposed else update
     # W <- W (1 - lr wd) - lr alpha U
-    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    if weight_decay:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_add_(params, update.unbind(0), alpha=-lr * scale)
 
 
@@ -214,6 +222,7 @@ class Dobb(MatrixOptimizer):
             partial(split_over_ranks, group=self._data_parallel_groups[-1]) if split else None
         )
         self._stats: dict[Tensor, BlockStatistics] = {}
+        self._gram_cache = GramCache()  # layers fed one input tensor (q, k, v) share X_bᵀ X_b
         self._input_dims: dict[Tensor, int] = {}  # 0 for (d_in, d_out) weights; set by track
         self._layouts: dict[tuple, tuple[BlockStack, ...]] = {}
         self._hooks: list[RemovableHandle] = []
@@ -306,7 +315,9 @@ class Dobb(MatrixOptimizer):
             if spec.input_dim != 1:
                 self._input_dims[weight] = spec.input_dim
             stacks = self._stacks(weight, groups[weight])
-            stats = BlockStatistics(stacks, state_dtype(weight), local(weight).device)
+            stats = BlockStatistics(
+                stacks, state_dtype(weight), local(weight).device, cache=self._gram_cache
+            )
             self._stats[weight] = stats
             handles.append(module.register_forward_pre_hook(statistics_hook(stats)))
         self._hooks += handles
@@ -323,6 +334,7 @@ class Dobb(MatrixOptimizer):
             handle.remove()
         self._hooks.clear()
         self._stats.clear()
+        self._gram_cache.clear()
 
     def _extra_inputs(self, matrix_groups):
         return [(p, t) for p, s in self._stats.items() if s.tokens for t in s.sums]
@@ -466,7 +478,9 @@ class Dobb(MatrixOptimizer):
         if not folding:
             return stats_steps
         hook_means = iter(torch._foreach_div(sums, tokens) if sums else [])
-        torch._foreach_zero_(sums) if sums else None
+        if sums:
+            torch._foreach_zero_(sums)
+        self._gram_cache.clear()
         first, later = ([], []), {}  # (covs, means) to copy; beta -> (covs, means) to lerp
         for i, covs, means in folding:
             means = means or [next(hook_means) for _ in covs]
