@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
 from dobb.optim.muon import Muon, lr_scale, muon_update, muon_updates
-from dobb.optim.muonbp import block_muon_update, block_muon_updates, block_tiles
+from dobb.optim.muonbp import MuonBP, block_muon_update, block_muon_updates, block_tiles
 from dobb.optim.registry import build_optimizer
 from dobb.optim.scalar import adamw_update, adamw_updates, lion_update, lion_updates
 from dobb.train.model import GPT, gpt_config
@@ -117,6 +117,32 @@ def test_block_muon_updates_equal_block_muon_update_per_piece(row_blocks, col_bl
             block_muon_update(w, g, m, tiles, **hp)
     for a, b in zip(W + M, W_ref + M_ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_muonbp_optimizer_equals_the_reference_loop():
+    """MuonBP (period 2: full, block, full) against the per-matrix references."""
+    hp = dict(lr=0.05, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32)
+    W0 = tensors(SHAPES, 9)
+    params = [nn.Parameter(w.clone()) for w in W0]
+    opt = MuonBP(params, period=2, block_lr_ratio=0.5, row_blocks=2, col_blocks=2, **hp)
+    W_ref, M_ref = clone(W0), [torch.zeros(s) for s in SHAPES]
+    ref = dict(beta=0.9, nesterov=True, weight_decay=0.1, ns_dtype=torch.float32)
+    for step in range(3):
+        G = tensors(SHAPES, 60 + step)
+        for p, g in zip(params, G):
+            p.grad = g.clone()
+        opt.step()
+        for w, g, m in zip(W_ref, G, M_ref):
+            if step % 2 == 0:
+                scale = lr_scale(w.shape, "match_rms_adamw")
+                muon_update(w, g, m, lr=0.05, scale=scale, **ref)
+            else:
+                tiles = block_tiles(w.shape, 2, 2)
+                block_muon_update(w, g, m, tiles, lr=0.025, adjust_lr="match_rms_adamw", **ref)
+    for p, w, m in zip(params, W_ref, M_ref):
+        assert torch.equal(opt.state[p]["momentum"], m)
+        assert opt.state[p]["step"].item() == 3
+        torch.testing.assert_close(p.detach(), w, rtol=1e-6, atol=1e-7)
 
 
 SCALAR_SHAPES = [(7,), (5, 3), (7,), (4, 2, 3)]
