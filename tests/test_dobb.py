@@ -518,14 +518,16 @@ def test_control_basis_sources(source):
 
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_batched_update_equals_per_matrix_reference(transposed, nesterov):
-    """``dobb_update_batched`` on n matrices == ``dobb_update`` on each (ragged blocks)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_update_equals_per_matrix_reference(transposed, nesterov, dtype):
+    """``dobb_update_batched`` on n matrices == ``dobb_update`` on each (ragged blocks;
+    bf16 weights and gradients with fp32 momentum, as under mixed precision)."""
     gen = torch.Generator().manual_seed(5)
     n, rows, d_in, num_blocks = 3, 6, 11, 3
     stacks = block_stacks(d_in, num_blocks)
     shape = (d_in, rows) if transposed else (rows, d_in)
-    params = [torch.randn(*shape, generator=gen) for _ in range(n)]
-    grads = [torch.randn(*shape, generator=gen) for _ in range(n)]
+    params = [torch.randn(*shape, generator=gen).to(dtype) for _ in range(n)]
+    grads = [torch.randn(*shape, generator=gen).to(dtype) for _ in range(n)]
     momenta = [torch.randn(*shape, generator=gen) for _ in range(n)]
     bases = [
         [eigenbasis((a := torch.randn(s.count, s.size, s.size, generator=gen)) @ a.mT)

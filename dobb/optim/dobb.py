@@ -27,6 +27,7 @@ from dobb.distributed.sharding import (
     split_over_ranks,
 )
 from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
+from dobb.optim.batching import foreach_mul_
 from dobb.stats import (
     BlockStatistics,
     GramCache,
@@ -123,7 +124,7 @@ def dobb_update_batched(
     update = update.mT if transposed else update
     # W <- W (1 - lr wd) - lr alpha U
     if weight_decay:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
+        foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_add_(params, update.unbind(0), alpha=-lr * scale)
 
 
