@@ -1,6 +1,9 @@
-# Two entry points, each doing its own setup in a local virtualenv:
-#   make demo   the main job: compare Dobb, Dion, Muon and AdamW on a small GPT
-#   make test   the test suite (what CI runs)
+# Entry points, each doing its own setup in a local virtualenv:
+#   make demo            the main job: compare the optimizers on a small GPT
+#   make test            the test suite
+#   make lint            ruff check and ruff format --check
+#   make install-check   the wheel, installed without extras, runs the quick start
+# CI (.ci/run) runs test, lint and install-check.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # On CPU machines pin torch: 2.13.0 is a local CPU build, an unpinned torch pulls CUDA.
@@ -12,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,bench,bpe,examples]"
 	touch $@
 
-.PHONY: test demo lint
+.PHONY: test demo lint install-check
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
@@ -21,3 +24,6 @@ demo: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+install-check: $(VENV)/.installed
+	TORCH="$(TORCH)" .ci/install_check $(PY)
