@@ -104,9 +104,13 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
     }
 
     rows = []
-    for ab, runs in results["ablations"]:
+    for i, (ab, runs) in enumerate(results["ablations"]):
         top = best_run(runs)
         delta = loss_of(top) - references[ab.optimizer]["loss"]
+        seeded = results.get("ablation_seeds", {}).get(i)
+        if seeded:  # seeds of both sides: the difference of means against the pooled noise
+            seeded = seed_stats(seeded)
+            seeded["pair"] = compare_seeds(seeded, seeds[ab.optimizer])
         rows.append(
             {
                 "optimizer": ab.optimizer,
@@ -120,8 +124,11 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
                 "best_lr": top["lr"],
                 "loss": loss_of(top),
                 "delta": delta,
-                "exceeds": bool(abs(delta) > references[ab.optimizer]["noise"]),
+                "exceeds": seeded["pair"]["exceeds"]
+                if seeded
+                else bool(abs(delta) > references[ab.optimizer]["noise"]),
                 "at_edge": at_edge(runs),
+                "seeds": seeded,
             }
         )
     checks = {}
@@ -261,29 +268,34 @@ def _ablation_findings(report: dict[str, Any], name: str) -> list[str]:
     title, noise, lines = _title(name), report["references"][name]["noise"], []
     rows = [r for r in report["ablations"] if r["optimizer"] == name]
     varied = [r for r in rows if r["option"] != "stats_sync"]
-    matter = sorted((r for r in varied if r["exceeds"]), key=lambda r: -abs(r["delta"]))
+    matter = sorted((r for r in varied if r["exceeds"]), key=lambda r: -abs(_delta(r)))
     within = [r for r in varied if not r["exceeds"]]
     text = (
         f"{title} ablations, each against {title}'s seed-0 run at its tuned lr (threshold: 2 x "
         f"{title}'s seed std = {noise:.4f}): "
     )
     if matter:
-        text += "beyond the noise: " + ", ".join(f"{_label(r)} {r['delta']:+.4f}" for r in matter)
+        text += "beyond the noise: " + ", ".join(f"{_label(r)} {_delta(r):+.4f}" for r in matter)
     else:
         text += "no change moves the loss beyond the seed noise"
     if within:
         text += "; within the noise: " + ", ".join(_label(r) for r in within)
     lines.append(text + ".")
-    better = [r for r in matter if r["delta"] < 0]
+    better = [r for r in matter if _delta(r) < 0]
     if better:
         lines.append(
             f"Better than {title}'s default beyond the noise: "
-            + ", ".join(f"{_label(r)} ({r['delta']:+.4f})" for r in better)
+            + ", ".join(f"{_label(r)} ({_delta(r):+.4f})" for r in better)
             + "; the default ("
             + ", ".join(sorted({f"{r['option']}={r['default']}" for r in better}))
             + ") is not the best setting at this budget."
         )
     return lines
+
+
+def _delta(row: dict[str, Any]) -> float:
+    """An ablation's loss difference: of seed means where it has seeds, else of seed 0."""
+    return row["seeds"]["pair"]["diff"] if row.get("seeds") else row["delta"]
 
 
 def _signum_findings(report: dict[str, Any]) -> list[str]:
@@ -573,10 +585,25 @@ def _ablation_table(report: dict[str, Any], name: str) -> str:
             f"{r['option']}|{r['default']}|{r['value']}|"
             f"{', '.join(f'{lr:.4g}' for lr in r['lrs'])}|{r['best_lr']:.4g}|"
             f"{_fmt(r['loss'])}|{r['delta']:+.4f}|{YES_NO[r['exceeds']]}|"
-            + "; ".join(filter(None, [r["note"], r["at_edge"] and "best lr at grid edge"]))
+            + "; ".join(
+                filter(None, [r["note"], r["at_edge"] and "best lr at grid edge", _seeded(r)])
+            )
             for r in report["ablations"]
             if r["optimizer"] == name
         ],
+    )
+
+
+def _seeded(row: dict[str, Any]) -> str:
+    """A seeded ablation's means against its optimizer's seeds (empty for one-seed rows)."""
+    stats = row.get("seeds")
+    if not stats:
+        return ""
+    pair = stats["pair"]
+    return (
+        f"{stats['n']} seeds: mean {_fmt(stats['mean'])} ± {stats['std']:.4f}, Δ of means "
+        f"{pair['diff']:+.4f} (2 x pooled std {NOISE_FACTOR * pair['pooled_std']:.4f}, "
+        f"Welch t {pair['welch_t']:.2f}); beyond noise judged on the means"
     )
 
 

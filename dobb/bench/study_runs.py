@@ -299,6 +299,7 @@ class Ablation:
     sweep: bool = False  # its best lr moves: a small sweep around `lr_center`
     note: str = ""
     optimizer: str = "dobb"
+    seeds: int = 1  # > 1: also run seeds 1.. at `lr_center`, set against the optimizer's seeds
 
 
 def ablations(width: int) -> list[Ablation]:
@@ -380,6 +381,9 @@ def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) 
         later[("ablation", i)] = Sweep(
             partial(make, ab.optimizer, options={ab.option: ab.value}), grid, extend
         )
+        for seed in range(1, ab.seeds):
+            run = partial(make, ab.optimizer, options={ab.option: ab.value}, seed=seed)
+            later[("ablation", i, seed)] = Sweep(run, [center])
     for w in spec.widths:
         for name in ("dobb", "dion"):
             if w != width:
@@ -396,6 +400,12 @@ def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) 
             for n in OPTIMIZERS
         },
         "ablations": [(ab, done[("ablation", i)]) for i, ab in enumerate(ablations(width))],
+        "ablation_seeds": {
+            i: [best_run(done[("ablation", i)])]
+            + [done[("ablation", i, s)][0] for s in range(1, ab.seeds)]
+            for i, ab in enumerate(ablations(width))
+            if ab.seeds > 1
+        },
         "widths": {
             (name, w): done[("width", name, w)] if w != width else main[name]
             for w in spec.widths

@@ -29,7 +29,9 @@ small valid constructor inputs and invalid ones with the expected error, in the 
 PyTorch's ``optim_db``, so tests can run over the whole registry.
 """
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -229,6 +231,19 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
     )
 }
+
+
+# `dobb study` writes its tuned learning rates here (a source checkout; absent from a wheel).
+STUDY_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "study" / "study.json"
+
+
+def tuned_lrs(path: Path = STUDY_RESULTS) -> dict[str, float]:
+    """Best hidden-matrix learning rate of each optimizer in the committed study (section
+    (a) of ``benchmarks/STUDY.md``); empty if the file is missing."""
+    try:
+        return dict(json.loads(Path(path).read_text())["best_lr"])
+    except FileNotFoundError:
+        return {}
 
 
 def get_entry(name: str) -> OptimizerEntry:

@@ -4,8 +4,9 @@
     dobb compare --quick         # smoke run: tiny GPT, a few steps, < 1 min
     dobb compare --lr-sweep      # a log-spaced lr grid per optimizer, then compare the best
 
-Each optimizer trains at its best learning rate from `dobb study` (`BEST_LRS`; the
-registry's starting lr for one the study has not tuned) with the settings of the paper's
+Each optimizer trains at its best learning rate from `dobb study` (read from the committed
+`benchmarks/study/study.json` by `dobb.optim.registry.tuned_lrs`; the registry's starting lr
+for one the study has not tuned) with the settings of the paper's
 comparison: Dobb with 16 blocks, Dion with rank fraction 1/16. Every run writes its own log under
 `<out>/runs/<optimizer>-lr<lr>/`; the report (`summary.md`, `results.json`, PNG plots)
 is built from those logs only. A finished run (its `summary.json` exists) is not repeated,
@@ -22,15 +23,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dobb.optim.registry import get_entry
+from dobb.optim.registry import get_entry, tuned_lrs
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
 
-OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "blockmuon", "adamw")
+OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "blockmuon", "normuon", "dion2", "adamw")
 # The settings compared in the Dobb paper's abstract (DESIGN.md §1); others are defaults.
 # MuonBP and BlockMuon in one process tile each matrix's rows as FSDP over 4 ranks would
-# shard them; Dion2 selects its rows per such block, as FSDP's shards would. NorMuon and
-# Dion2 are not in OPTIMIZERS yet (no tuned lr): run them with --optimizers.
+# shard them; Dion2 selects its rows per such block, as FSDP's shards would.
 OPTIONS: dict[str, dict[str, Any]] = {
     "dobb": {"num_blocks": 16},
     "dion": {"rank_fraction": 1 / 16},
@@ -40,17 +40,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "normuon": {},
     "dion2": {"row_blocks": 4},
     "adamw": {},
-}
-# Best hidden-matrix learning rates found by `dobb study` (benchmarks/STUDY.md, section (a):
-# 4 layers, width 128, 400 steps, 4 seeds). The comparison runs each optimizer there; the
-# lr sweep centres its grids on the registry's starting lrs instead.
-BEST_LRS = {
-    "dobb": 2e-3,
-    "dion": 1e-2,
-    "muon": 2e-2,
-    "muonbp": 5e-3,
-    "blockmuon": 5e-3,
-    "adamw": 2e-3,
 }
 # Default budget: the mini GPT (4 layers, d=256, 3.3M parameters, byte tokens) at 16 x 256
 # tokens per step. Measured on the 2-core CPU machine (torch 2.13, 2 threads, another job
@@ -177,7 +166,7 @@ def compare(
         if lr_sweep:
             grids[name] = sorted((lrs or {}).get(name) or [default * f for f in lr_factors])
         else:
-            grids[name] = [BEST_LRS.get(name, default)]
+            grids[name] = [tuned_lrs().get(name, default)]
     results = {
         name: [run(run_config(base, name, lr, out), log) for lr in grid]
         for name, grid in grids.items()
@@ -307,7 +296,7 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
     def source(name: str) -> str:
         if report["lr_sweep"]:
             return "best of the sweep below"
-        if name in BEST_LRS:
+        if name in tuned_lrs():
             return "best in benchmarks/STUDY.md (width 128)"
         return "registry starting value (not tuned)"
 

@@ -6,17 +6,13 @@ import pytest
 import torch
 
 from dobb import cli
+from dobb.optim.registry import get_entry, tuned_lrs
 from dobb.train import compare
 
-# each optimizer at its best lr from the study
-RUNS = [
-    "adamw-lr0.002",
-    "blockmuon-lr0.005",
-    "dion-lr0.01",
-    "dobb-lr0.002",
-    "muon-lr0.02",
-    "muonbp-lr0.005",
-]
+# each optimizer at its best lr from the study's committed JSON (registry lr if untuned)
+RUNS = sorted(
+    f"{name}-lr{tuned_lrs().get(name, get_entry(name).lr):.4g}" for name in compare.OPTIMIZERS
+)
 
 
 @pytest.fixture(autouse=True)
@@ -80,3 +76,11 @@ def test_compare_rejects_per_run_overrides(tmp_path, capsys):
 def test_train_command_reports_config_errors(capsys):
     assert cli.main(["train", "stepz=3"]) == 2
     assert "unknown config key 'stepz'" in capsys.readouterr().err
+
+
+def test_tuned_lrs_come_from_the_study_json(tmp_path):
+    """The registry reads tuned lrs from the study's JSON; none without the file."""
+    path = tmp_path / "study.json"
+    assert tuned_lrs(path) == {}
+    path.write_text(json.dumps({"best_lr": {"dobb": 0.003, "muon": 0.02}}))
+    assert tuned_lrs(path) == {"dobb": 0.003, "muon": 0.02}
