@@ -314,6 +314,8 @@ def ablations(width: int) -> list[Ablation]:
         Ablation("basis_interval", 1),
         Ablation("basis_interval", 100),
         Ablation("basis_method", "power_qr"),
+        Ablation("basis_method", "jacobi", seeds=4, note="batched solver, the CUDA default"),
+        Ablation("basis_method", "cholqr"),
         Ablation("stats_sync", "step", note="one process: same math, a check"),
         Ablation("basis_source", "identity", note="Signum"),
         Ablation("basis_source", "random"),

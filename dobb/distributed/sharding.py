@@ -117,17 +117,15 @@ def average_(tensors: list[Tensor], groups: list) -> None:
 def split_over_ranks(fn, *stacks: Tensor, group) -> Tensor:
     """``fn(*stacks)`` for ``(n, ...)`` stacks, each rank of ``group`` computing ~n/P of it.
 
-    Rank ``r`` evaluates ``fn`` on rows ``[r c, (r + 1) c)`` (``c = ceil(n / P)``, zero rows
-    padding the end) and one all-gather assembles the result, so every rank ends with the
-    same bits, computed once.
+    Rank ``r`` evaluates ``fn`` on rows ``[r c, (r + 1) c)`` (``c = ceil(n / P)``; the end is
+    padded with copies of the last row, a valid input for any solver) and one all-gather
+    assembles the result, so every rank ends with the same bits, computed once.
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     n = stacks[0].shape[0]
     chunk = -(-n // size)
-    mine = [t.new_zeros(chunk, *t.shape[1:]) for t in stacks]
-    for padded, t in zip(mine, stacks):
-        part = t[rank * chunk : (rank + 1) * chunk]
-        padded[: part.shape[0]] = part
+    rows = torch.arange(rank * chunk, (rank + 1) * chunk, device=stacks[0].device).clamp_max(n - 1)
+    mine = [t.index_select(0, rows) for t in stacks]
     result = fn(*mine).contiguous()
     gathered = result.new_empty(size * chunk, *result.shape[1:])
     ALL_GATHER_SINGLE(gathered, result, group=group)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from dobb.blocks import BlockStack, block_stacks, refresh_bases
+from dobb.blocks import BlockStack, block_stacks
 from dobb.distributed.sharding import (
     average_,
     block_state_like,
@@ -26,6 +26,7 @@ from dobb.distributed.sharding import (
     shard_degree,
     split_over_ranks,
 )
+from dobb.eigensolve import BASIS_METHODS, refresh_bases
 from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
 from dobb.optim.batching import foreach_mul_
 from dobb.stats import (
@@ -37,7 +38,8 @@ from dobb.stats import (
 )
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
-BASIS_METHODS = ("eigh", "power_qr")
+# Orthogonal iterations need a start: their first refresh of a matrix runs eigh.
+COLD_START = {"power_qr": "eigh", "cholqr": "eigh"}
 MISSING_STATS_MODES = ("raise", "identity")
 STATS_SYNC_MODES = ("refresh", "step")
 # Where the block bases come from: Dobb's activation moments, or controls for ablations.
@@ -158,8 +160,14 @@ class Dobb(MatrixOptimizer):
         update_scale: ``alpha``: a number, or ``"adamw"`` (0.2), ``"lion"`` (1.0), or
             ``"muon"`` (``1/sqrt(d_in)``: the RMS of Muon's spectrally scaled orthogonal
             update ``sqrt(max(1, d_out/d_in)) U Vᵀ``).
-        basis_method: ``"eigh"`` (default) or ``"power_qr"``: one warm-started orthogonal
-            iteration per refresh (``eigh`` on the first one).
+        basis_method: how bases are refreshed (``dobb.eigensolve``, all blocks of a size in
+            one call): ``"auto"`` (default: ``"eigh"`` on CPU, ``"jacobi"`` on CUDA, where
+            ``eigh`` loops over blocks), ``"eigh"`` (the reference), ``"jacobi"`` (batched
+            Jacobi sweeps warm-started from the previous basis), ``"cholqr"`` / ``"power_qr"``
+            (one warm-started orthogonal-iteration step with Cholesky-QR / Householder QR;
+            ``eigh`` on a matrix's first refresh), ``"cupy"`` (CuPy's batched ``eigh``). A
+            batched solver's non-orthonormal or non-finite blocks are redone in fp64 ``eigh``
+            with one warning.
         basis_source: ``"activations"`` (Dobb). Controls for ablations: ``"gradients"``
             (eigenbases of the blocks of ``E[Gᵀ G]``, unsharded matrices only), ``"random"``
             (a fixed random orthogonal basis per block), ``"identity"`` (Signum).
@@ -202,7 +210,7 @@ class Dobb(MatrixOptimizer):
         basis_interval: int = 10,
         update_scale: float | str = 0.2,
         *,
-        basis_method: str = "eigh",
+        basis_method: str = "auto",
         basis_source: str = "activations",
         missing_stats: str = "raise",
         data_parallel=None,
@@ -259,7 +267,9 @@ class Dobb(MatrixOptimizer):
                 f"{UPDATE_SCALE_MODES})"
             )
         if group["basis_method"] not in BASIS_METHODS:
-            raise ValueError(f"invalid basis_method: {group['basis_method']!r}")
+            raise ValueError(
+                f"invalid basis_method: {group['basis_method']!r} (one of {BASIS_METHODS})"
+            )
         if group["basis_source"] not in BASIS_SOURCES:
             raise ValueError(f"invalid basis_source: {group['basis_source']!r}")
         if group["basis_source"] == "gradients" and any(
@@ -535,7 +545,8 @@ class Dobb(MatrixOptimizer):
         solver call per method and block size (``eigh`` on a matrix's first statistics)."""
         by_method: dict[str, list[tuple[dict, str, str]]] = {}
         for state, group, stats_steps in due:
-            method = "eigh" if stats_steps == 1 else group["basis_method"]
+            method = group["basis_method"]
+            method = COLD_START.get(method, method) if stats_steps == 1 else method
             by_method.setdefault(method, []).extend(
                 (state, cov_key, basis_key) for cov_key, basis_key in STACK_KEYS if cov_key in state
             )

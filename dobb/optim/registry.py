@@ -104,6 +104,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
                 {},
                 {"num_blocks": 4, "basis_interval": 2},
                 {"basis_method": "power_qr", "basis_interval": 1, "nesterov": False},
+                {"basis_method": "jacobi", "basis_interval": 2},
                 {"update_scale": "muon", "weight_decay": 0.1},
             ),
             error_inputs=MATRIX_ERRORS
