@@ -49,7 +49,8 @@ EIGH_JITTER = 1e-7  # relative diagonal jitter: C + JITTER * mean(diag C) * I
 JACOBI_SWEEPS = 3  # warm-started sweeps per refresh: eigh's accuracy for s <= 200 (README)
 JACOBI_WIDTH = 16  # slot width: (32, 32) subproblems, the largest CUDA eigh batches
 CHOLQR_ITERS = 1  # orthogonal-iteration steps per refresh, as power_qr (SOAP)
-SKIP_TOL = 1e-4  # keep Q_b when ||offdiag(Qᵀ C Q)||_F <= SKIP_TOL ||Qᵀ C Q||_F
+CHOLQR_SHIFT = 1e-3  # C + shift mean(diag C) I: positive definite, same eigenvectors
+SKIP_TOL = 1e-5  # keep Q_b when ||offdiag(Qᵀ C Q)||_F <= SKIP_TOL ||Qᵀ C Q||_F
 ORTHO_TOL = 1e-3  # guard: a basis with max |QᵀQ - I| above this is recomputed
 
 
@@ -135,8 +136,10 @@ def cholqr_basis(
 ) -> Tensor:
     """``iters`` warm-started orthogonal-iteration steps, orthonormalised by Cholesky-QR3.
 
-    ``Q`` sorted by decreasing Rayleigh quotient ``diag(Qᵀ C Q)``, then ``Q <- orth(C Q)``
-    ``iters`` times. Column ``j`` converges at rate ``λ_{j+1}/λ_j`` per step, so well-separated
+    ``Q`` sorted by decreasing Rayleigh quotient ``diag(Qᵀ C Q)``, then ``Q <- orth(C' Q)``
+    ``iters`` times with ``C' = C + δ I``, ``δ = CHOLQR_SHIFT mean(diag C)`` (same eigenvectors;
+    keeps ``κ(C' Q) <= 1 + s / CHOLQR_SHIFT`` in Cholesky-QR3's range when ``C`` is singular).
+    Column ``j`` converges at rate ``(λ_{j+1} + δ) / (λ_j + δ)`` per step, so well-separated
     eigenvalues converge over a few refreshes and clustered ones only to their subspace.
     Blocks with ``off_diagonal_ratio(Qᵀ C Q) <= skip_tol`` keep their (warm) basis.
     """
@@ -144,8 +147,13 @@ def cholqr_basis(
     a = start.mT @ cov @ start
     order = a.diagonal(0, 1, 2).argsort(dim=-1, descending=True)
     q = start.gather(-1, order[:, None, :].expand_as(start))
+    scale = cov.diagonal(0, 1, 2).mean(-1)
+    shift = CHOLQR_SHIFT * torch.where(scale > 0, scale, 1)  # a zero block: C' = δ I
+    shifted = cov + shift[:, None, None] * torch.eye(
+        cov.shape[-1], dtype=cov.dtype, device=cov.device
+    )
     for _ in range(iters):
-        q = orthonormalize(cov @ q)
+        q = orthonormalize(shifted @ q)
     return torch.where((off_diagonal_ratio(a) <= skip_tol)[:, None, None], start, q)
 
 
@@ -290,11 +298,16 @@ def orthogonality_error(q: Tensor) -> Tensor:
 def guarded(method: str, solve: Callable[[Tensor, Tensor], Tensor]):
     """``solve`` with a safety net: blocks it returns non-finite or not orthonormal
     (``orthogonality_error > ORTHO_TOL``) are recomputed with float64 ``eigh``, and one
-    warning names ``method`` and how many blocks. One host read per call (two on failure).
+    warning names ``method`` and how many blocks. A ``LinAlgError`` inside ``solve`` (which
+    cannot say which block failed) sends every block to the fallback. One host read per call
+    (two on failure).
     """
 
     def run(cov: Tensor, basis: Tensor) -> Tensor:
-        q = solve(cov, basis)
+        try:
+            q = solve(cov, basis)
+        except torch.linalg.LinAlgError:
+            q = torch.full_like(cov, float("nan"))
         bad = ~(orthogonality_error(q) <= ORTHO_TOL)  # NaN is bad
         if bool(bad.any()):
             index = bad.nonzero()[:, 0]
