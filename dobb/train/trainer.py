@@ -101,6 +101,9 @@ def load_data(spec: str, val_spec, val_fraction, tokenizer, cache_dir) -> TokenS
     return TokenStream.load(spec, val_fraction, val_spec, tokenizer, cache_dir)
 
 
+RUN_FILES = ("run.json", "metrics.jsonl", "summary.json", "checkpoints")  # a run's files
+
+
 def start_point(cfg: TrainConfig) -> Path | None:
     """The checkpoint a run of `cfg` resumes from, or None to start at step 0.
 
@@ -257,9 +260,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     for p in params:
         p.grad.mul_(scale.item())
     return total.item()
-
-
-RUN_FILES = ("run.json", "metrics.jsonl", "summary.json", "checkpoints")  # a run's files
 
 
 class RunLog:

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from multirank import run_ranks
 
 from dobb.optim.registry import OPTIMIZERS
 from dobb.train.checkpoint import (
@@ -204,4 +205,25 @@ def test_no_intact_checkpoint_stops_and_touches_nothing(tmp_path, finished_run):
     message = "no intact checkpoint in .*step_000008: .*bytes.*; step_000004: .*SHA-256"
     with pytest.warns(RunWarning), pytest.raises(CheckpointError, match=message):
         train(config(run, "dobb", resume=True))
+    assert files(run) == before
+
+
+def resume_on_rank(rank, world, out):
+    """Resume `out` under FSDP; return this rank's CheckpointError message (or None)."""
+    try:
+        train(config(out, "dobb", layout="fsdp", resume=True))
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_every_rank_stops_with_rank_0s_verdict(tmp_path, finished_run):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    delete_a_file(run / "checkpoints" / "step_000004")
+    remove_the_marker(run / "checkpoints" / "step_000008")
+    before = files(run)
+    errors = run_ranks(resume_on_rank, 2, str(run), timeout=120)
+    assert errors[0] is not None and errors[0].startswith("no intact checkpoint")
+    assert errors[1] == errors[0]  # rank 0 checked the files; rank 1 got its answer
     assert files(run) == before
