@@ -20,6 +20,7 @@ whose result is non-finite or not orthonormal. ``refresh_bases`` is the one disp
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import platform
@@ -295,20 +296,35 @@ def orthogonality_error(q: Tensor) -> Tensor:
     return (q.mT @ q - eye).abs().amax((-2, -1))
 
 
+@contextlib.contextmanager
+def full_precision_matmuls():
+    """fp32 matmuls in IEEE precision inside the block (TF32, which a trainer may enable with
+    ``set_float32_matmul_precision("high")``, would cost the solvers three digits)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def guarded(method: str, solve: Callable[[Tensor, Tensor], Tensor]):
-    """``solve`` with a safety net: blocks it returns non-finite or not orthonormal
-    (``orthogonality_error > ORTHO_TOL``) are recomputed with float64 ``eigh``, and one
-    warning names ``method`` and how many blocks. A ``LinAlgError`` inside ``solve`` (which
-    cannot say which block failed) sends every block to the fallback. One host read per call
-    (two on failure).
+    """``solve`` in at least fp32 with IEEE matmuls, and a safety net: blocks it returns
+    non-finite or not orthonormal (``orthogonality_error > ORTHO_TOL``) are recomputed with
+    float64 ``eigh``, and one warning names ``method`` and how many blocks. A ``LinAlgError``
+    inside ``solve`` (which cannot say which block failed) sends every block to the fallback.
+    One host read per call (two on failure).
     """
 
     def run(cov: Tensor, basis: Tensor) -> Tensor:
-        try:
-            q = solve(cov, basis)
-        except torch.linalg.LinAlgError:
-            q = torch.full_like(cov, float("nan"))
-        bad = ~(orthogonality_error(q) <= ORTHO_TOL)  # NaN is bad
+        dtype = torch.promote_types(cov.dtype, torch.float32)
+        cov = cov.to(dtype)
+        with full_precision_matmuls():
+            try:
+                q = solve(cov, basis.to(dtype))
+            except torch.linalg.LinAlgError:
+                q = torch.full_like(cov, float("nan"))
+            bad = ~(orthogonality_error(q) <= ORTHO_TOL)  # NaN is bad
         if bool(bad.any()):
             index = bad.nonzero()[:, 0]
             q = q.index_copy(0, index, _eigh64(cov.index_select(0, index)).to(q.dtype))

@@ -220,3 +220,22 @@ def test_benchmark_writes_json_rows(tmp_path, monkeypatch):
         assert row["residual"] < 1e-5 and row["orthogonality"] < 1e-5
         assert row["seconds"] > 0 and len(row["all_seconds"]) == 2 and row["ops"] > 0
     assert result["command"].startswith("python -m dobb.eigensolve --sizes 12:3,9:2")
+
+
+def test_solvers_run_in_fp32_with_ieee_matmuls_whatever_the_caller_chose():
+    seen = []
+
+    def spy(cov, basis):
+        seen.append((cov.dtype, basis.dtype, torch.get_float32_matmul_precision()))
+        return jacobi_basis(cov, basis)
+
+    cov, basis, _ = refresh_problem(n=2, s=12, device="cpu")
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        q = guarded("jacobi", spy)(cov.bfloat16(), basis.bfloat16())
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert seen == [(torch.float32, torch.float32, "highest")]
+    assert q.dtype == torch.float32 and orthogonality_error(q).max() < 1e-5
