@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from multirank import run_ranks
 
 from dobb.eigensolve import (
     BASIS_METHODS,
@@ -239,3 +240,24 @@ def test_solvers_run_in_fp32_with_ieee_matmuls_whatever_the_caller_chose():
         torch.set_float32_matmul_precision(previous)
     assert seen == [(torch.float32, torch.float32, "highest")]
     assert q.dtype == torch.float32 and orthogonality_error(q).max() < 1e-5
+
+
+def _refresh_split_over_ranks(rank, world_size, method):
+    from dobb.distributed.sharding import split_over_ranks
+
+    cov, basis, _ = refresh_problem(n=3, s=20, device="cpu")  # rank 1: 1 block + 1 zero pad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (q,) = refresh_bases(
+            [cov], [basis], method, lambda fn, *st: split_over_ranks(fn, *st, group=None)
+        )
+    return q
+
+
+@pytest.mark.parametrize("method", ["jacobi", "cholqr"])
+def test_sharded_refresh_matches_one_process(method):
+    """Dobb's ``shard_refresh`` path: each rank solves ~n/P blocks, one all-gather."""
+    cov, basis, _ = refresh_problem(n=3, s=20, device="cpu")
+    (expected,) = refresh_bases([cov], [basis], method)
+    for q in run_ranks(_refresh_split_over_ranks, 2, method):
+        torch.testing.assert_close(q, expected)
