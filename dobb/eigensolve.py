@@ -189,12 +189,12 @@ def _pair_rotations(a: Tensor, width: int) -> Tensor:
     columns would permute slots and stall the sweeps, as outer rotations do in scalar Jacobi.)
     """
     n, m, _ = a.shape
-    w, pairs = 2 * width, m // (2 * width)
-    blocks = a.view(n, pairs, w, pairs, w).diagonal(0, 1, 3).permute(0, 3, 1, 2)  # (n, p, w, w)
-    vectors = torch.linalg.eigh(blocks).eigenvectors  # eigenvalues ascending
+    size, pairs = 2 * width, m // (2 * width)
+    blocks = a.view(n, pairs, size, pairs, size).diagonal(0, 1, 3).permute(0, 3, 1, 2)
+    vectors = torch.linalg.eigh(blocks).eigenvectors  # (n, pairs, 2w, 2w), eigenvalues ascending
     rank = blocks.diagonal(0, -2, -1).argsort(-1).argsort(-1)
     vectors = vectors.gather(-1, rank[..., None, :].expand_as(vectors))
-    return vectors.reshape(n * pairs, w, w).mT
+    return vectors.reshape(n * pairs, size, size).mT
 
 
 def _jacobi_round(a: Tensor, qt: Tensor, step: Tensor, width: int) -> tuple[Tensor, Tensor]:
@@ -225,9 +225,9 @@ def jacobi_basis(
 
     The indices are split into an even number of ``slots`` of ``w <= width`` indices each
     (padded with dummy indices, decoupled and with diagonal ``-(1 + ||A||_F)``, below every
-    eigenvalue);
-    each of a sweep's ``slots - 1`` rounds diagonalises the ``(2w, 2w)`` submatrices of all
-    disjoint slot pairs of all blocks at once, with a fixed number of batched kernels, so a
+    eigenvalue). Each of a sweep's ``slots - 1`` rounds diagonalises the ``(2w, 2w)``
+    submatrices of all disjoint slot pairs of all blocks at once, with a fixed number of
+    batched kernels (one of them ``eigh``, which on CUDA reads its error flag on the host), so a
     call dispatches ``O(sweeps s / w)`` kernels for any ``n`` (one round, exact, when
     ``s <= 2w``). Started from the previous eigenbasis ``A`` is nearly diagonal and the sweeps
     converge quadratically. Returns ``Q J`` with columns sorted by decreasing ``diag(A)``,
