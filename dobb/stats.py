@@ -20,12 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from dobb._dtensor import DTensor
 from dobb.blocks import BlockStack
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed support
-    DTensor = ()
 
 
 @dataclass(frozen=True)

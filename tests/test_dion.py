@@ -7,6 +7,8 @@ import torch
 
 from dobb.optim.dion import (
     Dion,
+    DionMatrix,
+    dion_step,
     dion_update,
     error_feedback,
     orthonormalize,
@@ -109,16 +111,12 @@ def test_cholesky_qr_falls_back_to_householder_on_rank_deficiency():
 
 
 def paper_dion(W, grads, Q, *, lr, mu, weight_decay):
-    """Algorithm 1 of arXiv 2504.05295, transcribed literally (the test oracle)."""
+    """Algorithm 1 of arXiv 2504.05295 by the library's reference ``dion_update`` (Householder
+    QR, the box's ``Orthogonalize``), from ``M = 0``: the test oracle."""
     W, M, Q = W.clone(), torch.zeros_like(W), Q.clone()
     m, n = W.shape
     for G in grads:
-        B = M + G
-        P = torch.linalg.qr(B @ Q).Q
-        R = B.T @ P
-        M = B - (1 - mu) * P @ R.T
-        Q = R / R.norm(dim=0, keepdim=True)
-        W = W * (1 - lr * weight_decay) - lr * math.sqrt(m / n) * P @ Q.T
+        dion_update(W, G, M, Q, lr=lr, mu=mu, weight_decay=weight_decay, scale=math.sqrt(m / n))
     return W, M
 
 
@@ -233,3 +231,32 @@ def test_bf16_parameters_keep_fp32_state():
     state = opt.state[p]
     assert state["momentum"].dtype == state["Q"].dtype == torch.float32
     assert p.dtype == torch.bfloat16 and torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("orthogonalize", ["qr", "cholesky_qr"])
+def test_dion_step_is_the_reference_on_whole_matrices(orthogonalize):
+    """``dion_step`` (what the optimizer runs, batched over matrices and ready for split
+    ones) computes exactly ``dion_update`` on each whole matrix: tall, wide, square, one
+    tall enough for the sketch of Cholesky QR, and one whose buffer stays zero."""
+    g = torch.Generator().manual_seed(9)
+    shapes = [(24, 16), (16, 24), (12, 12), (300, 8), (10, 6)]
+    scales = [math.sqrt(m / n) for m, n in shapes]
+    hp = dict(lr=0.05, mu=0.9, weight_decay=0.1, orthogonalize=orthogonalize)
+    W = [torch.randn(s, generator=g) for s in shapes]
+    M = [torch.randn(s, generator=g) for s in shapes[:-1]] + [torch.zeros(shapes[-1])]
+    Q = [torch.randn(n, 3, generator=g) for _, n in shapes]
+    W2, M2, Q2 = ([t.clone() for t in ts] for ts in (W, M, Q))
+    for step in range(3):
+        grads = [torch.randn(s, generator=g) for s in shapes[:-1]] + [torch.zeros(shapes[-1])]
+        seeds = [100 * step + i for i in range(len(shapes))]  # the sketches' generators
+        for i in range(len(shapes)):
+            generator = torch.Generator().manual_seed(seeds[i])
+            dion_update(W[i], grads[i], M[i], Q[i], **hp, scale=scales[i], generator=generator)
+        matrices = [
+            DionMatrix(W2[i], grads[i], M2[i], Q2[i], scales[i], torch.Generator().manual_seed(s))
+            for i, s in enumerate(seeds)
+        ]
+        dion_step(matrices, **hp)
+    for reference, batched in zip(W + M + Q, W2 + M2 + Q2):
+        assert torch.equal(reference, batched)
+    assert not M[-1].any()  # B = 0 kept M (and Q) as they were

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from dobb._dtensor import DTensor
 
 __all__ = ["CommEvent", "CommRecorder"]
 

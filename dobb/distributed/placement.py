@@ -5,7 +5,9 @@ mesh axes split dim 0 (rows), split dim 1 (columns) or hold copies. Rows and col
 global index tensors, computed by DTensor itself (``distribute_tensor`` of an ``arange``
 with the parameter's placements, no communication), so uneven and empty FSDP shards and
 the ``_StridedShard`` of a 2-D FSDP x TP mesh come out right without assuming contiguous,
-rank-ordered rows. Plain tensors are one whole matrix on every rank.
+rank-ordered rows. Plain tensors are one whole matrix on every rank. ``MatrixPlacement``
+is the library's one description of the part of a matrix a rank holds; ``like_columns``
+lays out optimizer state indexed by a matrix's columns the way those columns are split.
 
 This is derived layout: the optimizers recompute it and never checkpoint it, so a
 checkpoint loads into another mesh.
@@ -13,19 +15,14 @@ checkpoint loads into another mesh.
 We say *axis* for a DeviceMesh axis and *dim* for a tensor dimension.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dobb.optim.base import DTensor
-
-try:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-except ImportError:  # torch built without distributed support
-    DeviceMesh = ()
+from dobb._dtensor import DeviceMesh, DTensor, Replicate, distribute_tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +46,25 @@ class MatrixPlacement:
     @property
     def is_split(self) -> bool:
         return bool(self.row_groups or self.col_groups)
+
+    def span(self, dim: int) -> tuple[int, int]:
+        """Global ``[start, stop)`` of the indices this rank holds along ``dim`` (0: rows,
+        1: columns); ``ValueError`` if they are not one contiguous run."""
+        index = self.rows if dim == 0 else self.cols
+        if not len(index):
+            return 0, 0
+        start, stop = int(index[0]), int(index[-1]) + 1
+        if stop - start != len(index):
+            raise ValueError(
+                f"this rank holds {len(index)} scattered indices along dim {dim} of a "
+                f"{self.shape} matrix (a strided shard), not one contiguous run"
+            )
+        return start, stop
+
+    def split_degree(self, dim: int) -> int:
+        """How many ranks split ``dim`` (1 where no mesh axis splits it)."""
+        groups = self.row_groups if dim == 0 else self.col_groups
+        return math.prod(dist.get_world_size(g) for g in groups)
 
     def take(self, full: Tensor) -> Tensor:
         """This rank's piece of a whole ``(m, n)`` matrix."""
@@ -93,20 +109,6 @@ def matrix_placement(param: Tensor) -> MatrixPlacement:
         mesh,
         placements,
     )
-
-
-def mesh_group(mesh: "DeviceMesh"):
-    """One process group over every rank of ``mesh`` (its flattened axes)."""
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    if mesh.size() == dist.get_world_size():
-        return dist.group.WORLD
-    if not mesh.mesh_dim_names:
-        raise NotImplementedError(
-            f"cannot form one process group over a {mesh.ndim}-D sub-mesh without axis names; "
-            "build the mesh with mesh_dim_names"
-        )
-    return mesh._flatten().get_group()
 
 
 def like_columns(local: Tensor, param: Tensor, rows: int) -> Tensor:

@@ -7,6 +7,9 @@ costs one collective per distinct group, not one per matrix. Groups are visited 
 order they first appear, which is the same on every rank when every rank lists its
 matrices in the same order (the optimizer's parameter order) and each list of groups in
 mesh-axis order; that is what keeps ranks on different groups from deadlocking.
+
+With ``average=True`` each sum is divided by its group's size: this is the library's one
+averaging all-reduce (Dobb's statistics, Dion's compressed sync and checkpointed momenta).
 """
 
 import torch

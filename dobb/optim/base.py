@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dobb._dtensor import local
 from dobb.optim.scalar import (
     SCALAR_ALGORITHMS,
     SCALAR_DEFAULTS,
@@ -20,18 +21,8 @@ from dobb.optim.scalar import (
     lion_updates,
 )
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed support
-    DTensor = ()
-
 GROUP_KEYS = {"params", "algorithm", "param_names", "initial_lr"}
 NONFINITE_MODES = ("raise", "skip")
-
-
-def local(t: Tensor) -> Tensor:
-    """The rank-local tensor behind a DTensor; a plain tensor unchanged."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def state_dtype(param: Tensor) -> torch.dtype:

@@ -4,11 +4,14 @@ Dion replaces Muon's full Newton-Schulz orthogonalization with one warm-started 
 power iteration on the momentum buffer per step, and feeds the part of the buffer that the
 low-rank update did not use back into the next step (error feedback).
 
-``dion_step`` is the paper's Algorithm 1 over a list of matrices, each either whole on this
-rank or split over ranks (``MatrixPlacement``). The math is written once; where a matrix is
-split, the products that sum over a split dim are completed by batched all-reduces, placed
-between the steps in straight-line code (one collective per process group per round, for
-all matrices together). ``dion_update`` is one whole matrix on one device.
+``dion_update`` is the paper's Algorithm 1 on one whole matrix, one line per line of the
+box: the reference. ``dion_step``, which the optimizer runs, takes the same steps over a
+list of matrices, each whole on this rank or split over ranks (``MatrixPlacement``). Where
+a matrix is split, the products that sum over a split dim are completed by batched
+all-reduces placed between the steps in straight-line code (one collective per process
+group per round, for all matrices together). On whole matrices it computes exactly what
+``dion_update`` does; a test holds the two together, and the distributed tests hold the
+split runs to the one-device run.
 """
 
 import math
@@ -20,10 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dobb._dtensor import DTensor, local
+from dobb.distributed.groups import axis_groups, group_argument
 from dobb.distributed.placement import MatrixPlacement, like_columns, matrix_placement
 from dobb.distributed.reduce import all_reduce_
-from dobb.distributed.sharding import data_parallel_groups
-from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
+from dobb.optim.base import MatrixOptimizer, state_dtype
 
 ORTHOGONALIZE_METHODS = ("qr", "cholesky_qr")
 COLUMN_EPS = 1e-8  # columns of R with a smaller norm are left (near) zero, never divided by 0
@@ -31,6 +35,43 @@ COLUMN_EPS = 1e-8  # columns of R with a smaller norm are left (near) zero, neve
 # values of microsoft/dion (dion_reference.py, `orthogonalize`, qr_method="rcqr").
 SKETCH_OVERSAMPLE = 1.25
 SKETCH_ROW_MULTIPLE = 128
+
+
+def dion_update(
+    param: Tensor,
+    grad: Tensor,
+    momentum: Tensor,
+    Q: Tensor,
+    *,
+    lr: float,
+    mu: float,
+    weight_decay: float,
+    scale: float,
+    orthogonalize: str = "qr",
+    generator: torch.Generator | None = None,
+) -> None:
+    """One Dion step (Algorithm 1) on a whole ``(m, n)`` matrix; ``param``, ``momentum``, ``Q``
+    in place. The reference that ``dion_step`` is tested against.
+
+    ``Q`` is the ``(n, r)`` right factor of the previous step; ``scale`` the learning-rate
+    factor (the paper's ``sqrt(m / n)``). The transposed variant (Q of shape ``(m, r)``) is
+    this function applied to ``.mT`` views, with the same ``scale``. ``generator`` seeds the
+    sketch of ``orthogonalize="cholesky_qr"``.
+    """
+    # B = M + G   (the momentum tensor holds B from here on)
+    B = momentum.add_(grad.to(momentum.dtype))
+    # W <- W (1 - lr wd)
+    param.mul_(1 - lr * weight_decay)
+    if not B.any():  # B = 0: keep M and Q (ColumnNormalize(0) has no direction)
+        return
+    # P = Orthogonalize(B Q);  R = Bᵀ P   (one warm-started power iteration)
+    P, R = power_step(B, Q, orthogonalize, generator=generator)
+    # M <- B - (1 - mu) P Rᵀ   (error feedback)
+    error_feedback(B, P, R, mu)
+    # Q <- ColumnNormalize(R)
+    Q.copy_(column_normalize(R))
+    # W <- W - lr scale P Qᵀ
+    param.addmm_(P.to(param.dtype), Q.mT.to(param.dtype), alpha=-lr * scale)
 
 
 def sketch(
@@ -152,7 +193,8 @@ def dion_step(
     weight_decay: float,
     orthogonalize: str = "qr",
 ) -> None:
-    """One Dion step (Algorithm 1) on every matrix, whole or split over ranks.
+    """One Dion step (Algorithm 1) on every matrix, whole or split over ranks: the steps of
+    ``dion_update``, with the sums over split dims completed by batched all-reduces.
 
     Where rows (dim 0, ``m``) are split, ``Pᵀ P``-type products and ``R = Bᵀ P`` are summed
     over the row axes; where columns (dim 1, ``n``) are split, ``B Q`` and the column norms
@@ -228,29 +270,6 @@ def _sketch_rows(x: DionMatrix, P: Tensor) -> Tensor:
     return S[:, x.placement.rows.to(P.device)]
 
 
-def dion_update(
-    param: Tensor,
-    grad: Tensor,
-    momentum: Tensor,
-    Q: Tensor,
-    *,
-    lr: float,
-    mu: float,
-    weight_decay: float,
-    scale: float,
-    orthogonalize: str = "qr",
-    generator: torch.Generator | None = None,
-) -> None:
-    """One Dion step on a whole ``(m, n)`` matrix; ``param``, ``momentum``, ``Q`` in place.
-
-    ``Q`` is the ``(n, r)`` right factor of the previous step. The transposed variant
-    (Q of shape ``(m, r)``) is this function applied to ``.mT`` views, with the same
-    ``scale``. ``generator`` seeds the sketch of ``orthogonalize="cholesky_qr"``.
-    """
-    matrix = DionMatrix(param, grad, momentum, Q, scale, generator)
-    dion_step([matrix], lr=lr, mu=mu, weight_decay=weight_decay, orthogonalize=orthogonalize)
-
-
 class Dion(MatrixOptimizer):
     r"""Dion (arXiv 2504.05295, Algorithm 1) for hidden weight matrices.
 
@@ -284,17 +303,19 @@ class Dion(MatrixOptimizer):
             Householder QR if a Cholesky factorization fails).
         seed: base seed of ``Q_0`` and of the sketches; each matrix draws from a generator
             seeded by ``seed`` and its name, so data-parallel replicas agree.
-        data_parallel: None, or where ranks see different tokens (a ProcessGroup for DDP,
-            a DeviceMesh of data axes for HSDP), as for Dobb. Dion then runs the paper's
-            compressed data-parallel sync: ``P`` and ``R`` are averaged over the data axes
-            along which a matrix is replicated (never over an axis that splits it), so the
-            replicas' gradients of Dion matrices need no all-reduce: use DDP with those
-            parameters ignored, or, for HSDP, ``fully_shard`` over the ``data_shard`` axis
-            only, with the replicas as plain copies, and pass the whole data mesh. Each
-            replica then keeps its own momentum; the update equals the one from averaged
-            gradients, because Dion is linear in ``M`` up to ``P`` and ``R``.
-            ``state_dict()`` averages the momenta first (exact, for the same reason).
-            Leave it None when gradients are already averaged.
+        sync_group: None, or the replicas whose gradients of Dion's matrices are left
+            unaveraged (``dobb.distributed.groups``): a ProcessGroup for DDP, a DeviceMesh
+            of data axes for HSDP. Dion then runs the paper's compressed data-parallel
+            sync: ``P`` and ``R`` are averaged over the axes along which a matrix is
+            replicated (never over an axis that splits it), so the replicas' gradients of
+            Dion matrices need no all-reduce: use DDP with those parameters ignored, or,
+            for HSDP, ``fully_shard`` over the ``data_shard`` axis only, with the replicas
+            as plain copies, and pass the whole data mesh. Each replica then keeps its own
+            momentum; the update equals the one from averaged gradients, because Dion is
+            linear in ``M`` up to ``P`` and ``R``. ``state_dict()`` averages the momenta
+            first (exact, for the same reason). Leave it None when gradients are already
+            averaged (what a harness's DDP or FSDP does).
+        data_parallel: deprecated spelling of ``sync_group``.
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients (checked per rank).
 
     Sharding: DTensor parameters are updated from their placements (FSDP ``Shard(0)``, TP
@@ -310,7 +331,7 @@ class Dion(MatrixOptimizer):
     ``P₁ᵀ P₁``                axes splitting rows                       ``r²``
     ``R = Bᵀ P``              axes splitting rows                       ``n_local r``
     column norms of ``R``     axes splitting columns                    ``r``
-    ``P``, ``R`` (mean)       ``data_parallel`` axes that copy it       ``m r``, ``n r``
+    ``P``, ``R`` (mean)       ``sync_group`` axes that copy it          ``m r``, ``n r``
     ========================  ========================================  ==================
 
     (``k = ceil(1.25 r)`` rounded up to 128.) ``Q`` is kept split like ``W``'s columns and
@@ -337,6 +358,9 @@ class Dion(MatrixOptimizer):
     """
 
     algorithm = "dion"
+    # A job whose DDP/FSDP averages the gradients hands Dion no group: its compressed sync
+    # (sync_group) needs them unaveraged (see dobb.distributed.groups).
+    data_parallel_option = None
 
     def __init__(
         self,
@@ -349,11 +373,13 @@ class Dion(MatrixOptimizer):
         *,
         orthogonalize: str = "qr",
         seed: int = 0,
+        sync_group=None,
         data_parallel=None,
         nonfinite: str = "raise",
     ):
         self.seed = seed
-        self._data_parallel_groups = data_parallel_groups(data_parallel)
+        sync_group = group_argument("Dion", "sync_group", sync_group, data_parallel)
+        self._sync_groups = axis_groups(sync_group)
         # derived layout, recomputed rather than checkpointed (a checkpoint may load
         # into another mesh)
         self._placements: dict[Tensor, MatrixPlacement] = {}
@@ -395,15 +421,13 @@ class Dion(MatrixOptimizer):
         return self._placements[param]
 
     def _data_groups(self, param: Tensor) -> tuple:
-        """The ``data_parallel`` groups along which ``param`` is copied (compressed sync)."""
+        """The ``sync_group`` axes along which ``param`` is copied (compressed sync)."""
         placement = self._placement(param)
         if placement is None:
-            return tuple(self._data_parallel_groups)
+            return self._sync_groups
         split = [dist.get_process_group_ranks(g) for g in placement.row_groups]
         split += [dist.get_process_group_ranks(g) for g in placement.col_groups]
-        return tuple(
-            g for g in self._data_parallel_groups if dist.get_process_group_ranks(g) not in split
-        )
+        return tuple(g for g in self._sync_groups if dist.get_process_group_ranks(g) not in split)
 
     @staticmethod
     def rank_of(shape: tuple[int, int], group: dict[str, Any]) -> int:

@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dobb._dtensor import DTensor, local
 from dobb.distributed.exchange import OwnerExchange
+from dobb.distributed.groups import group_argument
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
-from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
+from dobb.optim.base import MatrixOptimizer, state_dtype
 from dobb.optim.muon import NS_DTYPES, NS_STEPS, newton_schulz
 from dobb.optim.muonbp import chunk_sizes
-from dobb.optim.owner_groups import check_data_parallel, shared_buckets
+from dobb.optim.owner_groups import shared_buckets
 
 
 def selected_count(rows: int, fraction: float) -> int:
@@ -123,8 +125,9 @@ class Dion2(MatrixOptimizer):
             splits, cut like ``torch.chunk`` (see ``dobb.optim.muonbp.chunk_sizes``).
             Default 1: a rank's shard selects among its own rows. On one device,
             ``row_blocks=4`` makes the selection an FSDP run over 4 ranks makes.
-        data_parallel: as Muon's: the DDP group (or mesh) over which replicas split the
+        replica_group: as Muon's: the DDP group (or mesh) over which replicas split the
             Newton-Schulz work; None: every replica does all of it.
+        data_parallel: deprecated spelling of ``replica_group``.
         nonfinite: ``"raise"`` or ``"skip"`` (see ``MatrixOptimizer``).
 
     Distributed: each rank selects among its own rows (the authors' ``"local"`` scope),
@@ -144,6 +147,8 @@ class Dion2(MatrixOptimizer):
     """
 
     algorithm = "dion2"
+    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
+    data_parallel_option = "replica_group"
 
     def __init__(
         self,
@@ -156,11 +161,11 @@ class Dion2(MatrixOptimizer):
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
         row_blocks: int | tuple[int, ...] = 1,
+        replica_group=None,
         data_parallel=None,
         nonfinite: str = "raise",
     ):
-        check_data_parallel(data_parallel)
-        self._data_parallel = data_parallel
+        self._replica_group = group_argument("Dion2", "replica_group", replica_group, data_parallel)
         self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None
         defaults = dict(
             lr=lr,
@@ -219,7 +224,7 @@ class Dion2(MatrixOptimizer):
         groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
         group_of = {p: g for g in groups for p in g["params"]}
         self._exchanges = []
-        for owners, params in shared_buckets(groups, self._data_parallel):
+        for owners, params in shared_buckets(groups, self._replica_group):
             pieces = []  # per matrix: (first global row or -1, selected rows) of my piece
             for p in params:
                 rows = matrix_placement(p).rows

@@ -16,18 +16,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from dobb._dtensor import DTensor, local
 from dobb.blocks import BlockStack, block_stacks
-from dobb.distributed.sharding import (
-    average_,
-    block_state_like,
-    data_parallel_groups,
-    local_block_stacks,
-    local_range,
-    shard_degree,
-    split_over_ranks,
-)
+from dobb.distributed.groups import axis_groups, group_argument
+from dobb.distributed.placement import matrix_placement
+from dobb.distributed.reduce import all_reduce_
+from dobb.distributed.sharding import block_state_like, local_block_stacks, split_over_ranks
 from dobb.eigensolve import BASIS_METHODS, refresh_bases
-from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
+from dobb.optim.base import MatrixOptimizer, state_dtype
 from dobb.optim.batching import foreach_mul_
 from dobb.stats import (
     BlockStatistics,
@@ -38,8 +34,9 @@ from dobb.stats import (
 )
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
-# Orthogonal iterations need a start: their first refresh of a matrix runs eigh.
-COLD_START = {"power_qr": "eigh", "cholqr": "eigh"}
+# Warm-started solvers need a start: a matrix's first refresh runs eigh (once per run; on
+# CUDA the slow per-block loop, but 3 Jacobi sweeps from the identity leave ~1% off-diagonal).
+COLD_START = {"power_qr": "eigh", "cholqr": "eigh", "jacobi": "eigh", "auto": "eigh"}
 MISSING_STATS_MODES = ("raise", "identity")
 STATS_SYNC_MODES = ("refresh", "step")
 # Where the block bases come from: Dobb's activation moments, or controls for ablations.
@@ -164,8 +161,9 @@ class Dobb(MatrixOptimizer):
             one call): ``"auto"`` (default: ``"eigh"`` on CPU, ``"jacobi"`` on CUDA, where
             ``eigh`` loops over blocks), ``"eigh"`` (the reference), ``"jacobi"`` (batched
             Jacobi sweeps warm-started from the previous basis), ``"cholqr"`` / ``"power_qr"``
-            (one warm-started orthogonal-iteration step with Cholesky-QR / Householder QR;
-            ``eigh`` on a matrix's first refresh), ``"cupy"`` (CuPy's batched ``eigh``). A
+            (one warm-started orthogonal-iteration step with Cholesky-QR / Householder QR),
+            ``"cupy"`` (CuPy's batched ``eigh``); the warm-started ones run ``eigh`` on a
+            matrix's first refresh. A
             batched solver's non-orthonormal or non-finite blocks are redone in fp64 ``eigh``
             with one warning.
         basis_source: ``"activations"`` (Dobb). Controls for ablations: ``"gradients"``
@@ -175,14 +173,15 @@ class Dobb(MatrixOptimizer):
             with ``lr > 0``; ``"identity"`` keeps the current basis (identity before any
             statistics: Signum). A zero-``lr`` step never needs statistics (DCP issues one
             to build optimizer state).
-        data_parallel: where ranks see different tokens: None (one process), a ProcessGroup
-            (DDP), or a DeviceMesh whose every axis is a data axis, e.g. the FSDP mesh or
-            ``mesh["dp_replicate", "dp_shard"]`` (HSDP, FSDP x TP); never the TP axis.
-            Statistics ``C_b`` are averaged over it.
+        stats_group: the ranks that see different tokens (``dobb.distributed.groups``):
+            None (one process), a ProcessGroup (DDP), or a DeviceMesh whose every axis is a
+            data axis, e.g. the FSDP mesh or ``mesh["data_replicate", "data_shard"]`` (HSDP,
+            FSDP x TP); never the TP axis. Statistics ``C_b`` are averaged over it.
+        data_parallel: deprecated spelling of ``stats_group``.
         stats_sync: ``"refresh"`` (default) averages ``C_b`` only when bases are refreshed
             (exact: the EMA is linear, so averaging later gives the same result);
             ``"step"`` averages every step.
-        shard_refresh: with ``data_parallel``, each rank of its innermost axis computes
+        shard_refresh: with ``stats_group``, each rank of its innermost axis computes
             ~1/P of the bases and one all-gather shares them (default True): the refresh
             costs 1/P per rank, and every replica holds bit-identical bases. False: every
             rank computes all bases itself (no communication besides the statistics).
@@ -192,11 +191,13 @@ class Dobb(MatrixOptimizer):
     Sharding: DTensor parameters are updated on their local shard. Row shards (FSDP
     ``Shard(0)``, column-parallel TP) need nothing; column shards (row-parallel TP
     ``Shard(1)``) must hold whole blocks, else construction raises. ``state_dict()``
-    averages the statistics first (a collective when ``data_parallel`` is set), so that a
+    averages the statistics first (a collective when ``stats_group`` is set), so that a
     checkpoint holds one consistent copy.
     """
 
     algorithm = "dobb"
+    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
+    data_parallel_option = "stats_group"
 
     def __init__(
         self,
@@ -213,6 +214,7 @@ class Dobb(MatrixOptimizer):
         basis_method: str = "auto",
         basis_source: str = "activations",
         missing_stats: str = "raise",
+        stats_group=None,
         data_parallel=None,
         stats_sync: str = "refresh",
         shard_refresh: bool = True,
@@ -224,7 +226,8 @@ class Dobb(MatrixOptimizer):
             raise ValueError(f"stats_sync must be one of {STATS_SYNC_MODES}, got {stats_sync!r}")
         self.missing_stats = missing_stats
         self.stats_sync = stats_sync
-        self._data_parallel_groups = data_parallel_groups(data_parallel)
+        stats_group = group_argument("Dobb", "stats_group", stats_group, data_parallel)
+        self._data_parallel_groups = axis_groups(stats_group)
         # Refresh work is split over the innermost data axis (its ranks hold identical C_b).
         split = shard_refresh and self._data_parallel_groups
         self._run = (
@@ -293,12 +296,13 @@ class Dobb(MatrixOptimizer):
 
     def _local_stacks(self, param: Tensor, dim: int, num_blocks: int) -> tuple[BlockStack, ...]:
         stacks = block_stacks(param.shape[dim], num_blocks)
-        start, stop = local_range(param, dim)
+        placement = matrix_placement(param)
+        start, stop = placement.span(dim)
         if (start, stop) == (0, param.shape[dim]):
             return stacks
         describe = (
             f"{self.name_of(param)} of shape {tuple(param.shape)}, input dim {dim} split over "
-            f"{shard_degree(param, dim)} ranks, num_blocks={num_blocks}"
+            f"{placement.split_degree(dim)} ranks, num_blocks={num_blocks}"
         )
         return local_block_stacks(stacks, start, stop, describe)
 
@@ -512,7 +516,7 @@ class Dobb(MatrixOptimizer):
     def _average_statistics(self, states: list[dict[str, Any]]) -> None:
         """Average ``C_b`` over the data-parallel ranks (the only communication of Dobb)."""
         covs = [local(state[cov]) for state in states for cov, _ in STACK_KEYS if cov in state]
-        average_(covs, self._data_parallel_groups)
+        all_reduce_(covs, [self._data_parallel_groups] * len(covs), average=True)
         self._unsynced -= {id(state) for state in states}
 
     def synchronize_statistics(self) -> None:

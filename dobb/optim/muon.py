@@ -18,18 +18,14 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from dobb._dtensor import DTensor, local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.placement import matrix_placement, mesh_group
-from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
+from dobb.distributed.groups import group_argument, mesh_group, one_group
+from dobb.distributed.placement import matrix_placement
+from dobb.optim.base import MatrixOptimizer, state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
-
-try:
-    from torch.distributed.device_mesh import DeviceMesh
-except ImportError:  # torch built without distributed support
-    DeviceMesh = ()
 
 # Quintic Newton-Schulz coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, chosen to
 # maximize the slope at zero: https://github.com/KellerJordan/Muon/blob/00ba60d3a0d188993831f86e4d62597bb0e9b21c/muon.py#L21
@@ -220,15 +216,17 @@ class Muon(MatrixOptimizer):
             one such as ``torch.float32`` (a deviation, for exact comparisons).
         adjust_lr: ``"spectral"`` (default, Keller's ``sqrt(max(1, d_out/d_in))``) or
             ``"match_rms_adamw"`` (``0.2 sqrt(max(d_out, d_in))``, Moonshot's; a deviation).
-        data_parallel: for plain (non-DTensor) parameters replicated by DDP: None (every
-            replica orthogonalizes every matrix, no communication), or the ProcessGroup
-            (or DeviceMesh) of the replicas, which then share the work as Keller's
-            distributed Muon does. Gradients must already be averaged (DDP does that).
-            DTensor parameters always share the work over their own mesh.
+        replica_group: for plain (non-DTensor) parameters replicated by DDP
+            (``dobb.distributed.groups``): None (every replica orthogonalizes every matrix,
+            no communication), or the ProcessGroup (or DeviceMesh) of the replicas, which
+            then share the work as Keller's distributed Muon does. Gradients must already be
+            averaged (DDP does that). DTensor parameters always share the work over their
+            own mesh.
+        data_parallel: deprecated spelling of ``replica_group``.
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients (checked per rank: under
             sharding, rely on a global grad-norm check to skip a step on every rank).
 
-    Distributed (matrices split over several ranks, or ``data_parallel`` set): momentum and
+    Distributed (matrices split over several ranks, or ``replica_group`` set): momentum and
     the Nesterov direction are computed on each rank's own piece (elementwise). Each matrix
     has an owner rank; matrices are balanced over the ranks holding them, largest first.
     Per step and per mesh (or data-parallel group), for all its matrices together:
@@ -255,6 +253,8 @@ class Muon(MatrixOptimizer):
     """
 
     algorithm = "muon"
+    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
+    data_parallel_option = "replica_group"
 
     def __init__(
         self,
@@ -267,18 +267,11 @@ class Muon(MatrixOptimizer):
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
         adjust_lr: str = "spectral",
+        replica_group=None,
         data_parallel=None,
         nonfinite: str = "raise",
     ):
-        if data_parallel is not None and not isinstance(
-            data_parallel, DeviceMesh | dist.ProcessGroup
-        ):
-            raise TypeError(
-                "data_parallel must be a DeviceMesh, a ProcessGroup or None, got "
-                f"{type(data_parallel)}"
-            )
-        self._data_parallel = data_parallel
-        self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None  # set below
+        replica_group = group_argument("Muon", "replica_group", replica_group, data_parallel)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -288,6 +281,13 @@ class Muon(MatrixOptimizer):
             ns_dtype=ns_dtype,
             adjust_lr=adjust_lr,
         )
+        self._construct(params, defaults, replica_group, nonfinite)
+
+    def _construct(self, params, defaults: dict[str, Any], replica_group, nonfinite: str) -> None:
+        """Build the optimizer from the group ``defaults`` its ``__init__`` lists (MuonBP's
+        adds its own keys) and plan the exchanges of shared matrices (a collective)."""
+        self._replica_group = replica_group
+        self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None  # set below
         super().__init__(params, defaults, nonfinite=nonfinite)
         self._plan_exchanges()
 
@@ -319,9 +319,7 @@ class Muon(MatrixOptimizer):
         """The process group whose ranks share ``param``'s update, None for a local update."""
         if isinstance(param, DTensor):
             return mesh_group(param.device_mesh)
-        if isinstance(self._data_parallel, DeviceMesh):
-            return mesh_group(self._data_parallel)
-        return self._data_parallel
+        return one_group(self._replica_group)
 
     def _plan_exchanges(self) -> None:
         """One ``OwnerExchange`` per process group of shared matrices (collective: every
@@ -354,7 +352,7 @@ class Muon(MatrixOptimizer):
 
     def _local_step(self, entries: list[tuple[Tensor, dict, dict]]) -> None:
         """Matrices no other rank shares, as ``(param, state, group)``: one ``muon_updates``
-        per set of hyperparameters (one device, or DDP without ``data_parallel``)."""
+        per set of hyperparameters (one device, or DDP without ``replica_group``)."""
         for hp, indices in group_by(
             entries, lambda e: _hyperparameters(e[2], *UPDATE_KEYS)
         ).items():

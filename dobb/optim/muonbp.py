@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dobb._dtensor import local
 from dobb.distributed.exchange import OwnerExchange
+from dobb.distributed.groups import group_argument
 from dobb.distributed.placement import matrix_placement
-from dobb.optim.base import local
 from dobb.optim.batching import group_by
 from dobb.optim.muon import (
     NS_STEPS,
@@ -246,34 +247,26 @@ class MuonBP(Muon):
         col_blocks: int | tuple[int, ...] = 1,
         ns_dtype: torch.dtype = torch.bfloat16,
         adjust_lr: str = "match_rms_adamw",
+        replica_group=None,
         data_parallel=None,
         nonfinite: str = "raise",
     ):
-        self._block_defaults = dict(
+        replica_group = group_argument("MuonBP", "replica_group", replica_group, data_parallel)
+        self._subset_exchanges: dict[tuple[int, ...], OwnerExchange] = {}
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            adjust_lr=adjust_lr,
             period=period,
             block_lr_ratio=block_lr_ratio,
             row_blocks=row_blocks,
             col_blocks=col_blocks,
         )
-        self._subset_exchanges: dict[tuple[int, ...], OwnerExchange] = {}
-        super().__init__(
-            params,
-            lr,
-            momentum,
-            nesterov,
-            weight_decay,
-            ns_steps,
-            ns_dtype=ns_dtype,
-            adjust_lr=adjust_lr,
-            data_parallel=data_parallel,
-            nonfinite=nonfinite,
-        )
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        # Muon.__init__ builds the defaults; ours join them before the first group is added
-        for key, value in self._block_defaults.items():
-            self.defaults.setdefault(key, value)
-        super().add_param_group(param_group)
+        self._construct(params, defaults, replica_group, nonfinite)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -317,7 +310,7 @@ class MuonBP(Muon):
         ]
 
     def _local_step(self, entries: list[tuple[Tensor, dict, dict]]) -> None:
-        """Matrices no other rank shares (one device, no ``data_parallel``)."""
+        """Matrices no other rank shares (one device, no ``replica_group``)."""
         full = self._full_steps([e[1] for e in entries], [e[2] for e in entries])
         due = [e for e, f in zip(entries, full) if f]
         if due:

@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dobb._dtensor import DTensor, local
 from dobb.distributed.exchange import OwnerExchange
+from dobb.distributed.groups import group_argument
 from dobb.distributed.placement import matrix_placement
-from dobb.optim.base import DTensor, MatrixOptimizer, local, state_dtype
+from dobb.optim.base import MatrixOptimizer, state_dtype
 from dobb.optim.muon import NS_DTYPES, NS_STEPS, apply_update, nesterov_direction, newton_schulz
-from dobb.optim.owner_groups import check_data_parallel, shared_buckets
+from dobb.optim.owner_groups import shared_buckets
 
 TARGET_RMS = 0.2  # the paper's 0.2 sqrt(m n) / ||Ô||_F: AdamW's typical update RMS
 NORM_FLOOR = 1e-12  # ||Ô||_F below this (a zero update) is not divided by
@@ -91,8 +93,9 @@ class NorMuon(MatrixOptimizer):
             code agrees; the NorMuon authors' Keller-derived code uses Nesterov).
         weight_decay: ``λ``, decoupled, multiplied by ``lr`` (default 0, as Muon's).
         ns_steps, ns_dtype: Muon's (5 steps in bf16; ``torch.float32`` for exact tests).
-        data_parallel: as Muon's: the DDP group (or mesh) over which replicas split the
+        replica_group: as Muon's: the DDP group (or mesh) over which replicas split the
             Newton-Schulz work; None: every replica does all of it.
+        data_parallel: deprecated spelling of ``replica_group``.
         nonfinite: ``"raise"`` or ``"skip"`` (see ``MatrixOptimizer``).
 
     Distributed (Muon's owner exchange): each rank forms ``N`` on its own piece, one
@@ -110,6 +113,8 @@ class NorMuon(MatrixOptimizer):
     """
 
     algorithm = "normuon"
+    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
+    data_parallel_option = "replica_group"
 
     def __init__(
         self,
@@ -123,11 +128,13 @@ class NorMuon(MatrixOptimizer):
         *,
         eps: float = 1e-8,
         ns_dtype: torch.dtype = torch.bfloat16,
+        replica_group=None,
         data_parallel=None,
         nonfinite: str = "raise",
     ):
-        check_data_parallel(data_parallel)
-        self._data_parallel = data_parallel
+        self._replica_group = group_argument(
+            "NorMuon", "replica_group", replica_group, data_parallel
+        )
         self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None
         defaults = dict(
             lr=lr,
@@ -173,7 +180,7 @@ class NorMuon(MatrixOptimizer):
         groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
         self._exchanges = [
             (OwnerExchange([matrix_placement(p) for p in params], owners), params)
-            for owners, params in shared_buckets(groups, self._data_parallel)
+            for owners, params in shared_buckets(groups, self._replica_group)
         ]
 
     # ------------------------------------------------------------------ step

@@ -40,11 +40,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from dobb.optim.dobb import Dobb
-from dobb.optim.muon import Muon
+from dobb._dtensor import DTensor
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.train.checkpoint import intact_checkpoint, load_checkpoint, save_checkpoint
 from dobb.train.config import ConfigError, TrainConfig
@@ -52,12 +52,6 @@ from dobb.train.data import TokenStream
 from dobb.train.errors import RunError, RunWarning
 from dobb.train.model import GPT, gpt_config
 from dobb.train.parallel import Parallelism, init_distributed, parallelize
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed support
-    FSDPModule = DTensor = ()
 
 
 def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
@@ -85,14 +79,11 @@ def distributed_options(name: str, parallelism: Parallelism) -> dict[str, Any]:
     """Constructor arguments telling optimizer `name` how the model is distributed.
 
     DTensor parameters carry their own meshes; what no placement shows is which ranks see
-    different tokens. Dobb averages its statistics over them; Muon (and MuonBP's full
-    steps) split DDP-replicated matrices between them. Dion gets nothing: its compressed
-    sync would need DDP to skip averaging its gradients, which the harness's DDP does not.
+    different tokens. The harness's DDP and FSDP average the gradients over them, and the
+    optimizer's registry entry says which argument takes them, if any
+    (`OptimizerEntry.distributed_options`; the meanings are in `dobb.distributed.groups`).
     """
-    takes_it = issubclass(get_entry(name).cls, (Dobb, Muon))  # MuonBP is a Muon
-    if takes_it and parallelism.data_parallel is not None:
-        return {"data_parallel": parallelism.data_parallel}
-    return {}
+    return get_entry(name).distributed_options(parallelism.data_parallel)
 
 
 @cache

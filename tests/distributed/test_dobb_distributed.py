@@ -36,11 +36,11 @@ def compare_layout(rank, world, layout, stats_sync, shard_refresh=True, basis_me
     model = copy.deepcopy(reference)
     ref_opt = dobb.Dobb(dobb.param_groups(reference, exclude="^$"), **hyper)
     ref_opt.track(reference)
-    model, data_parallel, dp_rank, dp_size = parallelize(model, layout, world)
+    model, data, dp_rank, dp_size = parallelize(model, layout, world)
     opt = dobb.Dobb(
         dobb.param_groups(model, exclude="^$"),
         **hyper,
-        data_parallel=data_parallel,
+        stats_group=data,
         stats_sync=stats_sync,
         shard_refresh=shard_refresh,
     )
@@ -115,9 +115,9 @@ def checkpoint_run(rank, world, path, phase):
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
-    model, data_parallel, dp_rank, dp_size = parallelize(MLP(18, 3), "fsdp", world)
+    model, data, dp_rank, dp_size = parallelize(MLP(18, 3), "fsdp", world)
     hyper = {**HYPER, "num_blocks": 4}
-    opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"), **hyper, data_parallel=data_parallel)
+    opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"), **hyper, stats_group=data)
     opt.track(model)
     if phase == "save":
         for step in range(2):

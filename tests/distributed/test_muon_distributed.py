@@ -28,12 +28,18 @@ STEPS = 3
 TOLERANCE = 1e-5
 
 
-def build(name, model, options, data_parallel=None):
-    """Optimizer ``name`` over ``model`` (weights: the matrix algorithm; biases: AdamW)."""
+# each optimizer's process-group argument (dobb.distributed.groups): Muon's replicas share
+# the work; Dion's replicas run its compressed sync
+GROUP_ARGUMENT = {"muon": "replica_group", "muonbp": "replica_group", "dion": "sync_group"}
+
+
+def build(name, model, options, group=None):
+    """Optimizer ``name`` over ``model`` (weights: the matrix algorithm; biases: AdamW);
+    ``group`` goes to its process-group argument."""
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     cls = {"muon": dobb.Muon, "muonbp": dobb.MuonBP, "dion": dobb.Dion}[name]
     groups = dobb.param_groups(inner, cls.algorithm, exclude="^$")
-    return cls(groups, **options, data_parallel=data_parallel)
+    return cls(groups, **options, **{GROUP_ARGUMENT[name]: group})
 
 
 def compare_layout(rank, world, layout, name, options, data_parallel=False, compressed=False):
@@ -90,7 +96,7 @@ MUON = {"ns_dtype": torch.float32, "lr": 0.05, "weight_decay": 0.1}
     [("ddp", 2), ("fsdp", 2), ("fsdp", 4), ("hsdp", 4), ("tp", 2), ("fsdp_tp", 4)],
 )
 def test_sharded_muon_equals_single_device(layout, world):
-    # under DDP the replicas share the work (Keller's distributed Muon): data_parallel set
+    # under DDP the replicas share the work (Keller's distributed Muon): replica_group set
     results = run_ranks(compare_layout, world, layout, "muon", MUON, layout == "ddp", timeout=110)
     for result in results:
         assert max(result["errors"]) <= TOLERANCE, result["errors"]

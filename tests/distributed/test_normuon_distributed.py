@@ -24,7 +24,7 @@ TOLERANCE = 1e-5
 OPTIONS = {"ns_dtype": torch.float32, "lr": 0.02, "weight_decay": 0.1}
 
 
-def build(name, model, options, data_parallel=None, row_blocks=None):
+def build(name, model, options, replica_group=None, row_blocks=None):
     """``name`` over ``model``'s weights (biases: AdamW); Dion2 weights get ``row_blocks``."""
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     cls = {"normuon": dobb.NorMuon, "dion2": dobb.Dion2}[name]
@@ -34,7 +34,7 @@ def build(name, model, options, data_parallel=None, row_blocks=None):
         for w in weights
     ]
     groups.append({"params": [inner.fc1.bias, inner.fc2.bias], "algorithm": "adamw"})
-    return cls(groups, **options, data_parallel=data_parallel)
+    return cls(groups, **options, replica_group=replica_group)
 
 
 def compare(rank, world, layout, name, options, reference_blocks=None):

@@ -83,12 +83,13 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr_schedule(TrainConfig(steps=5, decay="constant"))(4) == 1.0
 
 
-def test_dobb_and_muon_get_the_data_parallel_group():
+def test_each_optimizer_gets_the_data_parallel_group_under_its_own_argument():
     group = object()
     distributed = Parallelism("ddp", None, group, 0, 2)
-    for name in ("dobb", "muon"):
-        assert distributed_options(name, distributed) == {"data_parallel": group}
-    for name in ("dion", "adamw"):
+    assert distributed_options("dobb", distributed) == {"stats_group": group}
+    for name in ("muon", "muonbp", "normuon", "dion2"):
+        assert distributed_options(name, distributed) == {"replica_group": group}
+    for name in ("dion", "adamw"):  # Dion's sync_group needs unaveraged gradients
         assert distributed_options(name, distributed) == {}
     assert distributed_options("dobb", Parallelism("single", None, None)) == {}
 
