@@ -22,10 +22,11 @@ from torch import Tensor
 
 from dobb._dtensor import DTensor, local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import group_argument, mesh_group, one_group
+from dobb.distributed.groups import group_argument
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.base import MatrixOptimizer, state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
+from dobb.optim.owner_groups import shared_buckets
 
 # Quintic Newton-Schulz coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, chosen to
 # maximize the slope at zero: https://github.com/KellerJordan/Muon/blob/00ba60d3a0d188993831f86e4d62597bb0e9b21c/muon.py#L21
@@ -315,26 +316,13 @@ class Muon(MatrixOptimizer):
                 matrix_placement(p)  # rejects Partial placements
 
     # ------------------------------------------------------------ placement
-    def _holders(self, param: Tensor):
-        """The process group whose ranks share ``param``'s update, None for a local update."""
-        if isinstance(param, DTensor):
-            return mesh_group(param.device_mesh)
-        return one_group(self._replica_group)
-
     def _plan_exchanges(self) -> None:
         """One ``OwnerExchange`` per process group of shared matrices (collective: every
         rank builds the optimizer, so every rank gets here with the same parameters)."""
-        buckets: dict[str, tuple[Any, list[Tensor]]] = {}
-        for group in self.param_groups:
-            if group["algorithm"] != self.algorithm:
-                continue
-            for p in group["params"]:
-                holders = self._holders(p)
-                if holders is not None:
-                    buckets.setdefault(holders.group_name, (holders, []))[1].append(p)
+        groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
         self._exchanges = [
             (OwnerExchange([matrix_placement(p) for p in params], holders), params)
-            for holders, params in buckets.values()
+            for holders, params in shared_buckets(groups, self._replica_group)
         ]
 
     # ------------------------------------------------------------------ step

@@ -1,4 +1,4 @@
-"""Which ranks share a matrix's whole-matrix work (NorMuon, Dion2), as Muon decides it.
+"""Which ranks share a matrix's whole-matrix work (Muon, MuonBP, NorMuon, Dion2).
 
 A DTensor parameter is shared by every rank of its mesh; a plain parameter replicated by
 DDP is shared by the ``replica_group`` if one is given, and is otherwise updated locally.
