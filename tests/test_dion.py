@@ -10,6 +10,7 @@ from dobb.optim.dion import (
     DionMatrix,
     dion_step,
     dion_update,
+    dion_updates,
     error_feedback,
     orthonormalize,
     power_step,
@@ -260,3 +261,84 @@ def test_dion_step_is_the_reference_on_whole_matrices(orthogonalize):
     for reference, batched in zip(W + M + Q, W2 + M2 + Q2):
         assert torch.equal(reference, batched)
     assert not M[-1].any()  # B = 0 kept M (and Q) as they were
+
+
+# stacks: three tall (one with a zero buffer), two wide, two very tall (sketched; the second
+# starts with a zero column of Q, so its Cholesky QR fails and Householder QR takes over),
+# and a lone square matrix
+BATCH_SHAPES = [(24, 16)] * 3 + [(16, 24)] * 2 + [(300, 8)] * 2 + [(12, 12)]
+
+
+def batch_inputs(dtype, param_dtype, seed=9):
+    g = torch.Generator().manual_seed(seed)
+    W = [torch.randn(s, generator=g, dtype=dtype).to(param_dtype) for s in BATCH_SHAPES]
+    M = [torch.randn(s, generator=g, dtype=dtype) for s in BATCH_SHAPES]
+    M[2].zero_()
+    Q = [torch.randn(n, 3, generator=g, dtype=dtype) for _, n in BATCH_SHAPES]
+    Q[6][:, 2] = 0.0
+    grads = [
+        [torch.randn(s, generator=g, dtype=dtype).to(param_dtype) for s in BATCH_SHAPES]
+        for _ in range(3)
+    ]
+    for G in grads:
+        G[2].zero_()  # B stays 0: M and Q kept
+    return W, M, Q, grads
+
+
+@pytest.mark.parametrize(
+    "dtype, param_dtype, tol",
+    [(torch.float64, torch.float64, 1e-10), (torch.float32, torch.bfloat16, None)],
+)
+@pytest.mark.parametrize("orthogonalize", ["qr", "cholesky_qr"])
+def test_dion_updates_equal_dion_update_per_matrix(orthogonalize, dtype, param_dtype, tol):
+    """The batched step (what the optimizer runs on whole matrices) against Algorithm 1 per
+    matrix; same-shape matrices share a sketch seed, as the optimizer gives them."""
+    hp = dict(lr=0.05, mu=0.9, weight_decay=0.1, orthogonalize=orthogonalize)
+    scales = [math.sqrt(m / n) for m, n in BATCH_SHAPES]
+    W, M, Q, grads = batch_inputs(dtype, param_dtype)
+    W2, M2, Q2 = ([t.clone() for t in ts] for ts in (W, M, Q))
+    BQ = M[6] @ Q[6]
+    assert randomized_cholesky_qr(BQ, generator=torch.Generator().manual_seed(0)) is None
+    for step, G in enumerate(grads):
+        seeds = [1000 * step + hash(shape) % 997 for shape in BATCH_SHAPES]
+        for i in range(len(BATCH_SHAPES)):
+            generator = torch.Generator().manual_seed(seeds[i])
+            dion_update(W[i], G[i], M[i], Q[i], **hp, scale=scales[i], generator=generator)
+        dion_updates(W2, G, M2, Q2, **hp, scales=scales, sketch_seeds=seeds)
+    assert not M[2].any() and not M2[2].any()
+    assert torch.equal(Q2[2], Q[2])  # B = 0 kept Q
+    # fp64: bmm and mm round alike up to a few ulps; bf16 weights: a rounding of W that
+    # flips one way in one run and the other in the other may recur, up to 2 bf16 ulps
+    for reference, batched in zip(M + Q, M2 + Q2):
+        torch.testing.assert_close(batched, reference, rtol=tol or 1e-4, atol=tol or 1e-5)
+    for reference, batched in zip(W, W2):
+        rtol, atol = (tol, tol) if tol else (2**-6, 1e-3)
+        torch.testing.assert_close(batched, reference, rtol=rtol, atol=atol)
+
+
+def test_optimizer_batches_same_shape_matrices_and_shares_their_sketch():
+    """The class runs ``dion_updates``: equal to ``dion_update`` per matrix with the
+    class's sketch seeds (one per shape and step)."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(40, 12)] * 3 + [(12, 40)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64)) for s in shapes]
+    opt = Dion(params, rank=3, orthogonalize="cholesky_qr", lr=0.05, weight_decay=0.1)
+    W = [p.detach().clone() for p in params]
+    M = [torch.zeros_like(w) for w in W]
+    Q = [opt.state[p]["Q"].clone() if opt.state[p] else None for p in params]
+    for step in range(1, 4):
+        grads = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        if step == 1:  # Q_0 as the optimizer draws it
+            Q = [opt._init_matrix_state(p, opt.param_groups[0])["Q"] for p in params]
+        opt.step()
+        for i, s in enumerate(shapes):
+            seed = opt._sketch_seed(s, 3, step)
+            generator = torch.Generator().manual_seed(seed)
+            hp = dict(lr=0.05, mu=0.95, weight_decay=0.1, orthogonalize="cholesky_qr")
+            scale = math.sqrt(s[0] / s[1])
+            dion_update(W[i], grads[i], M[i], Q[i], **hp, scale=scale, generator=generator)
+    for p, w, q in zip(params, W, Q):
+        torch.testing.assert_close(p.detach(), w, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(opt.state[p]["Q"], q, rtol=1e-10, atol=1e-10)

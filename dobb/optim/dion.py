@@ -28,6 +28,7 @@ from dobb.distributed.groups import axis_groups, group_argument
 from dobb.distributed.placement import MatrixPlacement, like_columns, matrix_placement
 from dobb.distributed.reduce import all_reduce_
 from dobb.optim.base import MatrixOptimizer, state_dtype
+from dobb.optim.batching import foreach_mul_, group_by
 
 ORTHOGONALIZE_METHODS = ("qr", "cholesky_qr")
 COLUMN_EPS = 1e-8  # columns of R with a smaller norm are left (near) zero, never divided by 0
@@ -152,8 +153,132 @@ def column_normalize(R: Tensor, eps: float = COLUMN_EPS, *, norms: Tensor | None
 
     ``norms`` (``1 x r``): the column norms when ``R`` holds only some rows of the matrix.
     """
-    norms = R.norm(dim=0, keepdim=True) if norms is None else norms
+    norms = R.norm(dim=-2, keepdim=True) if norms is None else norms
     return R / norms.clamp_min(eps)
+
+
+# The batched form of ``dion_update``: many whole matrices sharing hyperparameters, one
+# stack per shape, so a step costs O(shapes) kernels, not O(matrices). ``dion_update`` is
+# its reference (a test holds the two together).
+
+
+def orthonormalize_stack(
+    P: Tensor, method: str = "qr", *, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """``orthonormalize`` of each ``(m, r)`` slice of a ``(b, m, r)`` stack, without reading
+    the host: the bases, and for randomized Cholesky QR a ``(b,)`` flag of the slices whose
+    factorization failed (their bases are garbage; the caller redoes them by Householder
+    QR), else None. Every slice is sketched with the same ``S`` (one draw per stack)."""
+    b, m, r = P.shape
+    if method != "cholesky_qr" or m <= r:
+        return torch.linalg.qr(P).Q, None
+    S = sketch(m, r, generator=generator, device=P.device, dtype=P.dtype)
+    # P₁ = P R₁⁻¹ with S P = Q₁ R₁   (S P: (b, k, r))
+    P1 = precondition(P, S @ P)
+    # P₂ = P₁ R₂⁻¹ with P₁ᵀ P₁ = R₂ᵀ R₂
+    R2, info = torch.linalg.cholesky_ex(P1.mT @ P1, upper=True)
+    P2 = torch.linalg.solve_triangular(R2, P1, upper=True, left=False)
+    # failed: as cholesky_orthonormalize and randomized_cholesky_qr decide, per slice
+    finite = torch.isfinite(R2).flatten(1).all(1) & torch.isfinite(P2).flatten(1).all(1)
+    return P2, (info != 0) | ~finite
+
+
+def dion_updates(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    Qs: list[Tensor],
+    *,
+    lr: float,
+    mu: float,
+    weight_decay: float,
+    scales: list[float],
+    orthogonalize: str = "qr",
+    sketch_seeds: list[int] | None = None,
+) -> None:
+    """``dion_update`` of many whole matrices; ``params``, ``momenta``, ``Qs`` in place.
+
+    Matrices agreeing on shape, rank, dtypes, device, scale and sketch seed form one
+    ``(b, m, n)`` stack, and each line of Algorithm 1 runs once per stack (bmm, batched
+    QR / Cholesky / triangular solves) or once for all matrices (foreach). Matrix ``i``'s
+    sketch comes from a generator seeded by ``sketch_seeds[i]`` on its device (what
+    ``dion_update`` gets), so matrices with one seed share one sketch.
+
+    Host reads: none for ``orthogonalize="qr"``. Randomized Cholesky QR falls back to
+    Householder QR where a factorization fails, which only the device knows: the failure
+    flags of all stacks are read once (one read per step; more only when one failed).
+    ``B = 0`` (keep ``M`` and ``Q``) is decided on the device: ``P`` is set to 0, so
+    ``R``, the error feedback and the update vanish, and ``Q`` is selected by ``where``.
+    """
+    if not params:
+        return
+    # B = M + G   (the momentum tensors hold B from here on)
+    torch._foreach_add_(momenta, [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)])
+    # W <- W (1 - lr wd)
+    foreach_mul_(params, 1 - lr * weight_decay)
+    stacks = list(
+        group_by(
+            range(len(params)),
+            lambda i: (
+                tuple(momenta[i].shape),
+                Qs[i].shape[1],
+                momenta[i].dtype,
+                params[i].dtype,
+                momenta[i].device,
+                scales[i],
+                None if sketch_seeds is None else sketch_seeds[i],
+            ),
+        ).items()
+    )
+    B = [torch.stack([momenta[i] for i in indices]) for _, indices in stacks]  # (b, m, n)
+    Q = [torch.stack([Qs[i] for i in indices]) for _, indices in stacks]  # (b, n, r)
+    nonzero = [b.flatten(1).any(1)[:, None, None] for b in B]  # B != 0, (b, 1, 1)
+    # P = Orthogonalize(B Q)   (b, m, r)
+    BQ = [b @ q for b, q in zip(B, Q)]
+    P, failed = [], []
+    for (key, _), bq in zip(stacks, BQ):
+        seed = key[-1]
+        generator = None if seed is None else torch.Generator(bq.device).manual_seed(seed)
+        basis, flags = orthonormalize_stack(bq, orthogonalize, generator=generator)
+        P.append(basis)
+        failed.append(flags)
+    _redo_failed_by_householder(P, BQ, failed, nonzero)
+    P = [torch.where(nz, p, 0) for p, nz in zip(P, nonzero)]  # B = 0: P = 0
+    # R = Bᵀ P   (b, n, r)
+    R = [b.mT @ p for b, p in zip(B, P)]
+    for b, p, r in zip(B, P, R):
+        # M <- B - (1 - mu) P Rᵀ
+        b.baddbmm_(p, r.mT, alpha=-(1 - mu))
+    # Q <- ColumnNormalize(R)   (kept where B = 0)
+    normalized = [column_normalize(r) for r in R]
+    new_Q = [torch.where(nz, q_new, q) for nz, q_new, q in zip(nonzero, normalized, Q)]
+    # W <- W - lr scale P Qᵀ   (P Qᵀ = 0 where B = 0)
+    pdtypes = [key[3] for key, _ in stacks]
+    U = [p.to(dt) @ q.mT.to(dt) for p, q, dt in zip(P, normalized, pdtypes)]
+    order = [i for _, indices in stacks for i in indices]
+    torch._foreach_copy_([momenta[i] for i in order], [t for b in B for t in b.unbind()])
+    torch._foreach_copy_([Qs[i] for i in order], [t for q in new_Q for t in q.unbind()])
+    updates = [t for u in U for t in u.unbind()]  # slice j is matrix order[j]
+    for scale, slices in group_by(order, lambda i: float(scales[i])).items():
+        torch._foreach_add_(
+            [params[order[j]] for j in slices], [updates[j] for j in slices], alpha=-lr * scale
+        )
+
+
+def _redo_failed_by_householder(
+    P: list[Tensor], BQ: list[Tensor], failed: list[Tensor | None], nonzero: list[Tensor]
+) -> None:
+    """Householder QR of ``B Q`` for the slices whose Cholesky QR failed (``B != 0``), in
+    place in ``P``: one host read of all flags; one more per stack only if some failed."""
+    flags = [
+        (f & nz.flatten(), i) for i, (f, nz) in enumerate(zip(failed, nonzero)) if f is not None
+    ]
+    if not flags or not bool(torch.cat([f for f, _ in flags]).any()):
+        return
+    for f, i in flags:
+        redo = f.nonzero().flatten()
+        if len(redo):
+            P[i][redo] = torch.linalg.qr(BQ[i][redo]).Q
 
 
 @dataclass
@@ -455,15 +580,49 @@ class Dion(MatrixOptimizer):
             "Q": like_columns(Q.to(device=device, dtype=dtype), param, d_in),
         }
 
+    def _sketch_seed(self, shape: tuple[int, int], rank: int, step: int) -> int:
+        """The seed of the sketch of every ``shape`` matrix of rank ``rank`` at ``step``:
+        equal on every rank holding such a matrix, and one per shape, so that a stack of
+        same-shape matrices draws one sketch (a Gaussian ``S`` independent of each ``P``,
+        which is all the preconditioner needs)."""
+        m, n = shape
+        return zlib.crc32(f"{self.seed}/sketch/{m}x{n}/{rank}".encode()) * 1_000_003 + step
+
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
+        """Whole matrices (one device, DDP without ``sync_group``) run ``dion_updates``,
+        batched by shape; split or compressed-sync ones run ``dion_step``."""
         for group in groups:
+            entries = list(self._matrices_with_grad([group]))
+            if not entries:
+                continue
+            steps = [state["step"] for _, state, _ in entries]  # CPU scalars: no device sync
+            torch._foreach_add_(steps, 1.0)
+            seeds = [
+                self._sketch_seed(p.shape, state["Q"].shape[1], int(step))
+                for (p, state, _), step in zip(entries, torch.stack(steps).tolist())
+            ]
+            hp = dict(lr=group["lr"], mu=group["mu"], weight_decay=group["weight_decay"])
+            hp["orthogonalize"] = group["orthogonalize"]
+            whole = [
+                j
+                for j, (p, _, _) in enumerate(entries)
+                if self._placement(p) is None and not self._data_groups(p)
+            ]
+            params, batched = [entries[j][0] for j in whole], set(whole)
+            dion_updates(
+                [local(p) for p in params],
+                [local(p.grad) for p in params],
+                [local(entries[j][1]["momentum"]) for j in whole],
+                [local(entries[j][1]["Q"]) for j in whole],
+                scales=[math.sqrt(p.shape[0] / p.shape[1]) for p in params],
+                sketch_seeds=[seeds[j] for j in whole],
+                **hp,
+            )
             matrices = []
-            for p, state, _ in self._matrices_with_grad([group]):
-                state["step"] += 1
-                generator = None
-                if group["orthogonalize"] == "cholesky_qr":  # sketch seeded by (matrix, step)
-                    seed = self._seed(p) * 1_000_003 + int(state["step"])
-                    generator = torch.Generator(local(p).device).manual_seed(seed)
+            for j, (p, state, _) in enumerate(entries):
+                if j in batched:
+                    continue
+                generator = torch.Generator(local(p).device).manual_seed(seeds[j])
                 d_out, d_in = p.shape
                 matrices.append(
                     DionMatrix(
@@ -477,13 +636,7 @@ class Dion(MatrixOptimizer):
                         data_groups=self._data_groups(p),
                     )
                 )
-            dion_step(
-                matrices,
-                lr=group["lr"],
-                mu=group["mu"],
-                weight_decay=group["weight_decay"],
-                orthogonalize=group["orthogonalize"],
-            )
+            dion_step(matrices, **hp)
 
     def state_dict(self) -> dict[str, Any]:
         """The state; under compressed sync the replicas' momenta are averaged first (a
