@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dobb.optim.muon import NS_A, NS_B, NS_C
-from dobb.optim.normuon import NorMuon
+from dobb.optim.normuon import NorMuon, normuon_update, normuon_updates
 
 SHAPES = [(24, 16), (16, 24)]  # tall and wide
 
@@ -98,3 +98,44 @@ def test_row_second_moment_is_per_row_state_and_zero_gradient_is_harmless():
     opt.step()
     assert opt.state[p]["row_second_moment"].shape == (6, 1)
     torch.testing.assert_close(p.detach(), torch.full((6, 4), 0.95))  # W (1 - lr wd), no NaN
+
+
+# three of one shape (one with a zero gradient), two wide, a lone tall matrix
+BATCH_SHAPES = [(12, 8)] * 3 + [(6, 10)] * 2 + [(16, 4)]
+
+
+@pytest.mark.parametrize(
+    "ns_dtype, param_dtype", [(torch.float64, torch.float64), (torch.bfloat16, torch.bfloat16)]
+)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_normuon_updates_equal_normuon_update_per_matrix(nesterov, ns_dtype, param_dtype):
+    """The batched step (what the optimizer runs on unshared matrices) against the
+    per-matrix reference: one NS5 per stack, each matrix normalized by its own norms."""
+    hp = dict(lr=0.02, beta=0.9, beta2=0.8, eps=1e-8, weight_decay=0.1, nesterov=nesterov)
+    hp["ns_dtype"] = ns_dtype
+    state_dtype = torch.promote_types(param_dtype, torch.float32)
+    g = torch.Generator().manual_seed(4)
+    W = [torch.randn(s, generator=g, dtype=torch.float64).to(param_dtype) for s in BATCH_SHAPES]
+    M = [torch.zeros(s, dtype=state_dtype) for s in BATCH_SHAPES]
+    V = [torch.zeros(s[0], 1, dtype=state_dtype) for s in BATCH_SHAPES]
+    W2, M2, V2 = ([t.clone() for t in ts] for ts in (W, M, V))
+    for _ in range(3):
+        # rows and matrices of very different scales
+        G = [
+            (torch.randn(s, generator=g, dtype=torch.float64) * 10.0**i).to(param_dtype)
+            for i, s in enumerate(BATCH_SHAPES)
+        ]
+        G[1].zero_()
+        for w, grad, m, v in zip(W, G, M, V):
+            normuon_update(w, grad, m, v, **hp)
+        normuon_updates(W2, G, M2, V2, **hp)
+    for a, b in zip(M, M2):  # the same foreach kernels
+        assert torch.equal(a, b)
+    # fp64: batched and lone matmuls round alike to a few ulps; bf16: NS5 may differ by an
+    # ulp of O (2^-8), which v and the update carry, and W by a bf16 rounding
+    tight = ns_dtype == torch.float64
+    for a, b in zip(V, V2):
+        torch.testing.assert_close(b, a, rtol=1e-10 if tight else 0.02, atol=1e-12 if tight else 0)
+    for a, b in zip(W, W2):
+        rtol, atol = (1e-10, 1e-12) if tight else (2**-7, 0.02 * 2**-7)
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol)

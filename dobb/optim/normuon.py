@@ -23,7 +23,16 @@ from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.groups import group_argument
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.base import MatrixOptimizer, state_dtype
-from dobb.optim.muon import NS_DTYPES, NS_STEPS, apply_update, nesterov_direction, newton_schulz
+from dobb.optim.batching import group_by
+from dobb.optim.muon import (
+    NS_DTYPES,
+    NS_STEPS,
+    apply_update,
+    apply_updates,
+    nesterov_direction,
+    nesterov_directions,
+    newton_schulz,
+)
 from dobb.optim.owner_groups import shared_buckets
 
 TARGET_RMS = 0.2  # the paper's 0.2 sqrt(m n) / ||Ô||_F: AdamW's typical update RMS
@@ -31,10 +40,11 @@ NORM_FLOOR = 1e-12  # ||Ô||_F below this (a zero update) is not divided by
 
 
 def neuron_normalize(update: Tensor, v: Tensor, *, beta2: float, eps: float) -> Tensor:
-    """Row-normalized ``Ô`` of the orthogonalized ``O`` (m x n); ``v`` (m x 1) in place."""
+    """Row-normalized ``Ô`` of the orthogonalized ``O`` (m x n); ``v`` (m x 1) in place.
+    Also on stacks: ``O`` (b, m, n) with ``v`` (b, m, 1)."""
     update = update.to(v.dtype)
     # v <- β2 v + (1 - β2) mean_cols(O ⊙ O)
-    v.lerp_(update.square().mean(dim=1, keepdim=True), 1 - beta2)
+    v.lerp_(update.square().mean(dim=-1, keepdim=True), 1 - beta2)
     # Ô = O ⊘ (sqrt(v) + ε)
     return update / (v.sqrt() + eps)
 
@@ -68,6 +78,45 @@ def normuon_update(
     # Ô <- 0.2 sqrt(m n) Ô / ||Ô||_F
     update.mul_(rms_factor(update.shape, update.square().sum()))
     apply_update(param, update, lr=lr, weight_decay=weight_decay, scale=1.0)
+
+
+def normuon_updates(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    row_second_moments: list[Tensor],
+    *,
+    lr: float,
+    beta: float,
+    beta2: float,
+    nesterov: bool,
+    weight_decay: float,
+    eps: float,
+    ns_steps: int = NS_STEPS,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """``normuon_update`` of many whole matrices sharing hyperparameters; ``params`` and the
+    state in place. Muon's foreach momentum and update; per same-shape ``(b, m, n)`` stack
+    one NS5, one row normalization and one RMS rescaling (each matrix by its own norm)."""
+    if not params:
+        return
+    directions = nesterov_directions(grads, momenta, beta=beta, nesterov=nesterov)
+    updates: list[Tensor] = [None] * len(params)
+    stacks = group_by(
+        range(len(params)),
+        lambda i: (tuple(directions[i].shape), row_second_moments[i].dtype, directions[i].device),
+    )
+    for indices in stacks.values():
+        v = torch.stack([row_second_moments[i] for i in indices])  # (b, m, 1)
+        # O = NS5(N)   (b, m, n)
+        update = newton_schulz(torch.stack([directions[i] for i in indices]), ns_steps, ns_dtype)
+        update = neuron_normalize(update, v, beta2=beta2, eps=eps)
+        # Ô <- 0.2 sqrt(m n) Ô / ||Ô||_F
+        update.mul_(rms_factor(update.shape[1:], update.square().sum(dim=(1, 2), keepdim=True)))
+        torch._foreach_copy_([row_second_moments[i] for i in indices], list(v.unbind()))
+        for i, u in zip(indices, update.unbind()):
+            updates[i] = u
+    apply_updates(params, updates, lr=lr, weight_decay=weight_decay, scales=[1.0] * len(params))
 
 
 class NorMuon(MatrixOptimizer):
@@ -194,22 +243,17 @@ class NorMuon(MatrixOptimizer):
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
         shared = {p for _, params in self._exchanges for p in params}
-        for p, state, group in self._matrices_with_grad(groups):
-            if p not in shared:
-                normuon_update(
-                    local(p),
-                    local(p.grad),
-                    local(state["momentum"]),
-                    local(state["row_second_moment"]),
-                    lr=group["lr"],
-                    beta=group["momentum"],
-                    beta2=group["beta2"],
-                    nesterov=group["nesterov"],
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    ns_steps=group["ns_steps"],
-                    ns_dtype=group["ns_dtype"],
-                )
+        entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
+        # matrices no other rank shares: one normuon_updates per set of hyperparameters
+        for hp, indices in group_by(entries, lambda e: tuple(e[2][k] for k in UPDATE_KEYS)).items():
+            params, states = [entries[i][0] for i in indices], [entries[i][1] for i in indices]
+            normuon_updates(
+                [local(p) for p in params],
+                [local(p.grad) for p in params],
+                [local(state["momentum"]) for state in states],
+                [local(state["row_second_moment"]) for state in states],
+                **dict(zip(UPDATE_ARGS, hp)),
+            )
         group_of = {p: g for g in groups for p in g["params"]}
         for exchange, params in self._exchanges:
             self._shared_step(exchange, [(p, group_of[p]) for p in params])
@@ -271,6 +315,11 @@ class NorMuon(MatrixOptimizer):
             apply_update(
                 local(p), update, lr=group["lr"], weight_decay=group["weight_decay"], scale=1.0
             )
+
+
+# Group keys that enter the math, and the matching arguments of normuon_updates
+UPDATE_KEYS = ("lr", "momentum", "beta2", "nesterov", "weight_decay", "eps", "ns_steps", "ns_dtype")
+UPDATE_ARGS = ("lr", "beta", "beta2", "nesterov", "weight_decay", "eps", "ns_steps", "ns_dtype")
 
 
 def _any_split(exchange: OwnerExchange) -> bool:
