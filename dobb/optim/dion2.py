@@ -25,6 +25,7 @@ from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.groups import group_argument
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
 from dobb.optim.base import MatrixOptimizer, state_dtype
+from dobb.optim.batching import foreach_mul_, group_by
 from dobb.optim.muon import NS_DTYPES, NS_STEPS, newton_schulz
 from dobb.optim.muonbp import chunk_sizes
 from dobb.optim.owner_groups import shared_buckets
@@ -37,16 +38,19 @@ def selected_count(rows: int, fraction: float) -> int:
 
 def select_rows(momentum: Tensor, blocks: list[int], fraction: float) -> Tensor:
     """Ascending indices of the ``selected_count`` rows of largest L1 norm in each block
-    of consecutive rows (``blocks``: their sizes, summing to ``momentum.shape[0]``)."""
+    of consecutive rows (``blocks``: their sizes, summing to ``momentum.shape[-2]``).
+    ``(m, n)`` gives ``(k,)``; a ``(b, m, n)`` stack gives ``(b, k)``, per matrix."""
     # ||M_i||_1 per row (the authors' code; the paper allows any row norm)
-    norms = momentum.abs().sum(dim=1)
+    norms = momentum.abs().sum(dim=-1)
     picks, start = [], 0
     for size in blocks:
         k = selected_count(size, fraction)
         if k:
-            picks.append(norms[start : start + size].topk(k).indices.sort().values + start)
+            picks.append(norms[..., start : start + size].topk(k).indices.sort().values + start)
         start += size
-    return torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long, device=norms.device)
+    if not picks:
+        return torch.zeros(norms.shape[:-1] + (0,), dtype=torch.long, device=norms.device)
+    return torch.cat(picks, dim=-1)
 
 
 def dion2_direction(
@@ -92,6 +96,66 @@ def dion2_update(
     # O = NS5(M_S)
     update = newton_schulz(selected, ns_steps, ns_dtype)
     apply_rows(param, rows, update, lr=lr, weight_decay=weight_decay, scale=scale)
+
+
+def dion2_updates(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    blocks: list[list[int]],
+    *,
+    lr: float,
+    fraction: float,
+    ef_decay: float,
+    weight_decay: float,
+    scales: list[float],
+    ns_steps: int = NS_STEPS,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """``dion2_update`` of many local pieces sharing hyperparameters (``blocks[i]``,
+    ``scales[i]``: piece ``i``'s); ``params`` and ``momenta`` in place.
+
+    ``M + G`` and the weight decay are foreach ops over all pieces; pieces agreeing on
+    shape, blocks, dtypes and scale form one ``(b, m, n)`` stack that selects its rows,
+    decays them, runs NS5 on the ``(b, k, n)`` selected rows and updates them at once. The
+    row indices of slice ``j`` are offset by ``j m`` into the ``(b m, n)`` view of the
+    stack, so the gather, the decay and the update are the reference's row ops.
+    """
+    if not params:
+        return
+    # M <- M + G
+    torch._foreach_add_(momenta, [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)])
+    # W <- W (1 - lr wd)
+    foreach_mul_(params, 1 - lr * weight_decay)
+    stacks = group_by(
+        range(len(params)),
+        lambda i: (
+            tuple(momenta[i].shape),
+            tuple(blocks[i]),
+            momenta[i].dtype,
+            params[i].dtype,
+            momenta[i].device,
+            scales[i],
+        ),
+    )
+    targets, results = [], []
+    for (shape, sizes, _, param_dtype, device, scale), indices in stacks.items():
+        m, n = shape
+        M, W = torch.stack([momenta[i] for i in indices]), torch.stack([params[i] for i in indices])
+        # S = the top ceil(f m_b) rows of each block b by ||M_i||_1, per matrix: (b, k)
+        rows = select_rows(M, list(sizes), fraction)
+        # rows of the (b m, n) views
+        flat = (rows + torch.arange(len(indices), device=device)[:, None] * m).flatten()
+        selected = M.view(-1, n)[flat]
+        # M_S <- ef_decay M_S   (the unselected rows keep all of M: error feedback)
+        M.view(-1, n).index_copy_(0, flat, selected * ef_decay)
+        # O = NS5(M_S), one per stack of (k, n) selected rows
+        update = newton_schulz(selected.view(len(indices), -1, n), ns_steps, ns_dtype)
+        # W_S <- W_S - lr s O
+        W.view(-1, n).index_add_(0, flat, update.reshape(-1, n).to(param_dtype), alpha=-lr * scale)
+        targets += [momenta[i] for i in indices] + [params[i] for i in indices]
+        results += list(M.unbind()) + list(W.unbind())
+    torch._foreach_copy_(targets, results)
 
 
 def row_scale(shape: tuple[int, int]) -> float:
@@ -250,21 +314,23 @@ class Dion2(MatrixOptimizer):
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
         shared = {p for _, params in self._exchanges for p in params}
-        for p, state, group in self._matrices_with_grad(groups):
-            if p not in shared:
-                dion2_update(
-                    local(p),
-                    local(p.grad),
-                    local(state["momentum"]),
-                    self.blocks(p.shape[0], group),
-                    lr=group["lr"],
-                    fraction=group["fraction"],
-                    ef_decay=group["ef_decay"],
-                    weight_decay=group["weight_decay"],
-                    scale=row_scale(p.shape),
-                    ns_steps=group["ns_steps"],
-                    ns_dtype=group["ns_dtype"],
-                )
+        entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
+        # matrices no other rank shares: one dion2_updates per set of hyperparameters
+        for _, indices in group_by(entries, lambda e: _hyperparameters(e[2])).items():
+            params, group = [entries[i][0] for i in indices], entries[indices[0]][2]
+            dion2_updates(
+                [local(p) for p in params],
+                [local(p.grad) for p in params],
+                [local(entries[i][1]["momentum"]) for i in indices],
+                [self.blocks(p.shape[0], group) for p in params],
+                lr=group["lr"],
+                fraction=group["fraction"],
+                ef_decay=group["ef_decay"],
+                weight_decay=group["weight_decay"],
+                scales=[row_scale(p.shape) for p in params],
+                ns_steps=group["ns_steps"],
+                ns_dtype=group["ns_dtype"],
+            )
         group_of = {p: g for g in groups for p in g["params"]}
         for exchange, params in self._exchanges:
             self._shared_step(exchange, [(p, group_of[p]) for p in params])
@@ -321,6 +387,13 @@ class Dion2(MatrixOptimizer):
                 weight_decay=group["weight_decay"],
                 scale=row_scale(p.shape),
             )
+
+
+def _hyperparameters(group: dict[str, Any]) -> tuple:
+    """The group keys that enter the math (``row_blocks`` as a tuple): matrices agreeing
+    on them share kernels."""
+    keys = ("lr", "fraction", "ef_decay", "weight_decay", "ns_steps", "ns_dtype")
+    return tuple(group[key] for key in keys) + (_splits(group["row_blocks"]),)
 
 
 def _splits(row_blocks) -> tuple:
