@@ -295,8 +295,8 @@ def framework_overhead(
     hooks = [statistics_hook(s) for s in stats]
 
     def run_hooks():
-        for layer, hook in zip(stack.layers.values(), hooks):
-            hook(layer, (stack.inputs[16],))
+        for (key, layer), hook in zip(stack.layers.items(), hooks):
+            hook(layer, (stack.inputs[stack.sources[key]],))
 
     run_hooks()
     with torch.enable_grad():

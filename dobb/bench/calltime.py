@@ -37,6 +37,7 @@ every rank.
 """
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -54,8 +55,9 @@ from torch import Tensor, nn
 from dobb.bench.costmodel import OPTIMIZERS
 from dobb.bench.workload import Matrix, hidden_matrices
 from dobb.blocks import block_stacks
+from dobb.optim.dobb import Dobb
 from dobb.optim.registry import build_optimizer, get_entry
-from dobb.stats import BlockStatistics, statistics_hook
+from dobb.stats import BlockStatistics, GramCache, statistics_hook
 
 Progress = Callable[[str], None]
 
@@ -63,10 +65,10 @@ Progress = Callable[[str], None]
 class LinearStack(nn.Module):
     """Every matrix as a bias-free ``nn.Linear`` fed a fixed input of its width.
 
-    ``forward()`` returns ``sum_l <layer_l(X), C>``: ``X`` is the token batch of the
-    layer's input width (shared by layers of equal width, as q, k and v share theirs) and
-    ``C`` a fixed cotangent of its output width, so ``W.grad = Cᵀ X``. The inputs require
-    grad, so the backward pass also computes input gradients, as a real network's does.
+    ``forward()`` returns ``sum_l <layer_l(X), C>``: ``X`` is a token batch of the layer's
+    input width, one per ``Matrix.input`` (q, k and v share theirs, as in a GPT), and ``C``
+    a fixed cotangent of its output width, so ``W.grad = Cᵀ X``. The inputs require grad,
+    so the backward pass also computes input gradients, as a real network's does.
     """
 
     def __init__(self, matrices: list[Matrix], tokens: int, *, device=None, seed: int = 0):
@@ -80,8 +82,11 @@ class LinearStack(nn.Module):
                 for m in matrices
             }
         )
-        widths = sorted({m.d_in for m in matrices})
-        self.inputs = {d: correlated_tokens(tokens, d, gen).to(device) for d in widths}
+        self.sources = {m.name.replace(".", "_"): m.input for m in matrices}
+        widths = {m.input: m.d_in for m in matrices}
+        self.inputs = {
+            src: correlated_tokens(tokens, d, gen).to(device) for src, d in widths.items()
+        }
         for x in self.inputs.values():
             x.requires_grad_(True)
         outs = sorted({m.d_out for m in matrices})
@@ -89,14 +94,19 @@ class LinearStack(nn.Module):
 
     def forward(self) -> Tensor:
         loss = 0.0
-        for layer in self.layers.values():
-            y = layer(self.inputs[layer.in_features])  # (N, d_out)
+        for key, layer in self.layers.items():
+            y = layer(self.inputs[self.sources[key]])  # (N, d_out)
             loss = loss + (y * self.cotangents[layer.out_features]).sum()
         return loss
 
     def clear_input_grads(self) -> None:
         for x in self.inputs.values():
             x.grad = None
+
+
+def default_basis_method() -> str:
+    """Dobb's ``basis_method`` default (how its refresh runs when the option is not given)."""
+    return inspect.signature(Dobb).parameters["basis_method"].default
 
 
 def correlated_tokens(tokens: int, width: int, gen: torch.Generator) -> Tensor:
@@ -161,13 +171,19 @@ def hook_overhead(
     """Forward+backward of ``stack`` with and without statistics hooks, alternated, and
     the hooks alone. Leaves the gradients of the last pass in ``.grad``."""
     device = next(stack.parameters()).device
+    cache = GramCache()  # as Dobb.track: layers fed one input (q, k, v) share X_bᵀ X_b
     stats = {
-        layer: BlockStatistics(block_stacks(layer.in_features, num_blocks), torch.float32, device)
-        for layer in stack.layers.values()
+        key: BlockStatistics(
+            block_stacks(layer.in_features, num_blocks), torch.float32, device, cache=cache
+        )
+        for key, layer in stack.layers.items()
     }
 
     def with_hooks():
-        handles = [m.register_forward_pre_hook(statistics_hook(s)) for m, s in stats.items()]
+        handles = [
+            stack.layers[key].register_forward_pre_hook(statistics_hook(s))
+            for key, s in stats.items()
+        ]
         try:
             forward_backward(stack, autocast)
         finally:
@@ -177,8 +193,9 @@ def hook_overhead(
                 s.reset()
 
     def hooks_alone():
-        for layer, s in stats.items():
-            s.add(stack.inputs[layer.in_features])
+        with autocast_context(device, autocast):
+            for key, s in stats.items():
+                s.add(stack.inputs[stack.sources[key]])
         for s in stats.values():
             s.reset()
 
@@ -421,7 +438,8 @@ def run(
             "rank_fraction": rank_fraction,
             "period": period,
             "row_blocks": row_blocks,
-            "basis_method": basis_method or "default",
+            "basis_method": basis_method or default_basis_method(),
+            "batched": True,  # same-shape matrices share kernels (the cost model's launches)
             "device": device,
             "device_name": device_name(device_),
             "autocast": "bf16" if autocast else "none",

@@ -29,6 +29,7 @@ import torch
 from dobb.bench.calltime import LinearStack, forward_backward, time_optimizers
 from dobb.bench.costmodel import OPTIMIZERS
 from dobb.bench.workload import hidden_matrices
+from dobb.optim.registry import get_entry
 from dobb.train.parallel import ROW_PARALLEL
 
 LAYOUT_AXES = {
@@ -84,7 +85,7 @@ def rank_timings(rank: int, world: int, layout: str, options: dict) -> dict:
         warmup=1,
         basis_interval=options["basis_interval"],
         period=options["period"],
-        distributed={"dobb": {"data_parallel": data_parallel}},
+        distributed={name: get_entry(name).distributed_options(data_parallel) for name in names},
     )
     quantiles = ("median", "q1", "q3")
     return {name: {q: 1e3 * result[name]["call_s"][q] for q in quantiles} for name in names}
@@ -110,6 +111,10 @@ def run(
         raise ValueError(f"hsdp needs an even --world, got {world}")
     from dobb.distributed.launch import run_ranks
 
+    unsupported = tuple(
+        n for n in names if layout == "tp" and not get_entry(n).splits_columns
+    )  # row-parallel TP splits the output projections' columns
+    names = tuple(n for n in names if n not in unsupported)
     options = dict(
         config=config,
         layers=layers,
@@ -117,7 +122,7 @@ def run(
         repeats=repeats,
         basis_interval=basis_interval,
         period=period,
-        names=tuple(names),
+        names=names,
     )
     per_rank = run_ranks(rank_timings, world, layout, options, timeout=timeout)
     command = (
@@ -131,6 +136,7 @@ def run(
         "world": world,
         "torch": torch.__version__,
         **options,
+        "unsupported": unsupported,
         "per_rank_ms": per_rank,
     }
 
@@ -152,6 +158,10 @@ def table(record: dict) -> str:
             f"| {name} | {layout} | {world} | {t['median']:.1f} | {t['q1']:.1f}–{t['q3']:.1f} "
             f"| {ratio:.2f} |"
         )
+    lines += [
+        f"| {name} | {layout} | {world} | not supported (splits rows only) | | |"
+        for name in record.get("unsupported", ())
+    ]
     return "\n".join(lines)
 
 

@@ -64,12 +64,13 @@ from dobb.bench.workload import (
 )
 from dobb.blocks import block_stacks
 from dobb.distributed.sharding import local_block_stacks
+from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
 from dobb.optim.muon import NS_STEPS
 from dobb.optim.muonbp import chunk_sizes
 
 FP32, BF16 = 4, 2  # bytes per element
 CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
-OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "adamw")
+OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "normuon", "dion2", "adamw")
 
 # Paper's reference points (arXiv 2610.39412, abstract): GPT-2 XL, FSDP on 32 H100,
 # amortized optimizer-call time.
@@ -90,6 +91,10 @@ def state_bytes(name: str, matrix: Matrix, *, num_blocks: int = 16, rank_fractio
         return 2 * mn + scalar
     if name in ("muon", "muonbp"):
         return mn + (scalar if name == "muonbp" else 0)  # MuonBP also counts its steps
+    if name == "normuon":
+        return mn + matrix.d_out * FP32  # momentum, one second moment per row
+    if name == "dion2":
+        return mn  # the error-feedback momentum
     if name == "dion":
         return mn + matrix.d_in * dion_rank(matrix, rank_fraction) * FP32 + scalar
     if name == "dobb":
@@ -198,54 +203,76 @@ def dobb_work(
     num_blocks: int = 16,
     basis_interval: int = 10,
     refresh: str = "sharded",
-    launches: str = "per_matrix",
+    launches: str = "per_shape",
+    solver: str = "eigh",
 ) -> Work:
-    """Dobb's call: ``dobb_update`` per matrix, statistics fold, refresh every ``k`` calls.
+    """Dobb's call: the statistics fold, ``dobb_update_batched`` per batch of same-shape
+    matrices, and a refresh every ``k`` calls.
 
     Each rank updates its piece (its rows; under TP row-parallel, the blocks of its
-    columns). The statistics are all-reduced over the data ranks at a refresh.
-    ``refresh="sharded"`` is our default (``shard_refresh=True``): each of the ``p`` ranks
-    of the innermost data axis eigh's ``1/p`` of the blocks of each size (zero-padded to
-    equal chunks), then one all-gather per block size shares the bases; ``"replicated"``
-    (``shard_refresh=False``): every rank runs ``eigh`` on every block it holds.
-    ``launches="per_shape"`` models an implementation that batches same-shape matrices into
-    one launch per op (fewer launches, same FLOPs and bytes); ours is per matrix.
+    columns). The fold is a few ``torch._foreach_*`` launches for all matrices; the update
+    launches once per shape (``launches="per_matrix"``: the unbatched implementation, one
+    launch per op and matrix). Batching stacks the direction and copies it into block order,
+    two passes more than the per-matrix ops. The statistics are all-reduced over the data
+    ranks at a refresh. ``refresh="sharded"`` is our default (``shard_refresh=True``): each
+    of the ``p`` ranks of the innermost data axis refreshes ``1/p`` of the blocks of each
+    size, then one all-gather per block size shares the bases; ``"replicated"``
+    (``shard_refresh=False``): every rank refreshes every block it holds. ``solver``:
+    ``"eigh"`` (``torch.linalg.eigh``: one fitted cost per block) or ``"jacobi"``
+    (``dobb.eigensolve.jacobi_basis``: batched kernels, ``jacobi_kernels``).
     """
     work = Work(period=basis_interval)
     eigh_blocks: dict[int, int] = {}
     cov_bytes = checked = 0
     shapes: set[tuple[int, int]] = set()
-    for m in matrices:
+    for i, m in enumerate(matrices):
         rows, n = layout.local(m)
         e = rows * n
         stacks = local_block_stacks(block_stacks(m.d_in, num_blocks), 0, n, m.name)
-        first = launches == "per_matrix" or (m.d_out, m.d_in) not in shapes
-        shapes.add((m.d_out, m.d_in))
+        batched = launches == "per_shape"
+        first = not batched or (rows, n) not in shapes
+        shapes.add((rows, n))
         cov = sum(s.count * s.size**2 for s in stacks)
         checked += e + cov  # gradients and the statistics sums
+        fold = [  # foreach over every matrix: launched with the first one
+            elementwise(cov, 2, new=True),  # S_b = A_b / n
+            elementwise(cov, 1),  # A_b.zero_()
+            elementwise(cov, 3),  # C_b.lerp_(S_b)
+        ]
         ops: list[Kernel] = [
             elementwise(e, 3),  # M.lerp_(G)
             elementwise(e, 3, new=True),  # N = G.lerp(M)
-            elementwise(e, 2),  # W.mul_(1 - lr wd)
         ]
+        if batched:
+            ops.append(elementwise(e, 2, new=True))  # stack the directions
         for s in stacks:
             x = rows * s.count * s.size * FP32  # bytes of this stack's columns
             bmm = 2.0 * rows * s.count * s.size * s.size  # (count, rows, s) @ (count, s, s)
             blocks = s.count * s.size**2
+            if batched:
+                ops += [
+                    elementwise(x / FP32, 2, new=True),  # N_b in block order
+                    elementwise(blocks, 2, new=True),  # stack the bases
+                ]
             ops += [
                 matmul("bmm_fp32", bmm, x, x, block=s.size),  # K_b = N_b Q_b
                 elementwise(x / FP32, 2),  # sign_
                 matmul("bmm_fp32", bmm, x, x, block=s.size),  # U_b = S_b Q_bᵀ
-                elementwise(x / FP32, 3),  # W_b.add_(U_b)
-                elementwise(blocks, 2, new=True),  # S_b = A_b / n
-                elementwise(blocks, 1),  # A_b.zero_()
-                elementwise(blocks, 3),  # C_b.lerp_(S_b)
             ]
+            if batched:
+                ops.append(elementwise(x / FP32, 2))  # U_b into the update's columns
             eigh_blocks[s.size] = eigh_blocks.get(s.size, 0) + s.count
             cov_bytes += blocks * FP32
-        ops += [Kernel("elementwise", count=2)]  # step += 1, stats_steps += 1 (scalars)
+        if not batched:
+            ops.append(elementwise(e, 2))  # W.mul_(1 - lr wd), skipped when batched and wd = 0
+        ops.append(elementwise(e, 3))  # W.add_(U)
+        work.step += fold if i == 0 or not batched else [_no_launch(k) for k in fold]
         # batched per shape: the same FLOPs and bytes, launched with the first of its shape
         work.step += ops if first else [_no_launch(k) for k in ops]
+        if not batched:
+            work.step += [Kernel("elementwise", count=2)]  # step += 1, stats_steps += 1
+    if launches == "per_shape":
+        work.step += [Kernel("elementwise", count=4)]  # step counters: add, stack (twice)
     work.step += finite_check(checked)
     group = layout.refresh_split if refresh == "sharded" else 1
     if layout.data > 1:
@@ -253,18 +280,59 @@ def dobb_work(
     for size, count in sorted(eigh_blocks.items()):
         blocks = math.ceil(count / group)
         elements = blocks * size * size
-        work.refresh += [
-            elementwise(count * size * size, 2, new=True),  # cat of the stacks
-            elementwise(elements, 3, new=True),  # C + jitter I
-            Kernel("eigh", block=size, count=blocks),
-            elementwise(elements, 2, new=True),  # flip
-            elementwise(count * size * size, 2),  # copy into the state
-        ]
-        if group > 1:  # this rank's zero-padded chunk, then the all-gather of all chunks
+        work.refresh += [elementwise(count * size * size, 2, new=True)]  # cat of the stacks
+        if solver == "jacobi":
+            work.refresh += jacobi_kernels(size, blocks)
+        else:
+            work.refresh += [
+                elementwise(elements, 3, new=True),  # C + jitter I
+                Kernel("eigh", block=size, count=blocks),
+                elementwise(elements, 2, new=True),  # flip
+            ]
+        work.refresh.append(elementwise(count * size * size, 2))  # copy into the state
+        if group > 1:  # this rank's padded chunk, then the all-gather of all chunks
             work.refresh.append(elementwise(elements, 2, new=True))
             gathered = blocks * group * size * size * FP32
             work.refresh_comm.append(Collective("all_gather", gathered, group))
     return work
+
+
+def jacobi_kernels(size: int, count: int) -> list[Kernel]:
+    """``jacobi_basis`` on ``count`` blocks of ``size`` (``dobb.eigensolve``): ``A = Qᵀ C Q``,
+    then ``JACOBI_SWEEPS`` sweeps of ``slots - 1`` rounds; each round solves every slot
+    pair's ``(2w, 2w)`` block at once (one batched small ``eigh``, a factorization) and
+    rotates ``A`` and ``Qᵀ`` with three ``bmm`` (``4 w m²`` FLOPs a block each) and three
+    gathers; then sorting, one Cholesky-QR pass, the skip test and the guard's ``QᵀQ``."""
+    slots = 2 * -(-size // (2 * JACOBI_WIDTH))
+    w = -(-size // slots)
+    m = slots * w
+    rounds = (slots - 1) * (JACOBI_SWEEPS if slots > 2 else 1)
+    pairs = count * slots // 2
+    full, gram = count * m * m, 2.0 * count * size**3
+    start = [
+        matmul("bmm_fp32", gram, 2 * full * FP32, full * FP32, block=size),  # cholesky_qr Gram
+        Kernel("small", flops=count * size**3 / 3.0),  # Cholesky
+        Kernel("small", flops=count * size**3, alloc=full * FP32),  # triangular solve
+        matmul("bmm_fp32", 2 * gram, 3 * full * FP32, full * FP32, block=size),  # Qᵀ C Q
+        elementwise(full, 2, count=4, new=True),  # padding, layout gathers
+    ]
+    one_round = [
+        Kernel("small", flops=pairs * 9.0 * (2 * w) ** 3),  # batched eigh of the pairs
+        elementwise(pairs * 4 * w * w, 2, count=4, new=True),  # ranks, gather, transpose
+        *[matmul("bmm_fp32", 4.0 * w * m * m * count, 2 * full * FP32, full * FP32, block=2 * w)]
+        * 3,
+        elementwise(full, 2, count=3, new=True),  # the next round's layout (index_select)
+    ]
+    finish = [
+        elementwise(full, 2, count=3, new=True),  # sort and gather the columns
+        matmul("bmm_fp32", gram, 2 * full * FP32, full * FP32, block=size),  # Cholesky-QR
+        Kernel("small", flops=count * size**3 / 3.0),
+        Kernel("small", flops=count * size**3, alloc=full * FP32),
+        Kernel("reduction", bytes=full * FP32, count=2),  # skip test
+        matmul("bmm_fp32", gram, 2 * full * FP32, full * FP32, block=size),  # guard: QᵀQ - I
+        Kernel("elementwise", count=4),  # max, where, the guard's host read
+    ]
+    return start + one_round * rounds + finish
 
 
 def _no_launch(kernel: Kernel) -> Kernel:
@@ -360,36 +428,50 @@ def muon_work(
     layout: Layout = ONE_DEVICE,
     send_bytes: int = FP32,
     return_bytes: int = BF16,
+    launches: str = "per_shape",
 ) -> Work:
-    """Muon's call (``muon_update`` per matrix); on split matrices, whole-matrix
-    Newton-Schulz on an owner rank, as ``dobb.optim.muon.Muon`` does with an
+    """Muon's call (``muon_updates``: same-shape matrices batched); on split matrices,
+    whole-matrix Newton-Schulz on an owner rank, as ``dobb.optim.muon.Muon`` does with an
     ``OwnerExchange`` over the ``g`` ranks that split them (HSDP replicas repeat it).
 
     Owners: matrices go greedily, largest Newton-Schulz first, to the least loaded rank
-    (LPT); the most loaded rank sets the time. Communication: one all-to-all brings every
-    piece of the direction ``N`` to its owner (``send_bytes`` per element: the fp32
-    state dtype), one sends every rank its piece of ``O`` (``return_bytes``: bf16).
+    (LPT); the most loaded rank sets the time, and runs one batched Newton-Schulz per shape
+    it owns. Communication: one all-to-all brings every piece of the direction ``N`` to its
+    owner (``send_bytes`` per element: the fp32 state dtype), one sends every rank its piece
+    of ``O`` (``return_bytes``: bf16). ``launches="per_matrix"``: the unbatched
+    implementation (one launch per op and matrix, one Newton-Schulz per matrix).
     """
     work = Work()
     group = layout.shard * layout.tensor
+    batched = launches == "per_shape"
     loads = [0.0] * group
     owned = [0.0] * group
-    ns_ops: list[list[Kernel]] = [[] for _ in range(group)]
+    ns_batches: list[dict[tuple[int, int], int]] = [{} for _ in range(group)]
+    shapes: set[tuple[int, int]] = set()
     for m in sorted(matrices, key=lambda m: -newton_schulz_flops(m.d_out, m.d_in)):
         rows, n = layout.local(m)
         e = rows * n
-        work.step += [
+        ops = [
             elementwise(e, 3),  # M.lerp_(G)
             elementwise(e, 3, new=True),  # N = G.lerp(M)
             elementwise(e, 2),  # W.mul_(1 - lr wd)
             Kernel("elementwise", bytes=e * (BF16 + 2 * FP32)),  # W.add_(O), O in bf16
         ]
+        first = not batched or (rows, n) not in shapes
+        shapes.add((rows, n))
+        work.step += ops if first else [_no_launch(k) for k in ops]
         owner = min(range(group), key=loads.__getitem__)
         loads[owner] += newton_schulz_flops(m.d_out, m.d_in)
         owned[owner] += m.numel
-        ns_ops[owner] += newton_schulz_kernels(m.d_out, m.d_in)
+        shape = (m.d_out, m.d_in)
+        ns_batches[owner][shape] = ns_batches[owner].get(shape, 0) + 1
     busiest = max(range(group), key=loads.__getitem__)
-    work.step += ns_ops[busiest]
+    for (d_out, d_in), count in ns_batches[busiest].items():
+        if batched:
+            work.step.append(elementwise(count * d_out * d_in, 2, new=True))  # torch.stack
+            work.step += newton_schulz_kernels(d_out, d_in, batch=count)
+        else:
+            work.step += newton_schulz_kernels(d_out, d_in) * count
     work.step += finite_check(local_elements(matrices, layout))
     if group > 1:
         # the busiest rank receives (g - 1)/g of its own matrices, and every rank sends 1/g
@@ -431,7 +513,7 @@ def muonbp_work(
     layout: Layout = ONE_DEVICE,
     period: int | None = 5,
     row_blocks: int = 1,
-    launches: str = "per_matrix",
+    launches: str = "per_shape",
     **muon_options,
 ) -> Work:
     """MuonBP's call: a block step on ``(P - 1) / P`` of the calls, Muon's (``muon_work``,
@@ -440,8 +522,8 @@ def muonbp_work(
 
     Block step (``block_muon_update``): momentum and direction per matrix; the rank's piece
     cut into ``row_blocks`` row tiles, equal tiles in one batched Newton-Schulz; weight decay
-    and the update per tile. No communication. ``launches="per_shape"`` models batching
-    same-shape matrices into one launch per op (as in ``dobb_work``); ours is per matrix.
+    and the update per tile. No communication. Same-shape tiles of all matrices share one
+    launch per op (``launches="per_matrix"``: the unbatched implementation).
     """
     block: list[Kernel] = []
     shapes: set[tuple[int, int]] = set()
@@ -467,7 +549,7 @@ def muonbp_work(
     block += finite_check(local_elements(matrices, layout))
     if period is None:
         return Work(step=block)
-    full = muon_work(matrices, layout=layout, **muon_options)
+    full = muon_work(matrices, layout=layout, launches=launches, **muon_options)
     return Work(
         step=block,
         refresh=full.step,
@@ -475,6 +557,74 @@ def muonbp_work(
         period=period,
         step_share=(period - 1) / period,
     )
+
+
+def normuon_work(matrices: list[Matrix], *, layout: Layout = ONE_DEVICE, **muon_options) -> Work:
+    """NorMuon's call: Muon's (``muon_work``, owner exchange included; one launch per
+    matrix, as ``normuon_update`` runs) plus, per matrix, the row second moment
+    ``v <- beta2 v + (1 - beta2) mean(O²)``, ``Ô = O / (sqrt(v) + eps)`` and the rescale to
+    RMS 0.2 (a norm, and one all-reduce of a float per matrix when rows are split)."""
+    work = muon_work(matrices, layout=layout, launches="per_matrix", **muon_options)
+    for m in matrices:
+        rows, n = layout.local(m)
+        e = rows * n
+        work.step += [
+            elementwise(e, 2, new=True),  # O²
+            Kernel("reduction", bytes=e * FP32),  # row means
+            elementwise(rows, 3, count=3, new=True),  # v.lerp_, sqrt, + eps
+            elementwise(e, 3, new=True),  # O / (sqrt(v) + eps)
+            Kernel("reduction", bytes=e * FP32),  # ||Ô||_F²
+            elementwise(e, 2),  # Ô *= rms factor
+        ]
+    rows_split = [m for m in matrices if layout.splits(m)[0] > 1]
+    if rows_split:
+        ranks = max(layout.splits(m)[0] for m in rows_split)
+        work.step_comm.append(Collective("all_reduce", len(rows_split) * FP32, ranks))
+    return work
+
+
+def dion2_work(
+    matrices: list[Matrix],
+    *,
+    layout: Layout = ONE_DEVICE,
+    fraction: float = 0.25,
+    send_bytes: int = FP32,
+    return_bytes: int = BF16,
+) -> Work:
+    """Dion2's call (``dion2_update`` per matrix): ``M += G``, the ``ceil(f m)`` rows of
+    largest L1 norm selected (a row reduction and ``topk``), gathered, decayed in place,
+    Newton-Schulz on the ``k x n`` selected rows (on the matrix's owner rank: only the
+    selected rows travel, one all-to-all each way), then ``W *= 1 - lr wd`` and an
+    ``index_add_`` of the update into the selected rows."""
+    work = Work()
+    group = layout.shard * layout.tensor
+    selected_total = 0
+    ns: list[Kernel] = []
+    for m in matrices:
+        rows, n = layout.local(m)
+        e, k = rows * n, math.ceil(fraction * rows)
+        ek = k * n
+        selected_total += math.ceil(fraction * m.d_out) * m.d_in
+        work.step += [
+            elementwise(e, 3),  # M.add_(G)
+            Kernel("reduction", bytes=e * FP32),  # row L1 norms
+            Kernel("elementwise", count=2),  # topk, sort of the picks
+            elementwise(ek, 2, new=True),  # M[S]
+            elementwise(ek, 3, new=True),  # M[S] * decay, index_copy_
+            elementwise(e, 2),  # W.mul_(1 - lr wd)
+            Kernel("elementwise", bytes=ek * (BF16 + 2 * FP32)),  # W.index_add_(O)
+        ]
+        ns += newton_schulz_kernels(math.ceil(fraction * m.d_out), m.d_in)
+    # owners balance the work; the busiest holds about 1/g of it
+    work.step += ns[: max(1, math.ceil(len(ns) / group))] if group > 1 else ns
+    work.step += finite_check(local_elements(matrices, layout))
+    if group > 1:
+        elements = selected_total / group
+        work.step_comm += [
+            Collective("all_to_all", elements * send_bytes, group),  # selected rows to owners
+            Collective("all_to_all", elements * return_bytes, group),  # O back
+        ]
+    return work
 
 
 def adamw_work(
@@ -497,17 +647,37 @@ def adamw_work(
     return work
 
 
-def hook_work(matrices: list[Matrix], tokens: int, *, num_blocks: int = 16) -> list[Kernel]:
-    """Statistics hooks of one forward pass: ``A_b += X_bᵀ X_b``, ``2 N n s`` FLOPs a matrix.
-
-    Layers sharing an input (q, k, v) each run their own hook, as in our implementation.
-    """
-    ops = []
+def hook_work(
+    matrices: list[Matrix],
+    tokens: int,
+    *,
+    num_blocks: int = 16,
+    low_precision: bool = False,
+    share_inputs: bool = True,
+) -> list[Kernel]:
+    """Statistics hooks of one forward pass: ``A_b += X_bᵀ X_b``, ``2 N n s`` FLOPs a block
+    stack, once per input tensor (``Matrix.input``: q, k and v share theirs through
+    ``GramCache``), then one ``add`` into each layer's sums. ``low_precision``: under bf16
+    autocast on a GPU the products take 16-bit inputs (one cast of each input) and
+    accumulate in fp32. ``share_inputs=False``: every layer computes its own products (our
+    hooks before ``GramCache``)."""
+    ops, seen = [], set()
     for m in matrices:
         for s in block_stacks(m.d_in, num_blocks):
-            flops = 2.0 * tokens * s.count * s.size**2
-            io = (tokens * s.count * s.size + 2 * s.count * s.size**2) * FP32
-            ops.append(Kernel("bmm_fp32", flops=flops, bytes=io, block=s.size))
+            sums = s.count * s.size**2
+            source = m.input if share_inputs else m.name
+            if (source, s) not in seen:
+                seen.add((source, s))
+                x = tokens * s.count * s.size
+                if low_precision:
+                    ops.append(Kernel("elementwise", bytes=x * (FP32 + BF16), alloc=x * BF16))
+                    io = x * BF16 + sums * FP32
+                    kind = "gemm_bf16"
+                else:
+                    io, kind = x * FP32 + sums * FP32, "bmm_fp32"
+                flops = 2.0 * tokens * sums
+                ops.append(Kernel(kind, flops=flops, bytes=io, block=s.size, alloc=sums * FP32))
+            ops.append(elementwise(sums, 3))  # A_b += the (shared) product
     return ops
 
 
@@ -571,24 +741,31 @@ def build_work(
     period: int | None = 5,
     row_blocks: int = 1,
     foreach: bool = False,
+    launches: str = "per_shape",
+    solver: str = "eigh",
     **options,
 ) -> Work:
     """The ``Work`` of optimizer ``name`` on ``matrices`` split as ``layout`` says.
 
-    ``period`` and ``row_blocks`` are MuonBP's; ``options``: ``refresh`` and ``launches``
-    (Dobb), ``orthogonalize`` and ``collectives`` (Dion), ``send_bytes`` and
-    ``return_bytes`` (Muon, MuonBP).
+    ``period`` and ``row_blocks`` are MuonBP's; ``solver`` is Dobb's refresh; ``launches``
+    (Dobb, Muon, MuonBP): ``"per_shape"`` (batched, ours) or ``"per_matrix"`` (the
+    implementation before batching); ``options``: ``refresh`` (Dobb), ``orthogonalize`` and
+    ``collectives`` (Dion), ``send_bytes`` and ``return_bytes`` (Muon, MuonBP).
     """
     if name == "dobb":
-        kw = dict(num_blocks=num_blocks, basis_interval=basis_interval)
-        return dobb_work(matrices, layout=layout, **kw, **options)
+        kw = dict(num_blocks=num_blocks, basis_interval=basis_interval, solver=solver)
+        return dobb_work(matrices, layout=layout, launches=launches, **kw, **options)
     if name == "dion":
         return dion_work(matrices, layout=layout, rank_fraction=rank_fraction, **options)
     if name == "muon":
-        return muon_work(matrices, layout=layout, **options)
+        return muon_work(matrices, layout=layout, launches=launches, **options)
     if name == "muonbp":
-        kw = dict(period=period, row_blocks=row_blocks)
+        kw = dict(period=period, row_blocks=row_blocks, launches=launches)
         return muonbp_work(matrices, layout=layout, **kw, **options)
+    if name == "normuon":
+        return normuon_work(matrices, layout=layout, **options)
+    if name == "dion2":
+        return dion2_work(matrices, layout=layout, **options)
     if name == "adamw":
         return adamw_work(matrices, layout=layout, foreach=foreach, **options)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
@@ -612,23 +789,37 @@ def predict(
     layout = layout or Layout(shard=world)
     if layout.world > 1 and network is None:
         network = Network()
+    # Dobb's basis_method="auto": eigh on CPU, batched Jacobi on CUDA (foreach: a GPU profile)
+    options.setdefault("solver", "jacobi" if hardware.foreach else "eigh")
     work = build_work(name, matrices, layout=layout, foreach=hardware.foreach, **options)
     terms = work_time(work, hardware, network)
-    loops = len(matrices)
-    if options.get("launches") == "per_shape":
-        loops = len({(m.d_out, m.d_in) for m in matrices})
-    terms["overhead"] += hardware.matrix_s.get(name, 0.0) * loops
+    # Python work per matrix (state lookups, building the batches), calibrated per matrix
+    terms["overhead"] += hardware.matrix_s.get(name, 0.0) * len(matrices)
     terms["total"] = sum(terms[c] for c in CATEGORIES)
     return terms
 
 
-def predict_hooks(matrices, tokens: int, hardware: Hardware, *, num_blocks=16, forward_kind=None):
-    """Predicted seconds of the statistics hooks of one forward, and of forward+backward."""
+def predict_hooks(
+    matrices,
+    tokens: int,
+    hardware: Hardware,
+    *,
+    num_blocks=16,
+    forward_kind=None,
+    low_precision: bool = False,
+    share_inputs: bool = True,
+):
+    """Predicted seconds of the statistics hooks of one forward, and of forward+backward
+    (``low_precision``: 16-bit Gram products, as under autocast on a GPU)."""
 
     def seconds(kernels):
         return sum(sum(kernel_time(k, hardware).values()) for k in kernels)
 
-    hooks = seconds(hook_work(matrices, tokens, num_blocks=num_blocks))
+    work = hook_work(
+        matrices, tokens, num_blocks=num_blocks, low_precision=low_precision,
+        share_inputs=share_inputs,
+    )  # fmt: skip
+    hooks = seconds(work)
     hooks += hardware.matrix_s.get("hook", 0.0) * len(matrices)
     fb = forward_backward_work(matrices, tokens, forward_kind or "gemm_fp32")
     return {"hooks_s": hooks, "forward_backward_s": seconds(fb)}

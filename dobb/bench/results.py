@@ -37,8 +37,9 @@ from dobb.bench.costmodel import (
     predict_hooks,
     state_bytes,
 )
-from dobb.bench.hardware import EIGH_BATCHED_JACOBI_S, H100, H200, Hardware, Network
+from dobb.bench.hardware import H100, H200, Hardware, Network
 from dobb.bench.workload import WIDTHS, Layout, hidden_matrices, transformer_matrices
+from dobb.eigensolve import AUTO_CUDA
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # the repository's
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -47,16 +48,19 @@ QUICK = dict(config="tiny", layers=2, tokens=64, repeats=2, calls=1, warmup=1)
 # (layout, ranks) of the sharded runs; each gets the whole machine in turn
 SHARDED = (("fsdp", 2), ("fsdp", 4), ("hsdp", 4), ("tp", 2))
 QUICK_SHARDED = (("fsdp", 2), ("tp", 2))
-# sensitivity rows: another option of ours, or what a different implementation would do
+# sensitivity rows: another option of ours, or our implementation before batching
 VARIANTS = {
     "Dobb, refresh replicated (shard_refresh=False)": ("dobb", dict(refresh="replicated")),
-    "Dobb, batched Jacobi eigh": ("dobb", dict(eigh=EIGH_BATCHED_JACOBI_S)),
-    "Dobb, one launch per shape": ("dobb", dict(launches="per_shape")),
-    "Dobb, Jacobi + per shape": ("dobb", dict(eigh=EIGH_BATCHED_JACOBI_S, launches="per_shape")),
-    "MuonBP, one launch per shape": ("muonbp", dict(launches="per_shape")),
+    "Dobb, eigh refresh (torch.linalg.eigh per block)": ("dobb", dict(solver="eigh")),
+    "Dobb before batching (per-matrix ops, eigh)": (
+        "dobb",
+        dict(launches="per_matrix", solver="eigh"),
+    ),
+    "Muon before batching (per-matrix ops)": ("muon", dict(launches="per_matrix")),
+    "MuonBP before batching (per-matrix ops)": ("muonbp", dict(launches="per_matrix")),
     "BlockMuon (period None)": ("muonbp", dict(period=None)),
 }
-BATCHED = {"dobb": "Dobb, Jacobi + per shape", "muonbp": "MuonBP, one launch per shape"}
+UNBATCHED = {"dobb": "Dobb before batching (per-matrix ops, eigh)"}  # dashed in the plots
 
 
 def ms(seconds: float) -> str:
@@ -64,12 +68,9 @@ def ms(seconds: float) -> str:
 
 
 def predict_variant(label, matrices, hardware, **options):
-    """``predict`` of the ``VARIANTS`` row ``label`` (``eigh``: replaces the eigh cost)."""
+    """``predict`` of the ``VARIANTS`` row ``label``."""
     name, variant = VARIANTS[label]
-    variant = dict(variant)
-    eigh = variant.pop("eigh", None)
-    hw = replace(hardware, eigh_s=eigh) if eigh else hardware
-    return predict(name, matrices, hw, **options, **variant)
+    return predict(name, matrices, hardware, **options, **variant)
 
 
 # --------------------------------------------------------------------------- sections
@@ -127,6 +128,8 @@ def state_section(record: dict) -> str:
         "dion": "4 (momentum) + 4 r / d_out (Q) + 4 / (m n) (step)",
         "muon": "4 (momentum)",
         "muonbp": "4 (momentum) + 4 / (m n) (step)",
+        "normuon": "4 (momentum) + 4 / d_in (row second moment)",
+        "dion2": "4 (momentum)",
         "adamw": "8 (two moments) + 4 / (m n) (step)",
     }
     for name, entry in record["optimizers"].items():
@@ -179,12 +182,15 @@ def check_rows(record: dict, hw: Hardware) -> tuple[list[str], list[float]]:
     rows and the ratios predicted / measured."""
     m = record["meta"]
     matrices = hidden_matrices(m["config"], m["layers"])
+    batched = m.get("batched", False)  # records from before batching ran per matrix
     kw = dict(
         num_blocks=m["num_blocks"],
         basis_interval=m["basis_interval"],
         rank_fraction=m["rank_fraction"],
         period=m.get("period", 5),
         row_blocks=m.get("row_blocks", 1),
+        launches="per_shape" if batched else "per_matrix",
+        solver=refresh_solver(m),
     )
     rows, ratios = [], []
 
@@ -207,7 +213,15 @@ def check_rows(record: dict, hw: Hardware) -> tuple[list[str], list[float]]:
         full = predict("muonbp", matrices, hw, **{**kw, "period": 1})["total"]
         row("muonbp, full-step call", full, muonbp["full_call_s"]["median"])
     kind = "gemm_bf16" if m.get("autocast") == "bf16" else "gemm_fp32"
-    hooks = predict_hooks(matrices, m["tokens"], hw, num_blocks=m["num_blocks"], forward_kind=kind)
+    hooks = predict_hooks(
+        matrices,
+        m["tokens"],
+        hw,
+        num_blocks=m["num_blocks"],
+        forward_kind=kind,
+        low_precision=batched and kind == "gemm_bf16" and m.get("device") != "cpu",
+        share_inputs=batched,
+    )
     measured = record["hooks"]
     row("statistics hooks, one forward", hooks["hooks_s"], measured["hooks_alone_s"]["median"])
     row(
@@ -216,6 +230,15 @@ def check_rows(record: dict, hw: Hardware) -> tuple[list[str], list[float]]:
         measured["forward_backward_s"]["median"],
     )
     return rows, ratios
+
+
+def refresh_solver(meta: dict) -> str:
+    """The refresh solver a call-time record's Dobb ran (``basis_method``; ``"auto"`` is
+    Jacobi on CUDA); records without the field ran ``eigh``."""
+    method = meta.get("basis_method") or "eigh"
+    if method == "auto":
+        method = AUTO_CUDA if meta.get("device", "cpu").startswith("cuda") else "eigh"
+    return "jacobi" if method == "jacobi" else "eigh"
 
 
 def check_section(record: dict, hw: Hardware, title: str) -> str:
@@ -258,7 +281,7 @@ def paper_section(hardware: Hardware = H100) -> tuple[str, dict[str, dict[str, f
             collectives="per_matrix",
         )
     dobb, dion = rows["dobb (hierarchical)"]["total"], rows["dion (hierarchical)"]["total"]
-    best = rows[BATCHED["dobb"] + " (hierarchical)"]["total"]
+    before = rows[UNBATCHED["dobb"] + " (hierarchical)"]["total"]
     paper = PAPER_XL_32_H100_MS
     lines = [
         f"GPT-2 XL (all 48 blocks, {len(matrices)} hidden matrices), FSDP over 32 GPUs "
@@ -271,8 +294,8 @@ def paper_section(hardware: Hardware = H100) -> tuple[str, dict[str, dict[str, f
         f"| Dobb | {paper['dobb']} | {ms(dobb)} | {dobb / 1e-3 / paper['dobb']:.1f}x |",
         f"| Dion | {paper['dion']} | {ms(dion)} | {dion / 1e-3 / paper['dion']:.1f}x |",
         f"| Dion / Dobb | {paper['dion'] / paper['dobb']:.1f} | {dion / dobb:.2f} | |",
-        f"| {BATCHED['dobb']} | {paper['dobb']} | {ms(best)} | "
-        f"{best / 1e-3 / paper['dobb']:.1f}x |",
+        f"| {UNBATCHED['dobb']} | {paper['dobb']} | {ms(before)} | "
+        f"{before / 1e-3 / paper['dobb']:.1f}x |",
     ]
     return "\n".join(lines), rows
 
@@ -311,9 +334,9 @@ def sweep_tables(hardware: Hardware = H100) -> tuple[str, dict, dict]:
     models |= {d: transformer_matrices(d, layers) for d, layers in WIDTHS.values()}
 
     def series(mats, world):
-        """Seconds per call of every optimizer and batched variant on ``mats``."""
+        """Seconds per call of every optimizer, and of Dobb before batching, on ``mats``."""
         out = {n: predict(n, mats, hardware, world=world, network=net)["total"] for n in OPTIMIZERS}
-        for label in BATCHED.values():
+        for label in UNBATCHED.values():
             out[label] = predict_variant(label, mats, hardware, world=world, network=net)["total"]
         return out
 
@@ -354,7 +377,7 @@ def plot(worlds: dict, widths: dict, out_dir: Path) -> list[str]:
     ):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for name, ys in series.items():
-            style = "--" if name in BATCHED.values() else "-"
+            style = "--" if name in UNBATCHED.values() else "-"
             ax.plot(xs, [y * 1e3 for y in ys], style, marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -477,49 +500,56 @@ other value is our assumption):
 """
 
 
-SCALING = """\
-What drives each curve in the model (H100 profile, two-level collectives; dashed: the
-batched variants of section 5):
+def scaling(worlds: dict[str, list[float]], widths: dict[str, list[float]]) -> str:
+    """What drives each curve of the sweeps (``sweep_tables``' series), with their numbers."""
+    first, last = WORLDS[0], WORLDS[-1]
+    dobb, dion, muon = worlds["dobb"], worlds["dion"], worlds["muon"]
+    before = worlds[UNBATCHED["dobb"]]
+    turn = WORLDS[min(range(len(WORLDS)), key=muon.__getitem__)]
+    models = list(WIDTHS)
+    return f"""\
+What drives each curve in the model (H100 profile, two-level collectives; dashed: Dobb before
+batching, per-matrix ops and a per-block eigh):
 
-- Dobb (ours, `shard_refresh=True`) falls with the number of GPUs: its update is row-local
-  and each rank eigh's only 1/p of the blocks at a refresh. What remains at scale is the
-  per-op cost of a Python loop over 288 matrices (~21 ms at 6 us an op) and the eigh
-  calls themselves; batched (one Jacobi eigh launch, one launch per shape) it levels out
-  at ~3.5 ms.
-- Dion is nearly flat: its small factorizations (QR of the k x r sketch, Cholesky, two
-  triangular solves per matrix) are replicated on every rank, and the latency of its three
-  all-reduce rounds grows with the number of nodes.
-- Muon falls while the whole-matrix Newton-Schulz work divides among more owners, then
-  rises as its two all-to-alls pay (p - 1) latencies; past 288 ranks some own no matrix.
-- MuonBP (P = 5) is flat and per-op bound in our eager implementation: on its block steps
-  every rank runs Newton-Schulz (18 ops) on its shard of every one of the 288 matrices,
-  while Muon runs it only on the matrices it owns. Batched per shape it is the cheapest
-  matrix optimizer here at 8-256 GPUs, until its full steps' all-to-alls grow.
+- Dobb (ours: same-shape matrices batched, `shard_refresh=True`, the batched Jacobi refresh
+  of `basis_method="auto"` on CUDA) goes from {ms(dobb[0])} ms at {first} GPUs to
+  {ms(dobb[-1])} ms at {last}: its update is row-local, each rank refreshes 1/p of the
+  blocks, and what remains is a fixed number of launches per shape and the Jacobi rounds.
+  Before batching the same model gives {ms(before[0])} ms and {ms(before[-1])} ms.
+- Dion goes from {ms(dion[0])} to {ms(dion[-1])} ms: its small factorizations (QR of the
+  k x r sketch, Cholesky, two triangular solves per matrix) are replicated on every rank,
+  and the latency of its three all-reduce rounds grows with the number of nodes.
+- Muon is lowest at {turn} GPUs ({ms(min(muon))} ms): the whole-matrix Newton-Schulz work
+  divides among more owners, then its two all-to-alls pay (p - 1) latencies.
+- MuonBP (P = 5) runs Newton-Schulz on every rank's shard of every matrix on its block
+  steps, batched per shape; its full steps' all-to-alls grow with p.
 - AdamW falls as 1/p: elementwise on the local shard, no communication.
-- With width, Dobb's block size grows (s = d/16 and 4d/16 with 16 blocks), and eigh costs
-  s³: with a fixed number of blocks the refresh dominates at large widths; a fixed block
-  size would keep it linear in d. Muon's whole-matrix Newton-Schulz grows as d³ on the
-  owner; MuonBP's block steps as d³/p.
-- By layout (last table): HSDP shares Dobb's refresh only among the 8 ranks of a replica
-  (the innermost data axis), and pure TP has no data axis at all, so every TP rank eigh's
-  all of its blocks, those of column-parallel matrices identical on every TP rank. Sharing
-  the refresh over the TP ranks too (their statistics agree) is an improvement we have
-  not made. DDP keeps whole matrices on every rank, so every update is whole-matrix."""
+- With width (32 GPUs, {models[0]} to {models[-1]}: Dobb {ms(widths["dobb"][0])} to
+  {ms(widths["dobb"][-1])} ms), Dobb's block size grows (s = d/16 and 4d/16 with 16
+  blocks) and its refresh with s³; a fixed block size would keep it linear in d. Muon's
+  whole-matrix Newton-Schulz grows as d³ on the owner; MuonBP's block steps as d³/p.
+- By layout (last table): HSDP shares Dobb's refresh only among the ranks of a replica (the
+  innermost data axis), and pure TP has no data axis, so every TP rank refreshes all of its
+  blocks, those of column-parallel matrices identical on every TP rank. Sharing the refresh
+  over the TP ranks too (their statistics agree) is an improvement we have not made. DDP
+  keeps whole matrices on every rank, so every update is whole-matrix."""
 
 
 def discussion(rows: dict[str, dict[str, float]]) -> str:
     """How to read section 5, with its numbers (``rows`` from ``paper_section``)."""
     dobb, dion = rows["dobb (hierarchical)"], rows["dion (hierarchical)"]
     replicated = rows["Dobb, refresh replicated (shard_refresh=False) (hierarchical)"]
-    best = rows[BATCHED["dobb"] + " (hierarchical)"]
+    eigh = rows["Dobb, eigh refresh (torch.linalg.eigh per block) (hierarchical)"]
+    before = rows[UNBATCHED["dobb"] + " (hierarchical)"]
     muonbp, muon = rows["muonbp (hierarchical)"], rows["muon (hierarchical)"]
-    muonbp_batched = rows[BATCHED["muonbp"] + " (hierarchical)"]
     paper = PAPER_XL_32_H100_MS
 
     def share(terms, *keys):
         return sum(terms[k] for k in keys) / terms["total"]
 
-    refresh = dobb_work(hidden_matrices("gpt2-xl"), layout=Layout(shard=32)).refresh
+    xl = hidden_matrices("gpt2-xl")
+    shapes = len({(m.d_out, m.d_in) for m in xl})
+    refresh = dobb_work(xl, layout=Layout(shard=32), solver="eigh").refresh
     blocks_per_rank = sum(k.count for k in refresh if k.kind == "eigh")
     per_matrix = rows["Dion, 3 all-reduces per matrix (hierarchical)"]
     per_matrix_ring = rows["Dion, 3 all-reduces per matrix (ring)"]
@@ -527,11 +557,13 @@ def discussion(rows: dict[str, dict[str, float]]) -> str:
     return f"""\
 How to read this (and where and why it disagrees with the paper):
 
-- The model describes *our* implementation: a Python loop over matrices, a few PyTorch ops
-  per matrix, each with a fixed cost; at a refresh `torch.linalg.eigh` on each rank's
-  1/32 of the blocks, then one all-gather per block size; Dion's three all-reduce rounds
-  per step each sent for all matrices in one buffer (`dobb.distributed.reduce.all_reduce_`).
-  The paper's implementation is not described in its abstract.
+- The model describes *our* implementation: matrices of one shape updated together (a few
+  batched kernels per shape: {shapes} shapes in GPT-2 XL), some Python work per matrix, each
+  op with a fixed cost; at a refresh each rank's 1/32 of the blocks through the batched
+  Jacobi solver, then one all-gather per block size; Dion's three all-reduce rounds per step
+  each sent for all matrices in one buffer (`dobb.distributed.reduce.all_reduce_`), its
+  ops per matrix. The paper's implementation is not described in its abstract. All of it
+  is a *prediction* from assumed H100 constants.
 - **Dion**: {ms(dion["total"])} ms predicted against the paper's {paper["dion"]} ms
   ({dion["total"] * 1e3 / paper["dion"]:.1f}x). Latency-bound terms (small factorizations,
   per-op costs, collective latency) are {dion_fixed:.0%} of it; its communication is
@@ -541,25 +573,21 @@ How to read this (and where and why it disagrees with the paper):
   The agreement with the paper rests on assumed latencies of small cuSOLVER calls and of
   PyTorch ops (the GPU section measures both on an H200).
 - **Dobb**: {ms(dobb["total"])} ms predicted against the paper's {paper["dobb"]} ms
-  ({dobb["total"] * 1e3 / paper["dobb"]:.1f}x). The update itself (matmul + memory:
-  {ms(dobb["matmul"] + dobb["memory"])} ms) and the statistics all-reduce and bases
-  all-gather ({ms(dobb["comm_latency"] + dobb["comm_bandwidth"])} ms amortized) are small.
-  The refresh's eigh ({ms(dobb["factorization"])} ms amortized: `torch.linalg.eigh` on CUDA
-  loops cuSOLVER, ~1.8 ms a block, {blocks_per_rank} blocks per rank per refresh) and the
-  per-op costs ({ms(dobb["overhead"])} ms) dominate. Without sharding the refresh
-  (`shard_refresh=False`, every rank eigh's all ~4,600 blocks) it would be
-  {ms(replicated["total"])} ms. With a batched eigh and ops batched over same-shape matrices
-  the model gives {ms(best["total"])} ms, the paper's order: the paper's number is
-  consistent with such an implementation, not with ours as it stands.
-- **MuonBP**: {ms(muonbp["total"])} ms for ours (Muon: {ms(muon["total"])} ms), of which
-  {ms(muonbp["overhead"])} ms are per-op costs, mostly of block steps on all 288 matrices; batched
-  per shape {ms(muonbp_batched["total"])} ms, level with batched Dobb: shard-local
-  Newton-Schulz on a rank's rows is cheap (a = d_out / p).
-- So the predicted Dion/Dobb ratio ({dion["total"] / dobb["total"]:.2f} for our code,
-  {dion["total"] / best["total"]:.0f} for the batched variant, {paper["dion"] / paper["dobb"]:.1f}
-  in the paper) hinges on assumed constants: the eigh cost above all, then per-op and
-  factorization latencies. Read the absolute numbers as order-of-magnitude and the
-  breakdown as the useful part.
+  ({dobb["total"] * 1e3 / paper["dobb"]:.1f}x): matmul and memory
+  {ms(dobb["matmul"] + dobb["memory"])} ms, per-op costs {ms(dobb["overhead"])} ms, the
+  refresh's small factorizations {ms(dobb["factorization"])} ms and the statistics
+  all-reduce and bases all-gather {ms(dobb["comm_latency"] + dobb["comm_bandwidth"])} ms
+  (amortized). With `torch.linalg.eigh` for the refresh ({blocks_per_rank} blocks per rank,
+  one cuSOLVER call each) it would be {ms(eigh["total"])} ms; before batching (per-matrix
+  ops and eigh) {ms(before["total"])} ms; without sharding the refresh
+  (`shard_refresh=False`) {ms(replicated["total"])} ms.
+- **MuonBP**: {ms(muonbp["total"])} ms (Muon: {ms(muon["total"])} ms), of which
+  {ms(muonbp["overhead"])} ms are per-op costs: shard-local Newton-Schulz on a rank's rows
+  is cheap (a = d_out / p).
+- So the predicted Dion/Dobb ratio ({dion["total"] / dobb["total"]:.1f} for our batched code,
+  {dion["total"] / before["total"]:.2f} before batching, {paper["dion"] / paper["dobb"]:.1f}
+  in the paper) hinges on assumed constants: per-op and factorization latencies above all.
+  Read the absolute numbers as order-of-magnitude and the breakdown as the useful part.
 """
 
 
@@ -661,7 +689,7 @@ def generate(
         + "\n\n"
         + discussion(paper_rows),
         "## 6. Scaling with world size, model width and layout (model)\n\n"
-        + SCALING
+        + scaling(worlds, widths)
         + "\n\n"
         + sweeps
         + "\n\n"

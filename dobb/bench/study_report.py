@@ -202,6 +202,7 @@ def _all_runs(results: dict) -> list[list[dict]]:
         *results["main"].values(),
         *results["seeds"].values(),
         *(runs for _, runs in results["ablations"]),
+        *results.get("ablation_seeds", {}).values(),
         *results["widths"].values(),
     ]
 

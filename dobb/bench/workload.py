@@ -24,10 +24,17 @@ class Matrix:
     name: str
     d_out: int
     d_in: int
+    source: str = ""
+    """The tensor the layer reads; layers with one source (q, k, v) share their input.
+    Empty: the layer's own."""
 
     @property
     def numel(self) -> int:
         return self.d_out * self.d_in
+
+    @property
+    def input(self) -> str:
+        return self.source or self.name
 
 
 def transformer_matrices(width: int, layers: int) -> list[Matrix]:
@@ -35,14 +42,18 @@ def transformer_matrices(width: int, layers: int) -> list[Matrix]:
     output (``d x d``), MLP up (``4d x d``) and down (``d x 4d``) projections."""
     d = width
     per_block = (
-        ("attn.q", d, d),
-        ("attn.k", d, d),
-        ("attn.v", d, d),
-        ("attn.proj", d, d),
-        ("mlp.fc", 4 * d, d),
-        ("mlp.proj", d, 4 * d),
+        ("attn.q", d, d, "ln_1"),  # q, k and v read the same normalized input
+        ("attn.k", d, d, "ln_1"),
+        ("attn.v", d, d, "ln_1"),
+        ("attn.proj", d, d, ""),
+        ("mlp.fc", 4 * d, d, ""),
+        ("mlp.proj", d, 4 * d, ""),
     )
-    return [Matrix(f"blocks.{i}.{n}", o, k) for i in range(layers) for n, o, k in per_block]
+    return [
+        Matrix(f"blocks.{i}.{n}", o, k, f"blocks.{i}.{src}" if src else "")
+        for i in range(layers)
+        for n, o, k, src in per_block
+    ]
 
 
 def hidden_matrices(config: str, layers: int | None = None) -> list[Matrix]:

@@ -73,6 +73,8 @@ class OptimizerEntry:
     """Valid constructor overrides, small enough for CPU tests."""
     error_inputs: tuple[ErrorInput, ...] = ()
     """Invalid constructor overrides and the error each must raise."""
+    splits_columns: bool = True
+    """Runs on matrices split along their columns (row-parallel TP); False: rows only."""
 
     @property
     def is_matrix(self) -> bool:
@@ -195,6 +197,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="normuon",
+            splits_columns=False,  # normalizes or selects whole rows
             cls=NorMuon,
             lr=5e-3,
             scalar_lr=1e-3,
@@ -214,6 +217,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="dion2",
+            splits_columns=False,  # normalizes or selects whole rows
             cls=Dion2,
             lr=0.02,
             scalar_lr=1e-3,

@@ -83,12 +83,13 @@ def test_json_is_written_complete(record):
 
 
 def test_linear_stack_gradients_are_cotangent_times_input():
-    mats = [Matrix("a.q", 6, 4), Matrix("a.fc", 8, 4)]
+    mats = [Matrix("a.q", 6, 4, "a.ln"), Matrix("a.k", 6, 4, "a.ln"), Matrix("a.fc", 8, 4)]
     stack = calltime.LinearStack(mats, tokens=5)
     calltime.forward_backward(stack, autocast=False)
     for m, layer in zip(mats, stack.layers.values()):
-        expected = stack.cotangents[m.d_out].T @ stack.inputs[m.d_in].detach()
+        expected = stack.cotangents[m.d_out].T @ stack.inputs[m.input].detach()
         torch.testing.assert_close(layer.weight.grad, expected)
+    assert stack.inputs["a.ln"] is not stack.inputs["a.fc"]  # q and k share; fc has its own
 
 
 def test_bad_layer_count_raises():

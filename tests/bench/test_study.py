@@ -169,6 +169,14 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     for row in report["ablations"]:
         assert row["loss"] == min(summary(run)["final_val_loss"] for run in row["runs"])
     assert report["checks"]["stats_sync=step"] == 0  # one process: identical runs
+    # a seeded ablation (the batched refresh): its seed mean against Dobb's seeds
+    (jacobi,) = [r for r in report["ablations"] if r["value"] == "jacobi"]
+    losses = [summary(run)["final_val_loss"] for run in jacobi["seeds"]["runs"]]
+    assert jacobi["seeds"]["n"] == 4 and jacobi["seeds"]["mean"] == pytest.approx(np.mean(losses))
+    assert jacobi["seeds"]["pair"]["diff"] == pytest.approx(
+        np.mean(losses) - report["seeds"]["dobb"]["mean"]
+    )
+    assert "4 seeds: mean" in text
 
     # (d): MuonBP of (a) with only the period changed, against its seed-0 run
     assert "## (d) MuonBP's period" in text and (out / "muonbp_period.png").exists()
