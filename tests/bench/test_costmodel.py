@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dobb.bench import calibrate, calltime, hardware, results, workload
 from dobb.bench import costmodel as cm
 from dobb.blocks import block_stacks
+from dobb.eigensolve import OpCounter, jacobi_basis
 from dobb.optim.dion import dion_update
 from dobb.optim.dobb import dobb_update
 from dobb.optim.muon import newton_schulz
@@ -319,3 +320,14 @@ def _calibration(tmp_path) -> str:
     out = tmp_path / "calib.json"
     calltime.main(["calibrate", "--config", "tiny", "--quick", "--out", str(out)])
     return out.read_text()
+
+
+@pytest.mark.parametrize("size", [40, 100])
+def test_jacobi_model_has_the_solvers_rounds(size):
+    """The modeled Jacobi refresh runs one batched small eigh per round, as the solver does."""
+    cov = torch.eye(size).expand(3, size, size) * torch.linspace(1, 2, size)
+    with OpCounter() as counter:
+        jacobi_basis(cov, torch.eye(size).expand(3, size, size).clone())
+    rounds = [k for k in cm.jacobi_kernels(size, 3) if k.kind == "small" and k.flops > 0]
+    cholesky_qr_passes = 2  # the warm start's and the final one's (Cholesky + solve each)
+    assert len(rounds) == counter.ops["aten::_linalg_eigh"] + 2 * cholesky_qr_passes
