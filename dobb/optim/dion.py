@@ -5,12 +5,14 @@ power iteration on the momentum buffer per step, and feeds the part of the buffe
 low-rank update did not use back into the next step (error feedback).
 
 ``dion_update`` is the paper's Algorithm 1 on one whole matrix, one line per line of the
-box: the reference. ``dion_step``, which the optimizer runs, takes the same steps over a
+box: the reference. The optimizer runs two forms of it. ``dion_updates`` takes whole
+matrices (one device, DDP): each line runs once per stack of same-shape matrices, so a
+step costs O(shapes) kernels, not O(matrices). ``dion_step`` takes the same steps over a
 list of matrices, each whole on this rank or split over ranks (``MatrixPlacement``). Where
 a matrix is split, the products that sum over a split dim are completed by batched
 all-reduces placed between the steps in straight-line code (one collective per process
 group per round, for all matrices together). On whole matrices it computes exactly what
-``dion_update`` does; a test holds the two together, and the distributed tests hold the
+``dion_update`` does; tests hold both forms to it, and the distributed tests hold the
 split runs to the one-device run.
 """
 
@@ -426,8 +428,11 @@ class Dion(MatrixOptimizer):
         orthogonalize: ``"qr"`` (Householder QR, default) or ``"cholesky_qr"``
             (randomized Cholesky QR, the paper's fast distributed form; falls back to
             Householder QR if a Cholesky factorization fails).
-        seed: base seed of ``Q_0`` and of the sketches; each matrix draws from a generator
-            seeded by ``seed`` and its name, so data-parallel replicas agree.
+        seed: base seed of ``Q_0`` and of the sketches. ``Q_0`` is drawn from a generator
+            seeded by ``seed`` and the matrix's name; the sketch of a step from one seeded
+            by ``seed``, the matrix's shape, ``r`` and the step, so same-shape matrices
+            share it (one draw per stack; each sees a Gaussian ``S`` independent of its
+            ``P``, all the preconditioner asks) and data-parallel replicas agree.
         sync_group: None, or the replicas whose gradients of Dion's matrices are left
             unaveraged (``dobb.distributed.groups``): a ProcessGroup for DDP, a DeviceMesh
             of data axes for HSDP. Dion then runs the paper's compressed data-parallel
@@ -442,6 +447,13 @@ class Dion(MatrixOptimizer):
             averaged (what a harness's DDP or FSDP does).
         data_parallel: deprecated spelling of ``sync_group``.
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients (checked per rank).
+
+    Batching: whole matrices (one device, DDP without ``sync_group``) run ``dion_updates``:
+    same-shape matrices share every kernel (``B Q``, ``Bᵀ P`` and ``P Qᵀ`` as bmm, QR,
+    Cholesky and triangular solves on ``(b, m, r)`` stacks, foreach for the rest). A step
+    reads the host once for the non-finite check and, with ``"cholesky_qr"``, once more:
+    the failure flags of every matrix's Cholesky QR, since which matrices need the
+    Householder fallback is known only on the device. ``B = 0`` is handled on the device.
 
     Sharding: DTensor parameters are updated from their placements (FSDP ``Shard(0)``, TP
     ``Shard(0)``/``Shard(1)``, 2-D FSDP x TP with ``_StridedShard``, uneven or empty

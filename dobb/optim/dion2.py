@@ -7,7 +7,9 @@ on a ``k x n`` matrix instead of ``m x n``), updates only those rows of the weig
 decays only those rows of the momentum; the other rows keep accumulating.
 
 The functional core is ``dion2_direction`` (momentum, selection, selective decay) and
-``apply_rows`` (the sparse weight update) around Muon's ``newton_schulz``. Sharded, each
+``apply_rows`` (the sparse weight update) around Muon's ``newton_schulz``; ``dion2_update``
+runs them on one matrix (the reference). Unshared matrices run ``dion2_updates``, its
+batched form: one selection and one NS5 per stack of same-shape matrices. Sharded, each
 rank selects among its own rows and only the selected rows travel to the matrix's owner
 and back, through Muon's ``OwnerExchange`` on the ``k x n`` matrix of selected rows.
 """

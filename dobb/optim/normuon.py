@@ -6,7 +6,9 @@ neuron) of the orthogonalized update is divided by the root of an EMA of its mea
 and the whole update is rescaled to RMS 0.2, so ``lr`` is in AdamW's units.
 
 The momentum, the Newton-Schulz iteration and the weight update are Muon's
-(``dobb.optim.muon``); this module adds ``neuron_normalize`` and the RMS rescaling. The
+(``dobb.optim.muon``); this module adds ``neuron_normalize`` and the RMS rescaling.
+``normuon_update`` is the per-matrix reference; unshared matrices run ``normuon_updates``,
+its batched form (one NS5 and one normalization per stack of same-shape matrices). The
 distributed path runs them after Muon's owner exchange, on each rank's own rows.
 """
 
