@@ -358,14 +358,19 @@ def dion_work(
     (``m x r``, with the flag) and the column norms of ``R`` (``r``); a piece with whole
     rows orthogonalizes ``P`` locally. ``collectives="batched"`` (ours,
     ``dobb.distributed.reduce.all_reduce_``) sends each round for all matrices in one
-    buffer; ``"per_matrix"`` issues one all-reduce per matrix and round.
+    buffer; ``"per_matrix"`` issues one all-reduce per matrix and round. Whole matrices
+    (one device, DDP) run ``dion_updates``: same-shape matrices share each launch; split
+    ones run ``dion_step``, one launch per op and matrix.
     """
     work = Work()
     rounds: dict[tuple[str, int], float] = {}  # (round, ranks) -> bytes
     checked = 0
+    shapes: set[tuple[int, int]] = set()
     for m in matrices:
         (rows, n), r = layout.local(m), dion_rank(m, rank_fraction)
         row_split, col_split = layout.splits(m)
+        first = row_split * col_split > 1 or (rows, n) not in shapes
+        shapes.add((rows, n))
         e, mr, nr = rows * n * FP32, rows * r * FP32, n * r * FP32  # bytes
         checked += rows * n
         ops = [
@@ -406,7 +411,7 @@ def dion_work(
                 work.step_comm.append(Collective("all_reduce", nbytes, ranks))
             elif ranks > 1:
                 rounds[name, ranks] = rounds.get((name, ranks), 0.0) + nbytes
-        work.step += ops
+        work.step += ops if first else [_no_launch(k) for k in ops]
     work.step += finite_check(checked)
     work.step += [Kernel("elementwise", count=3)]  # which B != 0 (cat, nonzero, host sync)
     for (_, ranks), nbytes in rounds.items():  # one flat buffer: cat in, all-reduce, copy out
@@ -560,15 +565,18 @@ def muonbp_work(
 
 
 def normuon_work(matrices: list[Matrix], *, layout: Layout = ONE_DEVICE, **muon_options) -> Work:
-    """NorMuon's call: Muon's (``muon_work``, owner exchange included; one launch per
-    matrix, as ``normuon_update`` runs) plus, per matrix, the row second moment
+    """NorMuon's call: Muon's (``muon_work``, owner exchange included; whole matrices
+    batched per shape, as ``normuon_updates`` runs) plus, per matrix, the row second moment
     ``v <- beta2 v + (1 - beta2) mean(O²)``, ``Ô = O / (sqrt(v) + eps)`` and the rescale to
     RMS 0.2 (a norm, and one all-reduce of a float per matrix when rows are split)."""
-    work = muon_work(matrices, layout=layout, launches="per_matrix", **muon_options)
+    work = muon_work(matrices, layout=layout, **muon_options)
+    shapes: set[tuple[int, int]] = set()
     for m in matrices:
         rows, n = layout.local(m)
         e = rows * n
-        work.step += [
+        first = layout.splits(m)[0] > 1 or (rows, n) not in shapes  # whole ones: batched
+        shapes.add((rows, n))
+        ops = [
             elementwise(e, 2, new=True),  # O²
             Kernel("reduction", bytes=e * FP32),  # row means
             elementwise(rows, 3, count=3, new=True),  # v.lerp_, sqrt, + eps
@@ -576,6 +584,7 @@ def normuon_work(matrices: list[Matrix], *, layout: Layout = ONE_DEVICE, **muon_
             Kernel("reduction", bytes=e * FP32),  # ||Ô||_F²
             elementwise(e, 2),  # Ô *= rms factor
         ]
+        work.step += ops if first else [_no_launch(k) for k in ops]
     rows_split = [m for m in matrices if layout.splits(m)[0] > 1]
     if rows_split:
         ranks = max(layout.splits(m)[0] for m in rows_split)
@@ -595,17 +604,21 @@ def dion2_work(
     largest L1 norm selected (a row reduction and ``topk``), gathered, decayed in place,
     Newton-Schulz on the ``k x n`` selected rows (on the matrix's owner rank: only the
     selected rows travel, one all-to-all each way), then ``W *= 1 - lr wd`` and an
-    ``index_add_`` of the update into the selected rows."""
+    ``index_add_`` of the update into the selected rows. Whole matrices run
+    ``dion2_updates``: same-shape matrices share each launch."""
     work = Work()
     group = layout.shard * layout.tensor
     selected_total = 0
     ns: list[Kernel] = []
+    shapes: set[tuple[int, int]] = set()
     for m in matrices:
         rows, n = layout.local(m)
         e, k = rows * n, math.ceil(fraction * rows)
         ek = k * n
         selected_total += math.ceil(fraction * m.d_out) * m.d_in
-        work.step += [
+        first = group > 1 or (rows, n) not in shapes  # whole matrices: batched per shape
+        shapes.add((rows, n))
+        ops = [
             elementwise(e, 3),  # M.add_(G)
             Kernel("reduction", bytes=e * FP32),  # row L1 norms
             Kernel("elementwise", count=2),  # topk, sort of the picks
@@ -614,7 +627,9 @@ def dion2_work(
             elementwise(e, 2),  # W.mul_(1 - lr wd)
             Kernel("elementwise", bytes=ek * (BF16 + 2 * FP32)),  # W.index_add_(O)
         ]
-        ns += newton_schulz_kernels(math.ceil(fraction * m.d_out), m.d_in)
+        work.step += ops if first else [_no_launch(k) for k in ops]
+        kernels = newton_schulz_kernels(math.ceil(fraction * m.d_out), m.d_in)
+        ns += kernels if first else [_no_launch(k) for k in kernels]
     # owners balance the work; the busiest holds about 1/g of it
     work.step += ns[: max(1, math.ceil(len(ns) / group))] if group > 1 else ns
     work.step += finite_check(local_elements(matrices, layout))
