@@ -559,3 +559,12 @@ def test_batches_split_by_shape_hyperparameters_and_size(monkeypatch):
     assert sizes == [1, 1, 2]
     monkeypatch.setattr(dobb_module, "BATCH_ELEMENTS", 64)  # one 8 x 8 matrix per batch
     assert sorted(len(batch) for batch in opt._batches(active)) == [1, 1, 1, 1]
+
+
+def test_public_accessors_name_blocks_and_groups():
+    layer = nn.Linear(10, 3, bias=False)
+    opt = dobb.Dobb([layer.weight], lr=0.1, num_blocks=4)
+    assert [(s.size, s.count) for s in opt.local_blocks(layer.weight)] == [(3, 2), (2, 2)]
+    assert opt.stats_groups == []  # one process: nothing to average over
+    with pytest.raises(ValueError, match="not in a Dobb parameter group"):
+        opt.local_blocks(nn.Parameter(torch.zeros(2, 2)))

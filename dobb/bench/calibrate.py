@@ -3,7 +3,7 @@
     python -m dobb.bench.calibrate calibrate --device cuda --out calibration.json
     python -m dobb.bench.calibrate eigh --device cuda --out eigh.json
 
-(``python -m dobb.bench.calltime calibrate|eigh ...`` runs the same.) ``calibrate`` times
+``calibrate`` times
 the kernels the optimizers launch, at the shapes of a GPT config: fp32 and bf16 GEMMs, the
 rank-r products and updates of Dion, batched block products and ``eigh`` per block size
 (fitted as ``a + b s³``), Householder QR and Cholesky, streaming and reduction bandwidth,

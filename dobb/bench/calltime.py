@@ -1,8 +1,6 @@
 """Optimizer-call time on the hidden matrices of a GPT: Dobb, Dion, Muon, MuonBP, AdamW.
 
     python -m dobb.bench.calltime --config gpt2-xl --layers 2 --repeats 5 --out calltime.json
-    python -m dobb.bench.calltime calibrate --device cuda --out calibration.json
-    python -m dobb.bench.calltime eigh --device cuda --out eigh.json
 
 Single process, one device (``--device cuda`` works; every timed region is bracketed by
 ``torch.cuda.synchronize``). The workload is a ``LinearStack``: every hidden matrix of the
@@ -27,8 +25,8 @@ What is measured:
 - **Statistics hooks' share** of forward+backward: the stack's forward+backward with and
   without hooks (alternated), and the hooks alone (``BlockStatistics.add`` on each input).
 - **Optimizer-state bytes per parameter** of the hidden matrices.
-- ``calibrate`` and ``eigh`` run ``dobb.bench.calibrate``: the cost model's ``Hardware``
-  profile of this machine, and eigh backends.
+
+The cost model's ``Hardware`` profile of a machine is ``dobb.bench.calibrate``'s job.
 
 All optimizers share one set of parameters (their updates do not change the work), so
 memory is parameters + gradients + the optimizers' states. Sharded timing (FSDP2, HSDP,
@@ -536,15 +534,9 @@ def format_table(record: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if argv and argv[0] in ("calibrate", "eigh"):  # the cost-model profile: its own module
-        from dobb.bench import calibrate
-
-        calibrate.main(argv)
-        return
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="Also: 'calibrate' (a cost-model profile of this machine) and 'eigh' "
-        "(eigh backends), each with --device, --threads, --out.",
+        epilog="A cost-model profile of this machine: python -m dobb.bench.calibrate.",
     )
     parser.add_argument("--config", default="gpt2-xl", help="GPT config (dobb.train.model)")
     parser.add_argument("--layers", type=int, default=1, help="transformer blocks to include")

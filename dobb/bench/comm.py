@@ -117,11 +117,11 @@ def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
         split_rows, split_cols = len(placement.row_groups), len(placement.col_groups)
         if name == "dobb":
             refresh = (step - 1) % group["basis_interval"] == 0
-            blocks = sum(s.count * s.size**2 for s in opt._stacks(p, group))  # local C_b
-            axes = len(opt._data_parallel_groups) if refresh else 0
+            blocks = sum(s.count * s.size**2 for s in opt.local_blocks(p))  # local C_b
+            axes = len(opt.stats_groups) if refresh else 0
             total += 4 * blocks * axes
             if refresh and axes:
-                gathered.update({s.size: s.count for s in opt._stacks(p, group)})
+                gathered.update({s.size: s.count for s in opt.local_blocks(p)})
         elif name == "dion":
             r = Dion.rank_of((m, n), group)
             k = 128 * math.ceil(1.25 * r / 128)
@@ -133,7 +133,7 @@ def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
         elif split_rows or split_cols:  # to the owner in fp32, back in bf16; per rank / W
             total += (4 + 2) * m * n * (world - 1) // world**2
     if gathered:  # one all-gather per block size, padded to a multiple of the group size
-        ranks = dist.get_world_size(opt._data_parallel_groups[-1])
+        ranks = dist.get_world_size(opt.stats_groups[-1])
         total += sum(4 * ranks * -(-count // ranks) * size**2 for size, count in gathered.items())
     return total
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from dobb.optim.dobb import Dobb
+from dobb.optim.dobb import update_alpha
 from dobb.optim.registry import get_entry
 from dobb.train import compare
 from dobb.train.compare import OPTIMIZERS, OPTIONS
@@ -353,7 +353,7 @@ def lr_center(ablation: Ablation, best: dict[str, float]) -> float:
 
 def base_alpha() -> float:
     """Dobb's default update scale alpha (0.2, the "adamw" setting) as a number."""
-    return Dobb._scale(1, defaults("dobb"))
+    return update_alpha(defaults("dobb")["update_scale"], 1)
 
 
 def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) -> dict:

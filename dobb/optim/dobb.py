@@ -561,8 +561,28 @@ class Dobb(MatrixOptimizer):
 
     @staticmethod
     def _scale(d_in: int, group: dict[str, Any]) -> float:
-        """``alpha`` for a matrix with (global) input width ``d_in``."""
-        scale = group["update_scale"]
-        if scale == "muon":
-            return 1.0 / math.sqrt(d_in)
-        return {"adamw": 0.2, "lion": 1.0}.get(scale, scale)
+        return update_alpha(group["update_scale"], d_in)
+
+    # ---------------------------------------------------------------- accessors
+    @property
+    def stats_groups(self) -> list:
+        """The process groups ``C_b`` is averaged over, one per data axis (empty: none)."""
+        return list(self._data_parallel_groups)
+
+    def local_blocks(self, param: Tensor) -> tuple[BlockStack, ...]:
+        """The blocks of this rank's input columns of ``param`` (a matrix of a Dobb group)."""
+        group = next(
+            (g for g in self.param_groups if g["algorithm"] == self.algorithm and any(
+                q is param for q in g["params"])),
+            None,
+        )  # fmt: skip
+        if group is None:
+            raise ValueError(f"{self.name_of(param)} is not in a Dobb parameter group")
+        return self._stacks(param, group)
+
+
+def update_alpha(update_scale: float | str, d_in: int) -> float:
+    """``alpha`` of ``update_scale`` for a matrix with (global) input width ``d_in``."""
+    if update_scale == "muon":
+        return 1.0 / math.sqrt(d_in)
+    return {"adamw": 0.2, "lion": 1.0}.get(update_scale, update_scale)

@@ -318,7 +318,7 @@ def test_calibrated_profile_is_positive_and_finite(tmp_path, one_thread):
 
 def _calibration(tmp_path) -> str:
     out = tmp_path / "calib.json"
-    calltime.main(["calibrate", "--config", "tiny", "--quick", "--out", str(out)])
+    calibrate.main(["calibrate", "--config", "tiny", "--quick", "--out", str(out)])
     return out.read_text()
 
 
