@@ -43,10 +43,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dobb.optim.registry import get_entry
+
 LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")
 OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "normuon", "dion2")
-# optimizers that run on only some layouts (the rest run on every one)
-SUPPORTED_LAYOUTS = {"normuon": ("ddp", "fsdp"), "dion2": ("ddp", "fsdp")}
+COLUMN_SPLITS = ("tp", "fsdp_tp")  # layouts that split some matrices' columns
 BATCH = 4  # sequences per rank and step
 
 
@@ -61,11 +62,11 @@ def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dic
     rows = []
     for layout in layouts:
         for name in optimizers:
-            if layout not in SUPPORTED_LAYOUTS.get(name, LAYOUTS):
+            if layout in COLUMN_SPLITS and not get_entry(name).splits_columns:
                 continue
             torch.manual_seed(0)
             model, par = parallelize(GPT(cfg), layout, tensor_parallel=2)
-            opt = build_optimizer(name, model, **_options(name, layout, par.data_parallel))
+            opt = build_optimizer(name, model, **_options(name, par.data_parallel))
             gen = torch.Generator().manual_seed(rank)
             for step in (1, 2):
                 idx = torch.randint(cfg.vocab_size, (BATCH, cfg.block_size + 1), generator=gen)
@@ -81,13 +82,12 @@ def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dic
     return rows
 
 
-def _options(name: str, layout: str, data_parallel) -> dict:
-    """Registry overrides: each optimizer's distributed configuration."""
-    if name == "dobb":
-        return {"data_parallel": data_parallel}  # statistics averaged over the data axes
-    if name == "dion":  # gradients are averaged by DDP/FSDP: no compressed sync
-        return {"rank_fraction": 1 / 16, "orthogonalize": "cholesky_qr"}
-    return {"data_parallel": data_parallel if layout == "ddp" else None}  # Keller's DDP split
+def _options(name: str, data_parallel) -> dict:
+    """The main job's options (``compare.OPTIONS``) and what the trainer hands the optimizer
+    for this layout (its registry entry's ``distributed_options``)."""
+    from dobb.train.compare import OPTIONS
+
+    return OPTIONS[name] | get_entry(name).distributed_options(data_parallel)
 
 
 def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:

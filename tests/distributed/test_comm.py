@@ -172,3 +172,16 @@ def test_normuon_and_dion2_collectives_match_the_analytic_table():
             assert kinds == expected[row["layout"], row["name"]], row
         measured = sum(e[2] for r in results for e in r[i]["events"])
         assert measured == sum(r[i]["analytic"] for r in results) > 0, row
+
+
+@pytest.mark.timeout(300)
+def test_dobb_and_muon_collectives_match_the_analytic_table():
+    """Dobb moves bytes only on its refresh step (step 1: the statistics average and the
+    bases' all-gather), Muon every step; both as ``dobb.bench.comm`` computes them."""
+    from dobb.bench.comm import measure
+
+    results = run_ranks(measure, 2, "tiny", ("ddp", "fsdp"), ("dobb", "muon"), timeout=280)
+    for i, row in enumerate(results[0]):
+        measured = sum(e[2] for r in results for e in r[i]["events"])
+        assert measured == sum(r[i]["analytic"] for r in results), row
+        assert (measured > 0) == (row["name"] == "muon" or row["step"] == 1), row
