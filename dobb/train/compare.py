@@ -347,7 +347,7 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
         (out / "best_lrs.json").write_text(json.dumps(best_lrs, indent=1))
     lines += ["## Run logs", ""]
     lines += [
-        f"- {name}: [`{d.relative_to(out)}/metrics.jsonl`]({d.relative_to(out)}/metrics.jsonl)"
+        f"- {name}: [`{d.relative_to(out)}/summary.json`]({d.relative_to(out)}/summary.json)"
         for name, d in run_dirs.items()
     ]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
