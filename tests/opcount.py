@@ -7,35 +7,11 @@ counters with ``tolist()`` dispatches nothing, so on CPU every counted read is o
 also stall a GPU.
 """
 
-from collections import Counter
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from dobb.eigensolve import OpCounter
 from dobb.optim.registry import build_optimizer
 from dobb.train.model import GPT, gpt_config
-
-HOST_READS = ("aten::_local_scalar_dense",)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten op dispatched inside the ``with`` block, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.name()] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-    @property
-    def host_reads(self) -> int:
-        return sum(n for name, n in self.ops.items() if name.startswith(HOST_READS))
 
 
 def tiny_gpt(n_layer: int, seed: int = 0) -> GPT:

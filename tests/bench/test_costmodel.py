@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dobb.bench import calibrate, calltime, hardware, results, workload
+from dobb.bench import calibrate, hardware, results, workload
 from dobb.bench import costmodel as cm
 from dobb.blocks import block_stacks
 from dobb.eigensolve import OpCounter, jacobi_basis
