@@ -7,9 +7,11 @@ on the tiny GPT at 4 and 16 layers.
 """
 
 import pytest
-from opcount import count_step
+import torch
+from opcount import count_step, tiny_gpt
 
 from dobb.blocks import block_stacks
+from dobb.optim.registry import build_optimizer
 
 BATCHED = ["dobb", "muon", "muonbp", "blockmuon", "dion", "normuon", "dion2"]
 
@@ -45,3 +47,28 @@ def test_dobb_refresh_step_reads_at_most_once_per_block_size():
     sizes = {s.size for width in widths for s in block_stacks(width, 3)}
     assert counter.ops["aten::_linalg_eigh"] == len(sizes) == 4
     assert counter.host_reads <= 1 + len(sizes), counter.ops
+
+
+@pytest.mark.parametrize("name", ["dobb", "muon", "muonbp", "dion", "normuon", "dion2"])
+def test_cpu_path_matrix_by_matrix_equals_the_batched_path(name, monkeypatch):
+    """On CPU the optimizers update matrix by matrix (stacking copies cost more than the
+    launches they save there); both paths give the same parameters."""
+    from dobb.optim import batching
+
+    def train(batched: bool):
+        monkeypatch.setattr(batching, "BATCH_ON_CPU", batched)
+        model = tiny_gpt(4)
+        opt = build_optimizer(name, model)
+        tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    per_matrix, batched = train(False), train(True)
+    for a, b in zip(per_matrix, batched):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    ops = (count_step(name, 4).total, count_step(name, 16).total)
+    monkeypatch.setattr(batching, "BATCH_ON_CPU", False)
+    assert count_step(name, 16).total > 2 * ops[1]  # matrix by matrix: the loop is visible

@@ -30,7 +30,7 @@ from dobb.distributed.groups import axis_groups, group_argument
 from dobb.distributed.placement import MatrixPlacement, like_columns, matrix_placement
 from dobb.distributed.reduce import all_reduce_
 from dobb.optim.base import MatrixOptimizer, state_dtype
-from dobb.optim.batching import foreach_mul_, group_by
+from dobb.optim.batching import foreach_mul_, group_by, solo
 
 ORTHOGONALIZE_METHODS = ("qr", "cholesky_qr")
 COLUMN_EPS = 1e-8  # columns of R with a smaller norm are left (near) zero, never divided by 0
@@ -222,13 +222,16 @@ def dion_updates(
         group_by(
             range(len(params)),
             lambda i: (
-                tuple(momenta[i].shape),
-                Qs[i].shape[1],
-                momenta[i].dtype,
-                params[i].dtype,
-                momenta[i].device,
-                scales[i],
-                None if sketch_seeds is None else sketch_seeds[i],
+                (
+                    tuple(momenta[i].shape),
+                    Qs[i].shape[1],
+                    momenta[i].dtype,
+                    params[i].dtype,
+                    momenta[i].device,
+                    scales[i],
+                    None if sketch_seeds is None else sketch_seeds[i],
+                )
+                + solo(i, momenta[i].device)
             ),
         ).items()
     )
@@ -239,7 +242,7 @@ def dion_updates(
     BQ = [b @ q for b, q in zip(B, Q)]
     P, failed = [], []
     for (key, _), bq in zip(stacks, BQ):
-        seed = key[-1]
+        seed = key[6]  # the sketch seed (after it: a CPU index, see batching.solo)
         generator = None if seed is None else torch.Generator(bq.device).manual_seed(seed)
         basis, flags = orthonormalize_stack(bq, orthogonalize, generator=generator)
         P.append(basis)

@@ -27,7 +27,7 @@ from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.groups import group_argument
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
 from dobb.optim.base import MatrixOptimizer, state_dtype
-from dobb.optim.batching import foreach_mul_, group_by
+from dobb.optim.batching import foreach_mul_, group_by, solo
 from dobb.optim.muon import NS_DTYPES, NS_STEPS, newton_schulz
 from dobb.optim.muonbp import chunk_sizes
 from dobb.optim.owner_groups import shared_buckets
@@ -132,16 +132,19 @@ def dion2_updates(
     stacks = group_by(
         range(len(params)),
         lambda i: (
-            tuple(momenta[i].shape),
-            tuple(blocks[i]),
-            momenta[i].dtype,
-            params[i].dtype,
-            momenta[i].device,
-            scales[i],
+            (
+                tuple(momenta[i].shape),
+                tuple(blocks[i]),
+                momenta[i].dtype,
+                params[i].dtype,
+                momenta[i].device,
+                scales[i],
+            )
+            + solo(i, momenta[i].device)
         ),
     )
     targets, results = [], []
-    for (shape, sizes, _, param_dtype, device, scale), indices in stacks.items():
+    for (shape, sizes, _, param_dtype, device, scale, *_), indices in stacks.items():
         m, n = shape
         M, W = torch.stack([momenta[i] for i in indices]), torch.stack([params[i] for i in indices])
         # S = the top ceil(f m_b) rows of each block b by ||M_i||_1, per matrix: (b, k)

@@ -24,7 +24,7 @@ from dobb.distributed.reduce import all_reduce_
 from dobb.distributed.sharding import block_state_like, local_block_stacks, split_over_ranks
 from dobb.eigensolve import BASIS_METHODS, refresh_bases
 from dobb.optim.base import MatrixOptimizer, state_dtype
-from dobb.optim.batching import foreach_mul_
+from dobb.optim.batching import batches_kernels, foreach_mul_
 from dobb.stats import (
     BlockStatistics,
     GramCache,
@@ -400,9 +400,9 @@ class Dobb(MatrixOptimizer):
         """The algorithm box for every matrix: statistics EMA, due refreshes, update.
 
         Each phase runs batched (foreach kernels, or one ``bmm`` per batch of same-shape
-        matrices), so a step dispatches a number of kernels set by the distinct shapes, not
-        by the number of matrices. Step counters are CPU tensors read with ``tolist``: the
-        schedule costs no device sync.
+        matrices off the CPU), so a GPU step dispatches a number of kernels set by the
+        distinct shapes, not by the number of matrices. Step counters are CPU tensors read
+        with ``tolist``: the schedule costs no device sync.
         """
         active = list(self._matrices_with_grad(groups))
         if not active:
@@ -420,9 +420,25 @@ class Dobb(MatrixOptimizer):
         self._average_statistics(synced)
         self._refresh(due)
         for batch in self._batches(active):
-            p, _, group = batch[0]
+            p, state, group = batch[0]
             dim = self._input_dims.get(p, 1)
             stacks = self._stacks(p, group)
+            hyper = dict(
+                lr=group["lr"],
+                beta=group["momentum"],
+                nesterov=group["nesterov"],
+                weight_decay=group["weight_decay"],
+                scale=self._scale(p.shape[dim], group),
+            )
+            if len(batch) == 1:  # the reference: no stacking copies
+                # (d_in, d_out) weights (Conv1D) are updated through their transpose
+                orient = (lambda t: t.mT) if dim == 0 else (lambda t: t)
+                bases = [local(state[b]) for _, b in STACK_KEYS[: len(stacks)]]
+                grad, momentum = local(p.grad), local(state["momentum"])
+                dobb_update(
+                    orient(local(p)), orient(grad), orient(momentum), bases, stacks, **hyper
+                )
+                continue
             bases = [
                 torch.stack([local(state[basis_key]) for _, state, _ in batch])
                 for _, basis_key in STACK_KEYS[: len(stacks)]
@@ -433,18 +449,14 @@ class Dobb(MatrixOptimizer):
                 [local(state["momentum"]) for _, state, _ in batch],
                 bases,
                 stacks,
-                lr=group["lr"],
-                beta=group["momentum"],
-                nesterov=group["nesterov"],
-                weight_decay=group["weight_decay"],
-                scale=self._scale(p.shape[dim], group),
                 transposed=dim == 0,
+                **hyper,
             )
 
     def _batches(self, active: list[tuple[Tensor, dict, dict]]) -> list[list[tuple]]:
         """``active`` split into batches that can share kernels, each of at most
         ``BATCH_ELEMENTS`` elements: same local shape, orientation, block layout, dtypes,
-        device and hyperparameters."""
+        device and hyperparameters; on CPU one matrix each (``batching.batches_kernels``)."""
         batches: dict[tuple, list[list[tuple]]] = {}
         for entry in active:
             p, state, group = entry
@@ -455,7 +467,8 @@ class Dobb(MatrixOptimizer):
                 *(group[k] for k in ("lr", "momentum", "nesterov", "weight_decay")),
             )  # fmt: skip
             chunks = batches.setdefault(key, [[]])
-            if chunks[-1] and (len(chunks[-1]) + 1) * param.numel() > BATCH_ELEMENTS:
+            full = (len(chunks[-1]) + 1) * param.numel() > BATCH_ELEMENTS
+            if chunks[-1] and (full or not batches_kernels(param.device)):
                 chunks.append([])
             chunks[-1].append(entry)
         return [chunk for chunks in batches.values() for chunk in chunks]

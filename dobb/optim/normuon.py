@@ -25,7 +25,7 @@ from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.groups import group_argument
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.base import MatrixOptimizer, state_dtype
-from dobb.optim.batching import group_by
+from dobb.optim.batching import group_by, solo
 from dobb.optim.muon import (
     NS_DTYPES,
     NS_STEPS,
@@ -106,7 +106,10 @@ def normuon_updates(
     updates: list[Tensor] = [None] * len(params)
     stacks = group_by(
         range(len(params)),
-        lambda i: (tuple(directions[i].shape), row_second_moments[i].dtype, directions[i].device),
+        lambda i: (
+            (tuple(directions[i].shape), row_second_moments[i].dtype, directions[i].device)
+            + solo(i, directions[i].device)
+        ),
     )
     for indices in stacks.values():
         v = torch.stack([row_second_moments[i] for i in indices])  # (b, m, 1)
