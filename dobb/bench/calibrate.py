@@ -37,6 +37,7 @@ from dobb.bench.costmodel import FP32, OPTIMIZERS, predict, predict_hooks
 from dobb.bench.hardware import Hardware
 from dobb.bench.workload import Matrix, dion_rank, hidden_matrices
 from dobb.blocks import block_stacks
+from dobb.optim.batching import batches_kernels
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.stats import BlockStatistics, statistics_hook
 
@@ -288,7 +289,8 @@ def framework_overhead(
                 times.append(timed(opt.step, device))
             else:
                 opt.step()
-        modeled = predict(name, mats, hardware, **kw)["total"]
+        launches = "per_shape" if batches_kernels(device) else "per_matrix"
+        modeled = predict(name, mats, hardware, launches=launches, **kw)["total"]
         out[name] = max(0.0, (statistics.median(times) - modeled) / matrices)
     stack = LinearStack(mats, 16, device=device)
     stats = [BlockStatistics(block_stacks(16, 4), torch.float32, device) for _ in mats]

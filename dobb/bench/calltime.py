@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from dobb.bench.costmodel import OPTIMIZERS
 from dobb.bench.workload import Matrix, hidden_matrices
 from dobb.blocks import block_stacks
+from dobb.optim.batching import batches_kernels
 from dobb.optim.dobb import Dobb
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.stats import BlockStatistics, GramCache, statistics_hook
@@ -437,7 +438,9 @@ def run(
             "period": period,
             "row_blocks": row_blocks,
             "basis_method": basis_method or default_basis_method(),
-            "batched": True,  # same-shape matrices share kernels (the cost model's launches)
+            # same-shape matrices share kernels (off the CPU); hooks share inputs (q, k, v)
+            "batched": batches_kernels(device_),
+            "shared_hook_inputs": True,
             "device": device,
             "device_name": device_name(device_),
             "autocast": "bf16" if autocast else "none",

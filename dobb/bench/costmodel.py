@@ -347,6 +347,7 @@ def dion_work(
     rank_fraction: float = 1 / 16,
     orthogonalize: str = "cholesky_qr",
     collectives: str = "batched",
+    launches: str = "per_shape",
 ) -> Work:
     """Dion's call (Algorithm 1, ``dion_step`` over all matrices).
 
@@ -369,7 +370,7 @@ def dion_work(
     for m in matrices:
         (rows, n), r = layout.local(m), dion_rank(m, rank_fraction)
         row_split, col_split = layout.splits(m)
-        first = row_split * col_split > 1 or (rows, n) not in shapes
+        first = launches != "per_shape" or row_split * col_split > 1 or (rows, n) not in shapes
         shapes.add((rows, n))
         e, mr, nr = rows * n * FP32, rows * r * FP32, n * r * FP32  # bytes
         checked += rows * n
@@ -564,17 +565,23 @@ def muonbp_work(
     )
 
 
-def normuon_work(matrices: list[Matrix], *, layout: Layout = ONE_DEVICE, **muon_options) -> Work:
+def normuon_work(
+    matrices: list[Matrix],
+    *,
+    layout: Layout = ONE_DEVICE,
+    launches: str = "per_shape",
+    **muon_options,
+) -> Work:
     """NorMuon's call: Muon's (``muon_work``, owner exchange included; whole matrices
     batched per shape, as ``normuon_updates`` runs) plus, per matrix, the row second moment
     ``v <- beta2 v + (1 - beta2) mean(O²)``, ``Ô = O / (sqrt(v) + eps)`` and the rescale to
     RMS 0.2 (a norm, and one all-reduce of a float per matrix when rows are split)."""
-    work = muon_work(matrices, layout=layout, **muon_options)
+    work = muon_work(matrices, layout=layout, launches=launches, **muon_options)
     shapes: set[tuple[int, int]] = set()
     for m in matrices:
         rows, n = layout.local(m)
         e = rows * n
-        first = layout.splits(m)[0] > 1 or (rows, n) not in shapes  # whole ones: batched
+        first = launches != "per_shape" or layout.splits(m)[0] > 1 or (rows, n) not in shapes
         shapes.add((rows, n))
         ops = [
             elementwise(e, 2, new=True),  # O²
@@ -599,6 +606,7 @@ def dion2_work(
     fraction: float = 0.25,
     send_bytes: int = FP32,
     return_bytes: int = BF16,
+    launches: str = "per_shape",
 ) -> Work:
     """Dion2's call (``dion2_update`` per matrix): ``M += G``, the ``ceil(f m)`` rows of
     largest L1 norm selected (a row reduction and ``topk``), gathered, decayed in place,
@@ -616,7 +624,7 @@ def dion2_work(
         e, k = rows * n, math.ceil(fraction * rows)
         ek = k * n
         selected_total += math.ceil(fraction * m.d_out) * m.d_in
-        first = group > 1 or (rows, n) not in shapes  # whole matrices: batched per shape
+        first = launches != "per_shape" or group > 1 or (rows, n) not in shapes
         shapes.add((rows, n))
         ops = [
             elementwise(e, 3),  # M.add_(G)
@@ -771,16 +779,17 @@ def build_work(
         kw = dict(num_blocks=num_blocks, basis_interval=basis_interval, solver=solver)
         return dobb_work(matrices, layout=layout, launches=launches, **kw, **options)
     if name == "dion":
-        return dion_work(matrices, layout=layout, rank_fraction=rank_fraction, **options)
+        kw = dict(rank_fraction=rank_fraction, launches=launches)
+        return dion_work(matrices, layout=layout, **kw, **options)
     if name == "muon":
         return muon_work(matrices, layout=layout, launches=launches, **options)
     if name == "muonbp":
         kw = dict(period=period, row_blocks=row_blocks, launches=launches)
         return muonbp_work(matrices, layout=layout, **kw, **options)
     if name == "normuon":
-        return normuon_work(matrices, layout=layout, **options)
+        return normuon_work(matrices, layout=layout, launches=launches, **options)
     if name == "dion2":
-        return dion2_work(matrices, layout=layout, **options)
+        return dion2_work(matrices, layout=layout, launches=launches, **options)
     if name == "adamw":
         return adamw_work(matrices, layout=layout, foreach=foreach, **options)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")

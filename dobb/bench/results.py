@@ -182,7 +182,7 @@ def check_rows(record: dict, hw: Hardware) -> tuple[list[str], list[float]]:
     rows and the ratios predicted / measured."""
     m = record["meta"]
     matrices = hidden_matrices(m["config"], m["layers"])
-    batched = m.get("batched", False)  # records from before batching ran per matrix
+    batched = m.get("batched", False)  # CPU records, and all from before batching: per matrix
     kw = dict(
         num_blocks=m["num_blocks"],
         basis_interval=m["basis_interval"],
@@ -220,7 +220,7 @@ def check_rows(record: dict, hw: Hardware) -> tuple[list[str], list[float]]:
         num_blocks=m["num_blocks"],
         forward_kind=kind,
         low_precision=batched and kind == "gemm_bf16" and m.get("device") != "cpu",
-        share_inputs=batched,
+        share_inputs=m.get("shared_hook_inputs", False),
     )
     measured = record["hooks"]
     row("statistics hooks, one forward", hooks["hooks_s"], measured["hooks_alone_s"]["median"])
