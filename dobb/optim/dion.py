@@ -30,7 +30,7 @@ from dobb.distributed.groups import axis_groups, group_argument
 from dobb.distributed.placement import MatrixPlacement, like_columns, matrix_placement
 from dobb.distributed.reduce import all_reduce_
 from dobb.optim.base import MatrixOptimizer, state_dtype
-from dobb.optim.batching import foreach_mul_, group_by, solo
+from dobb.optim.batching import batches_kernels, foreach_mul_, group_by, solo
 
 ORTHOGONALIZE_METHODS = ("qr", "cholesky_qr")
 COLUMN_EPS = 1e-8  # columns of R with a smaller norm are left (near) zero, never divided by 0
@@ -624,6 +624,15 @@ class Dion(MatrixOptimizer):
                 if self._placement(p) is None and not self._data_groups(p)
             ]
             params, batched = [entries[j][0] for j in whole], set(whole)
+            if params and not batches_kernels(local(params[0]).device):
+                for j, p in zip(whole, params):  # CPU: matrix by matrix, no stacking copies
+                    generator = torch.Generator(local(p).device).manual_seed(seeds[j])
+                    momentum, Q = local(entries[j][1]["momentum"]), local(entries[j][1]["Q"])
+                    scale = math.sqrt(p.shape[0] / p.shape[1])
+                    dion_update(
+                        local(p), local(p.grad), momentum, Q, scale=scale, generator=generator, **hp
+                    )
+                params, whole = [], []
             dion_updates(
                 [local(p) for p in params],
                 [local(p.grad) for p in params],
