@@ -625,8 +625,10 @@ class Dion(MatrixOptimizer):
             ]
             params, batched = [entries[j][0] for j in whole], set(whole)
             if params and not batches_kernels(local(params[0]).device):
+                sketched = hp["orthogonalize"] == "cholesky_qr"  # the only use of a generator
                 for j, p in zip(whole, params):  # CPU: matrix by matrix, no stacking copies
-                    generator = torch.Generator(local(p).device).manual_seed(seeds[j])
+                    device = local(p).device
+                    generator = torch.Generator(device).manual_seed(seeds[j]) if sketched else None
                     momentum, Q = local(entries[j][1]["momentum"]), local(entries[j][1]["Q"])
                     scale = math.sqrt(p.shape[0] / p.shape[1])
                     dion_update(
