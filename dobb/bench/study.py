@@ -1,7 +1,7 @@
 """The optimizer study, ``dobb study``: tuned comparison with seeds, Dobb ablations, width
 trend, MuonBP's period -> STUDY.md.
 
-    dobb study                          # ~45 min on 2 idle CPU cores (configs/study/budget.yaml)
+    dobb study                          # 1-2 h on 2 CPU cores (configs/study/budget.yaml)
     dobb study --tiny --out /tmp/study  # the whole pipeline on a tiny GPT, seconds
 
 Four parts, every run trained by `dobb.train.compare.run` (so a finished run is never

@@ -1,6 +1,6 @@
 """The main job: train one small GPT with each optimizer of the comparison and report it.
 
-    dobb compare                 # mini GPT on the stdlib corpus, ~17 min on 2 CPU cores
+    dobb compare                 # mini GPT on the stdlib corpus, ~23 min on 2 CPU cores
     dobb compare --quick         # smoke run: tiny GPT, a few steps, < 1 min
     dobb compare --lr-sweep      # a log-spaced lr grid per optimizer, then compare the best
 
@@ -46,7 +46,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
 # using about one core): 0.51 s/step (adamw), 0.53 (dion), 0.58 (muon), 0.55-0.95 (dobb,
 # whose many small ops suffer most from the contention; ~0.55 when it had the cores).
 # 350 steps x ~0.6 s + 11 evaluations x ~1.4 s + checkpoints ~ 225 s per run (the five
-# runs of 2026-11-30 took 14 min together), so the six take ~17 min. 350 steps x 4096
+# runs of 2026-11-30 took 14 min together), so the eight (NorMuon and Dion2 added; not yet
+# timed together) should take ~23 min. 350 steps x 4096
 # tokens = 1.43M tokens per run.
 BUDGET = dict(
     model="mini",
