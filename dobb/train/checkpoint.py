@@ -2,7 +2,8 @@
 
 Layout of `<root>/step_000120/` (written as `step_000120.tmp/`, renamed when complete):
 
-    .metadata, __*_*.distcp   DCP: the model and optimizer state (sharded DTensors as shards)
+    .metadata, __*_*.distcp   DCP: the model and optimizer state and any `extra` tensors
+                              (the trainer's EMA weights), sharded DTensors as shards
     rng_rank<r>.pt            this rank's RNG states (torch, CUDA, numpy, python)
     COMPLETE                  JSON metadata (step, scheduler state, config) and, under
                               "files", every other file's size in bytes and SHA-256; written last
@@ -192,12 +193,14 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     metadata: dict[str, Any],
     keep: int = 0,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Save a checkpoint of `step` under `root` on every rank (a collective); return its path.
 
     metadata: JSON-serializable (step, scheduler state, config, ...), stored in `COMPLETE`
     beside the size and SHA-256 of every file (rank 0 reads them all once).
     keep: complete checkpoints to keep, oldest deleted first (0: all).
+    extra: more state for DCP beside "model" and "optim", e.g. `{"ema": {name: tensor}}`.
     """
     final = checkpoint_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -210,7 +213,7 @@ def save_checkpoint(
     state = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),
-    }
+    } | (extra or {})
     _dcp(dcp.save, state, tmp)
     torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _barrier()  # every rank's files are on disk
@@ -227,9 +230,15 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load model, optimizer and this rank's RNG state from `path`; return its metadata.
+
+    extra: state saved with `save_checkpoint(extra=...)`, loaded into its tensors in place
+    (a tensor DCP replaces instead is the new value of its dict entry).
 
     Works into another world size or layout (DCP reshards); the RNG state of a rank that
     did not exist when saving is left as it is. Does not verify checksums (see
@@ -242,7 +251,7 @@ def load_checkpoint(
     state = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),
-    }
+    } | (extra or {})  # the same inner dicts: DCP loads into the caller's
     try:
         _dcp(dcp.load, state, path)
         set_model_state_dict(model, state["model"])

@@ -76,6 +76,8 @@ LR_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)  # the sweep grid: each default lr times
 PER_RUN = ("optimizer", "lr", "scalar_lr", "optimizer_options", "out_dir", "resume")
 # Config fields that do not change what a run computes (ignored when matching old runs).
 UNCOMPARED = ("out_dir", "resume", "progress", "checkpoint_interval", "keep_checkpoints")
+# Config fields added after runs were logged, with the value a config without them means.
+ADDED_FIELDS = {"eval_ema": None}
 
 
 def base_config(quick: bool = False, steps: int | None = None, overrides=None) -> TrainConfig:
@@ -114,16 +116,19 @@ def run_config(base: TrainConfig, optimizer: str, lr: float | None, out: Path) -
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if k not in UNCOMPARED}
+    """The fields of a logged config that decide what a run computes; a field added later
+    and missing from an older log takes its `ADDED_FIELDS` value (the old behaviour)."""
+    return {k: v for k, v in (ADDED_FIELDS | config).items() if k not in UNCOMPARED}
 
 
 def run(cfg: TrainConfig, log=print) -> dict[str, Any]:
     """Train `cfg` unless its directory holds a finished run of the same config."""
     out = Path(cfg.out_dir)
     if (out / "run.json").exists():
-        old = json.loads((out / "run.json").read_text())["config"]
-        if _comparable(old) != _comparable(cfg.to_dict()):
-            diff = sorted(k for k in _comparable(old) if old[k] != cfg.to_dict().get(k))
+        old = _comparable(json.loads((out / "run.json").read_text())["config"])
+        new = _comparable(cfg.to_dict())
+        if old != new:
+            diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
             raise FileExistsError(
                 f"{out} holds a run with a different config ({', '.join(diff)}); "
                 "choose another --out or delete that directory"

@@ -65,6 +65,11 @@ class TrainConfig:
     # ---- evaluation
     eval_interval: int = 100  # validate every this many steps (and always after the last)
     eval_batches: int = 8  # fixed validation batches of batch_size sequences, same every eval
+    # evaluate an exponential moving average of the weights (iterate averaging) with this
+    # decay d in [0, 1): after step t, ema_t = lerp(ema_{t-1}, w_t, (1 - d) / (1 - d**t)),
+    # the bias-corrected EMA of the weights after each step (dobb.train.ema); val_loss is
+    # then the EMA's, val_loss_live the live weights'. None: off, val_loss is the live one
+    eval_ema: float | None = None
     # ---- reproducibility and parallelism
     seed: int = 0  # model init and the batch sampler; data batch = f(seed, step, rank)
     layout: str = "single"  # single, ddp, fsdp, hsdp, tp, fsdp_tp (dobb.train.parallel)
@@ -96,6 +101,10 @@ class TrainConfig:
             "grad_clip": (self.grad_clip is None or self.grad_clip > 0, "> 0 or none"),
             "eval_interval": (self.eval_interval >= 1, ">= 1"),
             "eval_batches": (self.eval_batches >= 1, ">= 1"),
+            "eval_ema": (
+                self.eval_ema is None or 0 <= self.eval_ema < 1,
+                "an EMA decay in [0, 1), e.g. 0.9 (0: the live weights), or none (off)",
+            ),
             "tensor_parallel": (self.tensor_parallel >= 1, ">= 1"),
             "checkpoint_interval": (self.checkpoint_interval >= 0, ">= 0 (0: never)"),
             "keep_checkpoints": (self.keep_checkpoints >= 0, ">= 0 (0: keep all)"),

@@ -6,6 +6,13 @@ intact checkpoint of the run in it), load data, build the model and apply the la
 decay schedule, resume, then loop: micro-batches, backward, optional clipping, a timed
 `opt.step()`, periodic validation and checkpoints.
 
+With `eval_ema=d` the loop also keeps an exponential moving average of the weights
+(iterate averaging, `dobb.train.ema.WeightEMA`): after step t,
+ema_t = lerp(ema_{t-1}, w_t, (1 - d) / (1 - d**t)), the bias-corrected EMA of the weights
+after each step. Validation then evaluates it (copied into the parameters, the live
+weights copied back after) as `val_loss`, and the live weights as `val_loss_live`; the
+checkpoints hold it, so a resumed run equals an uninterrupted one.
+
 A run never replaces another: an `out_dir` that already holds a run's files is refused
 (`RunError`) unless `resume=true`, which continues it from its newest intact checkpoint
 (or starts it over when it has none). Failures the user can fix (data, optimizer options,
@@ -16,8 +23,10 @@ Rank 0 writes to `cfg.out_dir`:
     run.json       what ran: config, corpus (name, size, sha256), torch, machine, world size
     metrics.jsonl  one record per step: step, loss, lr, tokens_per_s, step_ms, opt_ms,
                    time_s (training time so far, evaluation and checkpoints excluded),
-                   grad_norm (when clipping), val_loss (when evaluated)
-    summary.json   final numbers (written last: its presence means the run finished)
+                   grad_norm (when clipping), val_loss (when evaluated; of the EMA
+                   weights with eval_ema, then also val_loss_live: of the live ones)
+    summary.json   final numbers (written last: its presence means the run finished);
+                   final_val_loss (the EMA's with eval_ema, then also final_val_loss_live)
     checkpoints/   DCP checkpoints (see dobb.train.checkpoint)
 """
 
@@ -46,9 +55,15 @@ from tqdm import tqdm
 
 from dobb._dtensor import DTensor
 from dobb.optim.registry import build_optimizer, get_entry
-from dobb.train.checkpoint import intact_checkpoint, load_checkpoint, save_checkpoint
+from dobb.train.checkpoint import (
+    intact_checkpoint,
+    load_checkpoint,
+    read_metadata,
+    save_checkpoint,
+)
 from dobb.train.config import ConfigError, TrainConfig
 from dobb.train.data import TokenStream
+from dobb.train.ema import WeightEMA
 from dobb.train.errors import RunError, RunWarning
 from dobb.train.model import GPT, gpt_config
 from dobb.train.parallel import Parallelism, init_distributed, parallelize
@@ -207,6 +222,17 @@ def evaluate(model, data, cfg, block_size, par, device) -> float:
     return _mean_over_ranks(total / cfg.eval_batches)
 
 
+def validate(model, ema: WeightEMA | None, data, cfg, block_size, par, device) -> dict:
+    """`{"val_loss": ...}` of the live weights; with `ema`, of the EMA weights, and the
+    live weights' as "val_loss_live"."""
+    if ema is None:
+        return {"val_loss": evaluate(model, data, cfg, block_size, par, device)}
+    live = evaluate(model, data, cfg, block_size, par, device)
+    with ema.swapped_in(model):
+        averaged = evaluate(model, data, cfg, block_size, par, device)
+    return {"val_loss": averaged, "val_loss_live": live}
+
+
 def _rows(par: Parallelism) -> tuple[int, int]:
     return par.dp_rank, par.dp_size
 
@@ -361,11 +387,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             f"the docstring of {_qualname(get_entry(cfg.optimizer).cls)} lists its options"
         ) from e
     scheduler = LambdaLR(opt, lr_schedule(cfg))
+    ema = None if cfg.eval_ema is None else WeightEMA(model, cfg.eval_ema)
 
     # ---- resume (the data position is the step)
     start = 0
     if resumed is not None:
-        meta = load_checkpoint(resumed, model, opt)
+        # the EMA of a checkpoint saved without one starts over from the resumed weights
+        saved_ema = ema is not None and "ema_updates" in read_metadata(resumed)
+        extra = {"ema": dict(ema.averages)} if saved_ema else None
+        meta = load_checkpoint(resumed, model, opt, extra)
+        if saved_ema:
+            ema.load(extra["ema"], meta["ema_updates"])
         scheduler.load_state_dict(meta["scheduler"])
         start = meta["step"]
         changed = [k for k, v in cfg.to_dict().items() if meta["config"].get(k) != v]
@@ -390,6 +422,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         x, y = data.get_batch("train", step, cfg.batch_size, block_size, *_rows(par), cfg.seed)
         record = {"step": step + 1} | train_step(model, opt, x, y, cfg, device)
+        if ema is not None:
+            ema.update()
         scheduler.step()
         step_times.append(time.perf_counter() - t0)
         opt_ms.append(record["opt_ms"])
@@ -401,22 +435,28 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         }
         done = step + 1
         if done % cfg.eval_interval == 0 or done == cfg.steps:
-            record["val_loss"] = evaluate(model, data, cfg, block_size, par, device)
+            record |= validate(model, ema, data, cfg, block_size, par, device)
             if cfg.progress and progress.disable and rank == 0:
+                live = f" (live {record['val_loss_live']:.4f})" if ema else ""
                 print(
                     f"step {done}/{cfg.steps}  loss {record['loss']:.4f}  "
-                    f"val {record['val_loss']:.4f}  {record['tokens_per_s']:.0f} tok/s  "
+                    f"val {record['val_loss']:.4f}{live}  {record['tokens_per_s']:.0f} tok/s  "
                     f"opt {record['opt_ms']:.1f} ms",
                     flush=True,
                 )
         if cfg.checkpoint_interval and (done % cfg.checkpoint_interval == 0 or done == cfg.steps):
             meta = {"scheduler": scheduler.state_dict(), "config": cfg.to_dict()}
-            save_checkpoint(checkpoints, done, model, opt, meta, keep=cfg.keep_checkpoints)
+            extra = None
+            if ema is not None:
+                meta["ema_updates"], extra = ema.updates, {"ema": ema.averages}
+            save_checkpoint(
+                checkpoints, done, model, opt, meta, keep=cfg.keep_checkpoints, extra=extra
+            )
         log.write(record)
         progress.set_postfix(loss=f"{record['loss']:.3f}")
     progress.close()
     if "val_loss" not in record:  # nothing was left to train (a finished run resumed)
-        record["val_loss"] = evaluate(model, data, cfg, block_size, par, device)
+        record |= validate(model, ema, data, cfg, block_size, par, device)
 
     # ---- summary: this process's first step (allocations, warm-up) is left out of speeds
     timed = slice(1, None) if len(step_times) > 1 else slice(None)
@@ -427,7 +467,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "scalar_lr": entry.scalar_lr if cfg.scalar_lr is None else cfg.scalar_lr,
         "steps": cfg.steps,
         "tokens": cfg.steps * tokens_per_step,
-        "final_val_loss": record["val_loss"],
+        "final_val_loss": record["val_loss"],  # of the EMA weights with eval_ema
+        **({"final_val_loss_live": record["val_loss_live"]} if ema else {}),
         "final_train_loss": record.get("loss"),
         "tokens_per_s": tokens_per_step * len(step_times[timed]) / sum(step_times[timed])
         if step_times

@@ -1,6 +1,7 @@
 """`dobb compare --quick`: the table, the plots and summary.md, from the runs' own logs."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -84,3 +85,17 @@ def test_tuned_lrs_come_from_the_study_json(tmp_path):
     assert tuned_lrs(path) == {}
     path.write_text(json.dumps({"best_lr": {"dobb": 0.003, "muon": 0.02}}))
     assert tuned_lrs(path) == {"dobb": 0.003, "muon": 0.02}
+
+
+def test_a_run_logged_before_eval_ema_existed_is_the_same_config(tmp_path, monkeypatch):
+    """An old run.json without a later field (eval_ema) means its default (None): off."""
+    cfg = compare.run_config(compare.base_config(quick=True), "adamw", None, tmp_path)
+    out = tmp_path / "runs" / compare.run_name("adamw", cfg.lr)
+    out.mkdir(parents=True)
+    old = {k: v for k, v in cfg.to_dict().items() if k != "eval_ema"}
+    (out / "run.json").write_text(json.dumps({"config": old}))
+    (out / "summary.json").write_text(json.dumps({"final_val_loss": 1.5}))
+    monkeypatch.setattr(compare, "train", lambda cfg: pytest.fail("retrained a finished run"))
+    assert compare.run(cfg, log=lambda *_: None) == {"final_val_loss": 1.5}
+    with pytest.raises(FileExistsError, match=r"different config \(eval_ema\)"):
+        compare.run(replace(cfg, eval_ema=0.9), log=lambda *_: None)

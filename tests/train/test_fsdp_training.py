@@ -1,4 +1,5 @@
-"""`train(cfg)` on 2 gloo ranks with FSDP2: it learns, matches one process, and resumes."""
+"""`train(cfg)` on 2 gloo ranks with FSDP2: it learns, matches one process, and resumes,
+with an EMA of the weights (eval_ema) kept on the shards, evaluated and checkpointed."""
 
 import json
 import math
@@ -13,6 +14,7 @@ from dobb.train.trainer import train
 
 SETTINGS = dict(model="tiny", batch_size=8, steps=6, warmup_steps=1, eval_interval=3)
 SETTINGS |= dict(eval_batches=2, optimizer="dobb", grad_clip=1.0, checkpoint_interval=3)
+SETTINGS |= dict(eval_ema=0.5)
 
 
 def train_on_rank(rank, world, out, resume):
@@ -31,10 +33,13 @@ def test_fsdp_run_learns_matches_one_process_and_resumes(tmp_path):
 
     torch.set_num_threads(1)
     single = train(TrainConfig(**SETTINGS, out_dir=str(tmp_path / "single"), progress=False))
-    assert summaries[0]["final_val_loss"] == pytest.approx(single["final_val_loss"], rel=1e-4)
+    for key in ("final_val_loss", "final_val_loss_live"):  # EMA weights, live weights
+        assert summaries[0][key] == pytest.approx(single[key], rel=1e-4)
+    assert abs(single["final_val_loss"] - single["final_val_loss_live"]) > 1e-3
     assert summaries[0]["state_bytes_per_param"] == pytest.approx(single["state_bytes_per_param"])
 
     # resume under FSDP from the step-3 checkpoint: the same end as the uninterrupted run
     shutil.rmtree(out / "checkpoints" / "step_000006")
     resumed = run_ranks(train_on_rank, 2, str(out), True, timeout=120)
     assert resumed[0]["final_val_loss"] == summaries[0]["final_val_loss"]
+    assert resumed[0]["final_val_loss_live"] == summaries[0]["final_val_loss_live"]

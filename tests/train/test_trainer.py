@@ -2,16 +2,26 @@
 
 import json
 import math
+import shutil
+from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from dobb.optim.registry import OPTIMIZERS
-from dobb.train.checkpoint import latest_checkpoint
+from dobb.train.checkpoint import checkpoint_dir, latest_checkpoint
 from dobb.train.config import CONFIG_DIR, ConfigError, TrainConfig, find_config, load_config
 from dobb.train.errors import RunError, RunWarning
 from dobb.train.parallel import Parallelism
-from dobb.train.trainer import distributed_options, lr_schedule, train
+from dobb.train.trainer import (
+    build_model,
+    distributed_options,
+    evaluate,
+    load_data,
+    lr_schedule,
+    train,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +102,85 @@ def test_each_optimizer_gets_the_data_parallel_group_under_its_own_argument():
     for name in ("dion", "adamw"):  # Dion's sync_group needs unaveraged gradients
         assert distributed_options(name, distributed) == {}
     assert distributed_options("dobb", Parallelism("single", None, None)) == {}
+
+
+# ---- iterate averaging (eval_ema) --------------------------------------------------------
+
+
+def losses(cfg) -> list[tuple]:
+    return [(r["step"], r["loss"], r.get("val_loss"), r.get("val_loss_live")) for r in metrics(cfg)]
+
+
+def saved_state(cfg, model, step) -> tuple[dict, dict]:
+    """The model weights and the EMA weights in the checkpoint of `step`."""
+    state = {"model": model.state_dict()}
+    state["ema"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dcp.load(state, checkpoint_id=checkpoint_dir(f"{cfg.out_dir}/checkpoints", step), no_dist=True)
+    return {k: v.clone() for k, v in state["model"].items()}, state["ema"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_eval_ema_evaluates_the_bias_corrected_average_of_the_weights(tmp_path):
+    decay, steps = 0.6, 4
+    cfg = tiny(tmp_path, optimizer="adamw", steps=steps, eval_interval=steps, eval_ema=decay)
+    cfg = replace(cfg, checkpoint_interval=1, keep_checkpoints=0)  # the weights of every step
+    summary = train(cfg)
+
+    data = load_data(cfg.data, cfg.val_data, cfg.val_fraction, cfg.tokenizer, cfg.data_cache)
+    model, par = build_model(cfg, data.vocab_size, torch.device("cpu"))
+    weights = [saved_state(cfg, model, t)[0] for t in range(1, steps + 1)]
+    # ema_T = sum_t (1 - d) d^(T - t) w_t / (1 - d^T), t = 1..T, in float64
+    scale = [(1 - decay) * decay ** (steps - t) / (1 - decay**steps) for t in range(1, steps + 1)]
+    expected = {
+        name: sum(c * w[name].double() for c, w in zip(scale, weights)).float()
+        for name in weights[0]
+    }
+
+    def val_loss(state):
+        model.load_state_dict(state)
+        return evaluate(model, data, cfg, model.cfg.block_size, par, torch.device("cpu"))
+
+    assert summary["final_val_loss_live"] == pytest.approx(val_loss(weights[-1]), rel=1e-6)
+    assert summary["final_val_loss"] == pytest.approx(val_loss(expected), rel=1e-5)
+    assert abs(summary["final_val_loss"] - summary["final_val_loss_live"]) > 1e-3
+    _, saved_ema = saved_state(cfg, model, steps)  # the checkpoint holds the average
+    for name, average in saved_ema.items():
+        torch.testing.assert_close(average, expected[name], rtol=1e-5, atol=1e-6)
+    last = metrics(cfg)[-1]
+    assert (last["val_loss"], last["val_loss_live"]) == (
+        summary["final_val_loss"],
+        summary["final_val_loss_live"],
+    )
+    assert json.loads((tmp_path / "run.json").read_text())["config"]["eval_ema"] == decay
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_eval_ema_resumed_run_equals_uninterrupted_run(tmp_path):
+    cfg = tiny(tmp_path, optimizer="adamw", steps=6, eval_interval=3, eval_ema=0.9)
+    cfg = replace(cfg, checkpoint_interval=3, keep_checkpoints=0)
+    whole = train(cfg)
+    logged = losses(cfg)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000006")  # resume from step 3
+    resumed = train(replace(cfg, resume=True))
+    assert resumed["final_val_loss"] == whole["final_val_loss"]
+    assert resumed["final_val_loss_live"] == whole["final_val_loss_live"]
+    assert losses(cfg) == logged
+    assert [r["step"] for r in metrics(cfg) if "val_loss_live" in r] == [3, 6]
+
+
+@pytest.mark.parametrize("value", ["1", "1.5", "-0.1", "nan"])
+def test_eval_ema_must_be_a_decay_in_0_1(value):
+    with pytest.raises(
+        ConfigError, match=r"eval_ema=.* is invalid: must be an EMA decay in \[0, 1\)"
+    ):
+        load_config(None, [f"eval_ema={value}"])
+
+
+def test_eval_ema_is_off_by_default():
+    assert TrainConfig().eval_ema is None
+    assert load_config(None, ["eval_ema=0.99"]).eval_ema == 0.99
+    assert load_config(None, ["eval_ema=0"]).eval_ema == 0.0
+    assert load_config(None, ["eval_ema=0.99", "eval_ema=none"]).eval_ema is None
 
 
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
