@@ -201,9 +201,13 @@ class BlockStatistics:
         dtype: torch.dtype,
         device,
         cache: GramCache | None = None,
+        window: tuple[int, int] | None = None,
     ):
         self.stacks = stacks
         self.width = stacks[-1].stop - stacks[0].start
+        # (start, full width): a plain input of the full width holds more features than
+        # this rank's blocks (the output gradient of an FSDP layer): keep [start, start + width)
+        self.window = window
         self.sums = [
             torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device) for s in stacks
         ]
@@ -212,9 +216,12 @@ class BlockStatistics:
 
     @torch.no_grad()
     def add(self, x: Tensor) -> None:
-        """Accumulate ``x`` of shape ``(..., width)``: the layer input's local columns."""
+        """Accumulate ``x`` of shape ``(..., width)``: the layer input's local columns (or
+        the features of a full-width input inside ``window``)."""
         if isinstance(x, DTensor):  # row-parallel TP input: this rank's columns only
             x = x.to_local()
+        elif self.window is not None and x.shape[-1] == self.window[1] != self.width:
+            x = x[..., self.window[0] : self.window[0] + self.width]
         if x.shape[-1] != self.width:
             raise ValueError(f"activation has {x.shape[-1]} features, expected {self.width}")
         if self.sums[0].device != x.device:  # the model moved after track()
@@ -251,5 +258,17 @@ def statistics_hook(stats: BlockStatistics):
     def hook(module: nn.Module, args) -> None:
         if module.training and torch.is_grad_enabled():
             stats.add(args[0])
+
+    return hook
+
+
+def output_gradient_hook(stats: BlockStatistics):
+    """A forward hook that feeds ``stats`` the gradient ``δ = dL/dy`` of the layer's output
+    when backward reaches it (K-FAC's output factor ``E[δᵀδ]`` per block of output
+    features); active only in training mode with grad on."""
+
+    def hook(module: nn.Module, args, output: Tensor) -> None:
+        if module.training and torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(stats.add)
 
     return hook

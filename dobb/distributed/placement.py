@@ -61,10 +61,13 @@ class MatrixPlacement:
             )
         return start, stop
 
+    def groups_splitting(self, dim: int) -> tuple:
+        """The process groups of the mesh axes that split ``dim`` (0: rows, 1: columns)."""
+        return self.row_groups if dim == 0 else self.col_groups
+
     def split_degree(self, dim: int) -> int:
         """How many ranks split ``dim`` (1 where no mesh axis splits it)."""
-        groups = self.row_groups if dim == 0 else self.col_groups
-        return math.prod(dist.get_world_size(g) for g in groups)
+        return math.prod(dist.get_world_size(g) for g in self.groups_splitting(dim))
 
     def take(self, full: Tensor) -> Tensor:
         """This rank's piece of a whole ``(m, n)`` matrix."""

@@ -17,13 +17,25 @@ from dobb.blocks import BlockStack
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def local_block_stacks(
-    stacks: tuple[BlockStack, ...], start: int, stop: int, describe: str
-) -> tuple[BlockStack, ...]:
-    """The blocks inside columns ``[start, stop)``, re-based to local column 0.
+COLUMN_ADVICE = (
+    "choose num_blocks so that every column shard holds whole blocks (e.g. a multiple of "
+    "the tensor-parallel degree that divides d_in)"
+)
 
-    Raises ``ValueError`` (using ``describe`` to name the matrix) if a block straddles a
-    shard boundary: the update would then need another rank's columns.
+
+def local_block_stacks(
+    stacks: tuple[BlockStack, ...],
+    start: int,
+    stop: int,
+    describe: str,
+    advice: str = COLUMN_ADVICE,
+    what: str = "input blocks do not tile this rank's columns",
+) -> tuple[BlockStack, ...]:
+    """The blocks inside indices ``[start, stop)``, re-based to local index 0.
+
+    Raises ``ValueError`` (``describe`` names the matrix, ``advice`` says what to change)
+    if a block straddles a shard boundary: the update would then need another rank's
+    columns (or rows, for two-sided Dobb's row blocks).
     """
     local = []
     for s in stacks:
@@ -34,10 +46,8 @@ def local_block_stacks(
     covered = sum(s.size * s.count for s in local)
     if covered != stop - start:
         raise ValueError(
-            f"{describe}: the input blocks do not tile this rank's columns [{start}, {stop}); "
-            "choose num_blocks so that every column shard holds whole blocks (e.g. a "
-            "multiple of the tensor-parallel degree that divides d_in), or route the "
-            "parameter to algorithm='adamw'"
+            f"{describe}: the {what} [{start}, {stop}); {advice}, or route the parameter "
+            "to algorithm='adamw'"
         )
     return tuple(local)
 

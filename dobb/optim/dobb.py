@@ -25,10 +25,12 @@ from dobb.distributed.sharding import block_state_like, local_block_stacks, spli
 from dobb.eigensolve import BASIS_METHODS, refresh_bases
 from dobb.optim.base import MatrixOptimizer, state_dtype
 from dobb.optim.batching import batches_kernels, foreach_mul_
+from dobb.optim.dobb_variants import COEFFICIENTS, dobb_variant_update
 from dobb.stats import (
     BlockStatistics,
     GramCache,
     layer_weights,
+    output_gradient_hook,
     statistics_hook,
     tracked_layers,
 )
@@ -42,6 +44,16 @@ STATS_SYNC_MODES = ("refresh", "step")
 # Where the block bases come from: Dobb's activation moments, or controls for ablations.
 BASIS_SOURCES = ("activations", "gradients", "random", "identity")
 STACK_KEYS = (("cov", "basis"), ("cov_tail", "basis_tail"))  # at most two block sizes
+ROW_KEYS = (("row_cov", "row_basis"), ("row_cov_tail", "row_basis_tail"))  # two-sided
+ALL_KEYS = STACK_KEYS + ROW_KEYS
+# group options a batch of matrices must share (with shape, layout, dtypes and device)
+VARIANT_OPTIONS = (
+    "lr", "momentum", "nesterov", "weight_decay", "two_sided", "coefficients",
+    "coefficient_beta",
+)  # fmt: skip
+# Where two-sided Dobb's output-side moments come from: the output gradient of a backward
+# hook (K-FAC's factor; local in every layout) or the local rows' G Gᵀ (Shampoo's).
+ROW_STATS = ("gradients", "outputs")
 # Largest batch of same-shape matrices updated together (elements of the stacked momentum);
 # bounds the batched step's temporary memory at a few copies of this many state elements.
 BATCH_ELEMENTS = 1 << 26
@@ -152,6 +164,34 @@ class Dobb(MatrixOptimizer):
         weight_decay: decoupled weight decay (multiplied by ``lr``).
         num_blocks: blocks per input dimension, ``B`` (default 16; ``B >= d_in`` gives
             blocks of size 1, i.e. Signum).
+        block_size: instead of ``num_blocks``: blocks of at most this many columns
+            (``B = ceil(d_in / block_size)`` per matrix; the paper's 16 blocks at GPT-2 XL
+            are blocks of 100 and 400). Overrides ``num_blocks`` when set.
+        two_sided: also rotate the output side (``dobb.optim.dobb_variants``): row blocks
+            ``R_r`` with eigenbases ``P_r`` of their own second moment, and
+            ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``. Off by default (the paper's
+            update). Needs no communication in ``step()`` in any layout: a row block lies in
+            one row shard, and its moments come from ``row_stats``.
+        row_blocks: with ``two_sided``: row blocks per matrix (near-equal, and each inside one
+            row shard, else construction raises); None (default): one block per rank's rows
+            (the whole matrix in one process).
+        row_stats: with ``two_sided``, where ``P_r``'s moments come from.
+            ``"gradients"`` (default): ``G_r G_rᵀ / d_in`` of the rank's rows (Shampoo's left
+            factor, EMA'd with ``stats_beta``). ``G`` is already averaged over the data
+            ranks, so under DDP, FSDP, HSDP and column-parallel TP this needs no
+            communication at all; under row-parallel TP each rank holds ``1/T`` of the
+            columns, and the partial moments are averaged over the TP ranks on refresh
+            steps (exact, the EMA being linear), as ``C_b`` is over the data ranks.
+            ``"outputs"``: ``E[δ_rᵀ δ_r]`` of the layer's output gradient ``δ`` from a
+            backward hook (K-FAC's output factor), averaged over ``stats_group`` with
+            ``C_b``; not for rows split over data ranks (FSDP), whose row blocks differ
+            per rank. Two-sided Dobb does not support FSDP x TP's strided rows.
+        coefficients: ``"sign"`` (default) or ``"adam"``: ``C / (sqrt(V_hat) + 1e-8)`` with
+            ``V`` an EMA (``coefficient_beta``, bias-corrected) of the squared projected
+            gradient, kept in the eigenbasis as SOAP does (4 more bytes per parameter in
+            fp32). Its RMS is below 1 (about 0.2 for noisy gradients), so it usually wants
+            ``update_scale=1.0``.
+        coefficient_beta: the EMA factor of ``V`` (default 0.95, SOAP's).
         stats_beta: EMA factor ``beta2`` of the second-moment blocks (default 0.95).
         basis_interval: refresh the bases every ``k`` steps (default 10).
         update_scale: ``alpha``: a number, or ``"adamw"`` (0.2), ``"lion"`` (1.0), or
@@ -211,6 +251,12 @@ class Dobb(MatrixOptimizer):
         basis_interval: int = 10,
         update_scale: float | str = 0.2,
         *,
+        block_size: int | None = None,
+        two_sided: bool = False,
+        row_blocks: int | None = None,
+        row_stats: str = "gradients",
+        coefficients: str = "sign",
+        coefficient_beta: float = 0.95,
         basis_method: str = "auto",
         basis_source: str = "activations",
         missing_stats: str = "raise",
@@ -234,6 +280,7 @@ class Dobb(MatrixOptimizer):
             partial(split_over_ranks, group=self._data_parallel_groups[-1]) if split else None
         )
         self._stats: dict[Tensor, BlockStatistics] = {}
+        self._row_stats: dict[Tensor, BlockStatistics] = {}  # two-sided, row_stats="outputs"
         self._gram_cache = GramCache()  # layers fed one input tensor (q, k, v) share X_bᵀ X_b
         self._input_dims: dict[Tensor, int] = {}  # 0 for (d_in, d_out) weights; set by track
         self._layouts: dict[tuple, tuple[BlockStack, ...]] = {}
@@ -248,6 +295,12 @@ class Dobb(MatrixOptimizer):
             stats_beta=stats_beta,
             basis_interval=basis_interval,
             update_scale=update_scale,
+            block_size=block_size,
+            two_sided=two_sided,
+            row_blocks=row_blocks,
+            row_stats=row_stats,
+            coefficients=coefficients,
+            coefficient_beta=coefficient_beta,
             basis_method=basis_method,
             basis_source=basis_source,
         )
@@ -257,12 +310,22 @@ class Dobb(MatrixOptimizer):
         super()._validate_group(group)
         if group["algorithm"] != self.algorithm:
             return
-        for key in ("momentum", "stats_beta"):
+        for key in ("momentum", "stats_beta", "coefficient_beta"):
             if not 0.0 <= group[key] < 1.0:
                 raise ValueError(f"invalid {key}: {group[key]} (must be in [0, 1))")
-        for key in ("num_blocks", "basis_interval"):
+        for key in ("num_blocks", "basis_interval", "block_size", "row_blocks"):
+            if key in ("block_size", "row_blocks") and group[key] is None:
+                continue
             if not (isinstance(group[key], int) and group[key] >= 1):
                 raise ValueError(f"invalid {key}: {group[key]!r} (must be an integer >= 1)")
+        if group["row_blocks"] is not None and not group["two_sided"]:
+            raise ValueError("row_blocks is an option of two-sided Dobb: pass two_sided=True")
+        if group["row_stats"] not in ROW_STATS:
+            raise ValueError(f"invalid row_stats: {group['row_stats']!r} (one of {ROW_STATS})")
+        if group["coefficients"] not in COEFFICIENTS:
+            raise ValueError(
+                f"invalid coefficients: {group['coefficients']!r} (one of {COEFFICIENTS})"
+            )
         scale = group["update_scale"]
         if scale not in UPDATE_SCALE_MODES and not (isinstance(scale, float | int) and scale > 0):
             raise ValueError(
@@ -281,6 +344,7 @@ class Dobb(MatrixOptimizer):
             raise NotImplementedError("basis_source='gradients' supports unsharded matrices only")
         for p in group["params"]:
             self._stacks(p, group)
+            self._row_stacks(p, group)
 
     def _stacks(self, param: Tensor, group: dict[str, Any]) -> tuple[BlockStack, ...]:
         """Blocks of this rank's input columns of ``param`` (all unless they are sharded).
@@ -289,22 +353,54 @@ class Dobb(MatrixOptimizer):
         the checkpointed state (DTensor offsets are slow to recompute every step).
         """
         dim = self._input_dims.get(param, 1)
-        key = (id(param), dim, group["num_blocks"])
+        num_blocks = group["num_blocks"]
+        if group["block_size"] is not None:
+            num_blocks = -(-param.shape[dim] // group["block_size"])
+        key = (id(param), dim, num_blocks)
         if key not in self._layouts:
-            self._layouts[key] = self._local_stacks(param, dim, group["num_blocks"])
+            self._layouts[key] = self._local_stacks(param, dim, num_blocks)
         return self._layouts[key]
 
-    def _local_stacks(self, param: Tensor, dim: int, num_blocks: int) -> tuple[BlockStack, ...]:
+    def _row_stacks(self, param: Tensor, group: dict[str, Any]) -> tuple[BlockStack, ...]:
+        """Two-sided Dobb's blocks of this rank's rows (output features); () one-sided."""
+        if not group["two_sided"]:
+            return ()
+        dim = 1 - self._input_dims.get(param, 1)
+        key = (id(param), dim, "rows", group["row_blocks"])
+        if key not in self._layouts:
+            data = {g.group_name for g in self._data_parallel_groups}
+            row_groups = matrix_placement(param).groups_splitting(dim)
+            if group["row_stats"] == "outputs" and data & {g.group_name for g in row_groups}:
+                raise NotImplementedError(
+                    f"{self.name_of(param)}: row_stats='outputs' keeps each rank's row blocks, "
+                    "but this matrix's rows are split over data-parallel ranks (FSDP), whose "
+                    "output gradients differ; use row_stats='gradients'"
+                )
+            if group["row_blocks"] is None:  # one block of the rows this rank holds
+                start, stop = matrix_placement(param).span(dim)
+                self._layouts[key] = block_stacks(stop - start, 1) if stop > start else ()
+            else:
+                self._layouts[key] = self._local_stacks(param, dim, group["row_blocks"], True)
+        return self._layouts[key]
+
+    def _local_stacks(
+        self, param: Tensor, dim: int, num_blocks: int, rows: bool = False
+    ) -> tuple[BlockStack, ...]:
         stacks = block_stacks(param.shape[dim], num_blocks)
         placement = matrix_placement(param)
         start, stop = placement.span(dim)
         if (start, stop) == (0, param.shape[dim]):
             return stacks
         describe = (
-            f"{self.name_of(param)} of shape {tuple(param.shape)}, input dim {dim} split over "
-            f"{placement.split_degree(dim)} ranks, num_blocks={num_blocks}"
+            f"{self.name_of(param)} of shape {tuple(param.shape)}, {'output' if rows else 'input'}"
+            f" dim {dim} split over {placement.split_degree(dim)} ranks, "
+            f"{'row_blocks' if rows else 'num_blocks'}={num_blocks}"
         )
-        return local_block_stacks(stacks, start, stop, describe)
+        if not rows:
+            return local_block_stacks(stacks, start, stop, describe)
+        advice = "choose row_blocks as a multiple of the number of row shards, or None"
+        what = "row blocks do not tile this rank's rows"
+        return local_block_stacks(stacks, start, stop, describe, advice, what)
 
     # ------------------------------------------------------------- statistics
     def track(self, model: nn.Module) -> list[RemovableHandle]:
@@ -318,23 +414,31 @@ class Dobb(MatrixOptimizer):
         groups = {
             p: g
             for g in self.param_groups
-            if g["algorithm"] == self.algorithm and g["basis_source"] == "activations"
+            if g["algorithm"] == self.algorithm
+            and (g["basis_source"] == "activations" or self._tracks_outputs(g))
             for p in g["params"]
         }
         handles = []
         for module, weight, spec in layer_weights(model):
             if weight not in groups:
                 continue
-            if weight in self._stats:
+            if weight in self._stats or weight in self._row_stats:
                 raise ValueError(f"{self.name_of(weight)} is already tracked")
+            group, dtype, device = groups[weight], state_dtype(weight), local(weight).device
             if spec.input_dim != 1:
                 self._input_dims[weight] = spec.input_dim
-            stacks = self._stacks(weight, groups[weight])
-            stats = BlockStatistics(
-                stacks, state_dtype(weight), local(weight).device, cache=self._gram_cache
-            )
-            self._stats[weight] = stats
-            handles.append(module.register_forward_pre_hook(statistics_hook(stats)))
+            if group["basis_source"] == "activations":
+                stacks = self._stacks(weight, group)
+                stats = BlockStatistics(stacks, dtype, device, cache=self._gram_cache)
+                self._stats[weight] = stats
+                handles.append(module.register_forward_pre_hook(statistics_hook(stats)))
+            row_stacks = self._row_stacks(weight, group)
+            if self._tracks_outputs(group) and row_stacks:
+                dim = 1 - spec.input_dim  # the output features' dim of the weight
+                window = (matrix_placement(weight).span(dim)[0], weight.shape[dim])
+                stats = BlockStatistics(row_stacks, dtype, device, window=window)
+                self._row_stats[weight] = stats
+                handles.append(module.register_forward_hook(output_gradient_hook(stats)))
         self._hooks += handles
         if not handles:
             raise ValueError(
@@ -349,29 +453,43 @@ class Dobb(MatrixOptimizer):
             handle.remove()
         self._hooks.clear()
         self._stats.clear()
+        self._row_stats.clear()
         self._gram_cache.clear()
 
+    @staticmethod
+    def _tracks_outputs(group: dict[str, Any]) -> bool:
+        return group["two_sided"] and group["row_stats"] == "outputs"
+
+    def _all_statistics(self):
+        """``(param, BlockStatistics)`` of every hook: input side, then output side."""
+        return [*self._stats.items(), *self._row_stats.items()]
+
     def _extra_inputs(self, matrix_groups):
-        return [(p, t) for p, s in self._stats.items() if s.tokens for t in s.sums]
+        return [(p, t) for p, s in self._all_statistics() if s.tokens for t in s.sums]
 
     def _discard_step_inputs(self) -> None:
-        for stats in self._stats.values():
+        for _, stats in self._all_statistics():
             stats.reset()
 
     def _prepare(self, matrix_groups) -> None:
         if self.missing_stats == "identity":
             return
         for group in matrix_groups:
-            if group["lr"] == 0 or group["basis_source"] != "activations":
+            if group["lr"] == 0:
                 continue
             for p in group["params"]:
-                stats = self._stats.get(p)
-                if p.grad is not None and (stats is None or stats.tokens == 0):
+                needed = {"activation": self._stats}
+                if group["basis_source"] != "activations":
+                    needed.clear()
+                if self._tracks_outputs(group) and self._row_stacks(p, group):
+                    needed["output-gradient"] = self._row_stats
+                missing = [k for k, s in needed.items() if p not in s or s[p].tokens == 0]
+                if p.grad is not None and missing:
                     raise RuntimeError(
-                        f"{self.name_of(p)} has no activation statistics for this step. "
+                        f"{self.name_of(p)} has no {missing[0]} statistics for this step. "
                         "Call opt.track(model) before the forward pass (it hooks nn.Linear "
-                        "layers), route the parameter to algorithm='adamw', or construct "
-                        "Dobb with missing_stats='identity'."
+                        "layers) and backward through the layer, route the parameter to "
+                        "algorithm='adamw', or construct Dobb with missing_stats='identity'."
                     )
 
     # ------------------------------------------------------------------- step
@@ -394,6 +512,14 @@ class Dobb(MatrixOptimizer):
             dim = self._input_dims.get(param, 1)
             state[cov_key] = block_state_like(cov, param, dim)
             state[basis_key] = block_state_like(basis, param, dim)
+        for (cov_key, basis_key), s in zip(ROW_KEYS, self._row_stacks(param, group)):
+            cov = torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device)
+            basis = torch.eye(s.size, dtype=dtype, device=device).repeat(s.count, 1, 1)
+            dim = 1 - self._input_dims.get(param, 1)
+            state[cov_key] = block_state_like(cov, param, dim)
+            state[basis_key] = block_state_like(basis, param, dim)
+        if group["coefficients"] == "adam":
+            state["variance"] = torch.zeros_like(param, dtype=dtype)
         return state
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
@@ -416,9 +542,11 @@ class Dobb(MatrixOptimizer):
             for (_, state, group), step, stats_steps in zip(active, steps, folded)
             if (int(step) - 1) % group["basis_interval"] == 0 and stats_steps > 0
         ]
-        synced = states if self.stats_sync == "step" else [state for state, _, _ in due]
+        due_ids = {id(state) for state, _, _ in due}
+        synced = [m for m in active if self.stats_sync == "step" or id(m[1]) in due_ids]
         self._average_statistics(synced)
         self._refresh(due)
+        step_of = {id(state): step for state, step in zip(states, steps)}
         for batch in self._batches(active):
             p, state, group = batch[0]
             dim = self._input_dims.get(p, 1)
@@ -430,6 +558,9 @@ class Dobb(MatrixOptimizer):
                 weight_decay=group["weight_decay"],
                 scale=self._scale(p.shape[dim], group),
             )
+            if self._is_variant(group):
+                self._variant_update(batch, [step_of[id(s)] for _, s, _ in batch], hyper)
+                continue
             if len(batch) == 1:  # the reference: no stacking copies
                 # (d_in, d_out) weights (Conv1D) are updated through their transpose
                 orient = (lambda t: t.mT) if dim == 0 else (lambda t: t)
@@ -453,6 +584,34 @@ class Dobb(MatrixOptimizer):
                 **hyper,
             )
 
+    @staticmethod
+    def _is_variant(group: dict[str, Any]) -> bool:
+        return group["two_sided"] or group["coefficients"] != "sign"
+
+    def _variant_update(self, batch: list[tuple], steps: list[float], hyper: dict) -> None:
+        """Two-sided and/or Adam-coefficient update of a batch (``dobb_variant_update``)."""
+        p, _, group = batch[0]
+        stacks, row_stacks = self._stacks(p, group), self._row_stacks(p, group)
+
+        def stacked(keys, n):
+            return [torch.stack([local(s[key]) for _, s, _ in batch]) for _, key in keys[:n]]
+
+        adam = group["coefficients"] == "adam"
+        dobb_variant_update(
+            [local(q) for q, _, _ in batch],
+            [local(q.grad) for q, _, _ in batch],
+            [local(s["momentum"]) for _, s, _ in batch],
+            stacked(STACK_KEYS, len(stacks)),
+            stacks,
+            stacked(ROW_KEYS, len(row_stacks)) if row_stacks else None,
+            row_stacks,
+            [local(s["variance"]) for _, s, _ in batch] if adam else None,
+            steps,
+            beta2=group["coefficient_beta"],
+            transposed=self._input_dims.get(p, 1) == 0,
+            **hyper,
+        )
+
     def _batches(self, active: list[tuple[Tensor, dict, dict]]) -> list[list[tuple]]:
         """``active`` split into batches that can share kernels, each of at most
         ``BATCH_ELEMENTS`` elements: same local shape, orientation, block layout, dtypes,
@@ -462,9 +621,10 @@ class Dobb(MatrixOptimizer):
             p, state, group = entry
             param, grad, dim = local(p), local(p.grad), self._input_dims.get(p, 1)
             key = (
-                tuple(param.shape), dim, self._stacks(p, group), param.dtype, grad.dtype,
-                state["momentum"].dtype, param.device, self._scale(p.shape[dim], group),
-                *(group[k] for k in ("lr", "momentum", "nesterov", "weight_decay")),
+                tuple(param.shape), dim, self._stacks(p, group), self._row_stacks(p, group),
+                param.dtype, grad.dtype, state["momentum"].dtype, param.device,
+                self._scale(p.shape[dim], group),
+                *(group[k] for k in VARIANT_OPTIONS),
             )  # fmt: skip
             chunks = batches.setdefault(key, [[]])
             full = (len(chunks[-1]) + 1) * param.numel() > BATCH_ELEMENTS
@@ -473,36 +633,60 @@ class Dobb(MatrixOptimizer):
             chunks[-1].append(entry)
         return [chunk for chunks in batches.values() for chunk in chunks]
 
-    def _new_statistics(self, param: Tensor, group: dict[str, Any]) -> list[Tensor] | None:
-        """Block moments ``G_bᵀ G_b / rows`` of the gradient (``basis_source="gradients"``)."""
+    def _gradient_moments(self, param: Tensor, group: dict[str, Any], rows: bool) -> list[Tensor]:
+        """Block moments of the gradient: ``G_bᵀ G_b / d_out`` of the input blocks
+        (``basis_source="gradients"``), or ``G_r G_rᵀ / d_in`` of the row blocks
+        (``row_stats="gradients"``)."""
         grad = local(param.grad)
-        grad = grad.mT if self._input_dims.get(param, 1) == 0 else grad
+        grad = grad.mT if self._input_dims.get(param, 1) == 0 else grad  # (rows, d_in)
+        grad, stacks = (grad.mT, self._row_stacks(param, group)) if rows else (
+            grad, self._stacks(param, group))  # fmt: skip
         means = []
-        for s in self._stacks(param, group):
+        for s in stacks:
             cols = grad[:, s.start : s.stop].unflatten(1, (s.count, s.size)).transpose(0, 1)
-            cols = cols.to(state_dtype(param))  # (count, rows, size)
-            means.append(cols.mT @ cols / max(1, grad.shape[0]))  # G_bᵀ G_b / rows
+            cols = cols.to(state_dtype(param))  # (count, other, size)
+            means.append(cols.mT @ cols / max(1, grad.shape[0]))
         return means
+
+    def _sources(self, param: Tensor, state: dict, group: dict[str, Any]) -> list[tuple]:
+        """``(covs, source)`` for each side of ``param`` that has moments: ``source`` is the
+        hooks' ``BlockStatistics`` (None if never tracked) or this step's moments."""
+        sources = []
+        covs = [local(state[cov]) for cov, _ in STACK_KEYS if cov in state]
+        if group["basis_source"] == "activations":
+            sources.append((covs, self._stats.get(param)))
+        elif group["basis_source"] == "gradients":
+            sources.append((covs, self._gradient_moments(param, group, rows=False)))
+        row_covs = [local(state[cov]) for cov, _ in ROW_KEYS if cov in state]
+        if row_covs and self._tracks_outputs(group):
+            sources.append((row_covs, self._row_stats.get(param)))
+        elif row_covs:
+            sources.append((row_covs, self._gradient_moments(param, group, rows=True)))
+        return sources
 
     def _fold_statistics(self, active: list[tuple[Tensor, dict, dict]]) -> list[float]:
         """Fold this step's moments ``S_b`` into ``C_b`` for every matrix that has them.
 
         ``C_b <- S_b`` the first time, else ``C_b <- beta C_b + (1 - beta) S_b``, where
-        ``S_b = A_b / n`` (``A_b``: the hooks' sums over ``n`` tokens, then reset). Returns
-        every matrix's ``stats_steps`` after the fold.
+        ``S_b = A_b / n`` (``A_b``: the hooks' sums over ``n`` tokens, then reset), for the
+        input blocks and (two-sided) the row blocks alike. A matrix folds only when every
+        side has moments. Returns every matrix's ``stats_steps`` after the fold.
         """
         stats_steps = torch.stack([state["stats_steps"] for _, state, _ in active]).tolist()
-        folding, sums, tokens = [], [], []  # (index, covs, means or None); hook sums
+        folding, sums, tokens = [], [], []  # (index, sources); hook sums and token counts
         for i, (p, state, group) in enumerate(active):
-            covs = [local(state[cov]) for cov, _ in STACK_KEYS if cov in state]
-            stats = self._stats.get(p)
-            if group["basis_source"] == "activations" and stats is not None and stats.tokens:
-                folding.append((i, covs, None))
-                sums += stats.sums
-                tokens += [float(stats.tokens)] * len(stats.sums)
-                stats.tokens = 0
-            elif group["basis_source"] == "gradients":
-                folding.append((i, covs, self._new_statistics(p, group)))
+            sources = self._sources(p, state, group)
+            hooks = [src for _, src in sources if not isinstance(src, list)]
+            if not sources or any(h is None or h.tokens == 0 for h in hooks):
+                for h in hooks:
+                    if h is not None:
+                        h.reset()
+                continue
+            folding.append((i, sources))
+            for h in hooks:
+                sums += h.sums
+                tokens += [float(h.tokens)] * len(h.sums)
+                h.tokens = 0
         if not folding:
             return stats_steps
         hook_means = iter(torch._foreach_div(sums, tokens) if sums else [])
@@ -510,8 +694,13 @@ class Dobb(MatrixOptimizer):
             torch._foreach_zero_(sums)
         self._gram_cache.clear()
         first, later = ([], []), {}  # (covs, means) to copy; beta -> (covs, means) to lerp
-        for i, covs, means in folding:
-            means = means or [next(hook_means) for _ in covs]
+        for i, sources in folding:
+            covs = [cov for side, _ in sources for cov in side]
+            means = [
+                mean
+                for side, src in sources
+                for mean in (src if isinstance(src, list) else [next(hook_means) for _ in side])
+            ]
             _, state, group = active[i]
             beta = group["stats_beta"]
             target = first if stats_steps[i] == 0 else later.setdefault(beta, ([], []))
@@ -523,23 +712,41 @@ class Dobb(MatrixOptimizer):
             torch._foreach_copy_(*first)
         for beta, (covs, means) in later.items():
             torch._foreach_lerp_(covs, means, 1 - beta)
-        torch._foreach_add_([active[i][1]["stats_steps"] for i, _, _ in folding], 1.0)
+        torch._foreach_add_([active[i][1]["stats_steps"] for i, _ in folding], 1.0)
         return stats_steps
 
-    def _average_statistics(self, states: list[dict[str, Any]]) -> None:
-        """Average ``C_b`` over the data-parallel ranks (the only communication of Dobb)."""
-        covs = [local(state[cov]) for state in states for cov, _ in STACK_KEYS if cov in state]
-        all_reduce_(covs, [self._data_parallel_groups] * len(covs), average=True)
-        self._unsynced -= {id(state) for state in states}
+    def _average_statistics(self, matrices: list[tuple[Tensor, dict, dict]]) -> None:
+        """Average ``C_b`` over the data-parallel ranks (the only communication of Dobb), and
+        two-sided Dobb's row moments over the ranks they were computed on: the data ranks
+        (``row_stats="outputs"``) or the ranks splitting the columns (``"gradients"``)."""
+        covs, groups = [], []
+        for param, state, group in matrices:
+            row_groups = self._data_parallel_groups
+            if group["row_stats"] == "gradients":
+                row_groups = matrix_placement(param).groups_splitting(
+                    self._input_dims.get(param, 1)
+                )
+            for keys, over in ((STACK_KEYS, self._data_parallel_groups), (ROW_KEYS, row_groups)):
+                new = [local(state[cov]) for cov, _ in keys if cov in state]
+                covs += new
+                groups += [tuple(over)] * len(new)
+        all_reduce_(covs, groups, average=True)
+        self._unsynced -= {id(state) for _, state, _ in matrices}
 
     def synchronize_statistics(self) -> None:
         """Average every ``C_b`` folded since its last average (a collective under DP).
 
         Exact at any time, the EMA being linear. Every data-parallel rank must call it.
         """
-        states = [s for s in self.state.values() if id(s) in self._unsynced]
-        if states:
-            self._average_statistics(states)
+        matrices = [
+            (p, self.state[p], group)
+            for group in self.param_groups
+            if group["algorithm"] == self.algorithm
+            for p in group["params"]
+            if p in self.state and id(self.state[p]) in self._unsynced
+        ]
+        if matrices:
+            self._average_statistics(matrices)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state; saved statistics were averaged when saved (see ``state_dict``)."""
@@ -559,18 +766,24 @@ class Dobb(MatrixOptimizer):
 
     def _refresh(self, due: list[tuple[dict[str, Any], dict[str, Any], float]]) -> None:
         """Recompute the bases of ``due`` ``(state, group, stats_steps)`` matrices, one batched
-        solver call per method and block size (``eigh`` on a matrix's first statistics)."""
-        by_method: dict[str, list[tuple[dict, str, str]]] = {}
+        solver call per method, side and block size (``eigh`` on a matrix's first
+        statistics). Input blocks are shared out over the data ranks (``shard_refresh``);
+        row blocks are computed where they live: an FSDP rank holds only its own."""
+        by_method: dict[tuple[str, bool], list[tuple[dict, str, str]]] = {}
         for state, group, stats_steps in due:
             method = group["basis_method"]
             method = COLD_START.get(method, method) if stats_steps == 1 else method
-            by_method.setdefault(method, []).extend(
-                (state, cov_key, basis_key) for cov_key, basis_key in STACK_KEYS if cov_key in state
-            )
-        for method, keys in by_method.items():
+            for keys, split in ((STACK_KEYS, True), (ROW_KEYS, False)):
+                by_method.setdefault((method, split), []).extend(
+                    (state, cov_key, basis_key) for cov_key, basis_key in keys if cov_key in state
+                )
+        for (method, split), keys in by_method.items():
+            if not keys:
+                continue
             targets = [local(state[b]) for state, _, b in keys]
             covs = [local(state[c]) for state, c, _ in keys]
-            torch._foreach_copy_(targets, refresh_bases(covs, targets, method, self._run))
+            run = self._run if split else None
+            torch._foreach_copy_(targets, refresh_bases(covs, targets, method, run))
 
     @staticmethod
     def _scale(d_in: int, group: dict[str, Any]) -> float:

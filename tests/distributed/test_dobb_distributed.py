@@ -28,13 +28,27 @@ def dobb_step(model, opt, step, dp_rank, dp_size, out):
     return [kind for kind, _, _ in train_step(model, opt, step, dp_rank, dp_size, out)]
 
 
-def compare_layout(rank, world, layout, stats_sync, shard_refresh=True, basis_method="auto"):
+def compare_layout(
+    rank,
+    world,
+    layout,
+    stats_sync,
+    shard_refresh=True,
+    basis_method="auto",
+    options=None,
+    reference_options=None,
+):
+    """Train the layout and the single-device model side by side (``options`` for both,
+    ``reference_options`` on top for the single-device one)."""
     torch.manual_seed(0)
     _, _, hidden, out = LAYOUTS[layout]
     hyper = {**HYPER, "num_blocks": NUM_BLOCKS[layout], "basis_method": basis_method}
+    hyper |= options or {}
     reference = MLP(hidden, out)
     model = copy.deepcopy(reference)
-    ref_opt = dobb.Dobb(dobb.param_groups(reference, exclude="^$"), **hyper)
+    ref_opt = dobb.Dobb(
+        dobb.param_groups(reference, exclude="^$"), **hyper | (reference_options or {})
+    )
     ref_opt.track(reference)
     model, data, dp_rank, dp_size = parallelize(model, layout, world)
     opt = dobb.Dobb(
