@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from dobb.bench.study_gap import run_gap
 from dobb.bench.study_report import analyse, write_document
 from dobb.bench.study_runs import Runner, base_config, load_spec, run_study
 
@@ -62,6 +63,7 @@ def study(
     started, t0 = datetime.now(UTC), time.perf_counter()
     with Runner(spec.workers, spec.threads) as runner:
         results = run_study(spec, base, out, runner, log)
+        results["gap"] = run_gap(spec, base, out, runner, results["best_lr"], log)
     command = command or " ".join(["dobb", *sys.argv[1:]])
     invocation = {
         "started": started.isoformat(timespec="seconds"),

@@ -8,13 +8,11 @@ the document is typed in by hand: every sentence in "What the data show" is comp
 import json
 import math
 import os
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from dobb.bench import study_gap
 from dobb.bench.study_runs import (
     StudySpec,
     at_edge,
@@ -25,6 +23,7 @@ from dobb.bench.study_runs import (
     lr_center,
     round_lr,
 )
+from dobb.bench.study_stats import NOISE_FACTOR, compare_seeds, seed_stats
 from dobb.optim.registry import get_entry
 from dobb.train import compare
 from dobb.train.compare import OPTIMIZERS, OPTIONS, markdown_table, read_metrics
@@ -32,49 +31,7 @@ from dobb.train.config import TrainConfig
 from dobb.train.model import gpt_config
 
 BASELINES = tuple(name for name in OPTIMIZERS if name != "dobb")
-NOISE_FACTOR = 2.0  # a difference "exceeds the noise" when |diff| > 2 x (pooled) seed std
 YES_NO = {True: "yes", False: "no"}
-
-
-# ---- statistics ------------------------------------------------------------------------
-
-
-def seed_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Mean and sample std (ddof 1) of final val loss over one optimizer's seed runs."""
-    losses = [loss_of(s) for s in runs]
-    finite = all(math.isfinite(x) for x in losses)
-    return {
-        "runs": [s["run"] for s in runs],
-        "losses": losses,
-        "n": len(losses),
-        "mean": float(np.mean(losses)),
-        "std": float(np.std(losses, ddof=1)) if finite else math.nan,
-        "tokens_per_s": _mean_of(runs, "tokens_per_s"),
-        "opt_ms": _mean_of(runs, "opt_ms"),
-    }
-
-
-def _mean_of(runs, key: str) -> float:
-    values = [s[key] for s in runs if s.get(key) is not None]
-    return float(np.mean(values)) if values else math.nan
-
-
-def compare_seeds(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | bool]:
-    """`a - b` in mean final val loss against the seed noise.
-
-    pooled std s_p = sqrt(((n_a - 1) s_a² + (n_b - 1) s_b²) / (n_a + n_b - 2)); the difference
-    exceeds the noise when |diff| > 2 s_p. Welch's t = diff / sqrt(s_a²/n_a + s_b²/n_b).
-    """
-    diff = a["mean"] - b["mean"]
-    dof = a["n"] + b["n"] - 2
-    pooled = math.sqrt(((a["n"] - 1) * a["std"] ** 2 + (b["n"] - 1) * b["std"] ** 2) / dof)
-    se = math.sqrt(a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"])
-    if se > 0:
-        welch = diff / se
-    else:
-        welch = 0.0 if diff == 0 else math.copysign(math.inf, diff)
-    exceeds = bool(abs(diff) > NOISE_FACTOR * pooled) if math.isfinite(pooled) else False
-    return {"diff": diff, "pooled_std": pooled, "welch_t": welch, "exceeds": exceeds}
 
 
 def trace_difference(out: Path, run_a: str, run_b: str) -> float:
@@ -189,6 +146,11 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
         "width": results["width"],
         "width_noise": width_noise,
         "widths": widths,
+        **(
+            {"gap": study_gap.analyse_gap(results["gap"], seeds, results)}
+            if "gap" in results
+            else {}
+        ),
         "compute": {
             "runs": len(used),
             "diverged": sorted(name for name, s in used.items() if "diverged" in s),
@@ -204,6 +166,7 @@ def _all_runs(results: dict) -> list[list[dict]]:
         *(runs for _, runs in results["ablations"]),
         *results.get("ablation_seeds", {}).values(),
         *results["widths"].values(),
+        *(study_gap.all_runs(results["gap"]) if "gap" in results else []),
     ]
 
 
@@ -237,6 +200,7 @@ def findings(report: dict[str, Any]) -> list[str]:
         *_signum_findings(report),
         *_width_findings(report),
         *_ablation_findings(report, "muonbp"),
+        *(study_gap.gap_findings(report["gap"]) if "gap" in report else []),
         *_scope_findings(report),
     ]
 
@@ -475,7 +439,8 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
     model = gpt_config(report["budget"]["model"], **report["budget"]["model_overrides"])
 
     lines = [
-        "# Optimizer study: tuned comparison, Dobb ablations, width trend, MuonBP's period",
+        "# Optimizer study: tuned comparison, Dobb ablations, width trend, MuonBP's period, "
+        "closing the gap to Muon",
         "",
         *_header(report, model, link),
         "",
@@ -572,6 +537,7 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         "",
         f"![MuonBP's period]({link(period_plot)})",
         "",
+        *(study_gap.gap_section(report["gap"], out, link, table) if "gap" in report else []),
     ]
     doc.write_text("\n".join(lines))
 

@@ -9,7 +9,7 @@ import math
 import shutil
 import signal
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
@@ -43,6 +43,10 @@ class StudySpec:
     ablation_lr_factors: list[float]
     ablation_max_extensions: int
     widths: list[int]
+    gap_widths: list[int] = field(default_factory=lambda: [256, 512])
+    shard_counts: list[int] = field(default_factory=lambda: [2, 4, 8, 16, 32])
+    gap_seeds: int = 3
+    gap_seeded: int = 2
     workers: int = 2
     threads: int = 1
 
@@ -54,6 +58,10 @@ class StudySpec:
             "ablation_lr_factors": len(self.ablation_lr_factors) >= 1,
             "ablation_max_extensions": self.ablation_max_extensions >= 0,
             "widths": len(self.widths) >= 2,
+            "gap_widths": len(self.gap_widths) >= 1,
+            "shard_counts": len(self.shard_counts) >= 1,
+            "gap_seeds": self.gap_seeds >= 2,
+            "gap_seeded": self.gap_seeded >= 0,
             "workers": self.workers >= 1,
             "threads": self.threads >= 1,
         }
@@ -96,17 +104,20 @@ def run_config(
     options: dict[str, Any] | None = None,
     width: int | None = None,
     seed: int = 0,
+    train: dict[str, Any] | None = None,
 ) -> TrainConfig:
     """`base` for one run, logging under `out/runs/<name>`; the name spells what differs.
 
-    Runs of (a) at seed 0 are named as `dobb compare` names them (`dobb-lr0.002`).
+    Runs of (a) at seed 0 are named as `dobb compare` names them (`dobb-lr0.002`). `train`:
+    TrainConfig fields set for this run (e.g. `eval_ema`).
     """
-    options = dict(options or {})
-    tags = [f"{k}-{v}" for k, v in options.items()] + ([f"w{width}"] if width else [])
+    options, train = dict(options or {}), dict(train or {})
+    tags = [f"{k}-{v}" for k, v in {**options, **train}.items()] + ([f"w{width}"] if width else [])
     name = "-".join([optimizer, *tags, f"lr{lr:.4g}"]) + (f"-s{seed}" if seed else "")
     overrides = dict(base.model_overrides) | ({"n_embd": width} if width else {})
     return replace(
         base,
+        **train,
         optimizer=optimizer,
         lr=lr,
         scalar_lr=None,
@@ -151,10 +162,9 @@ def run_one(cfg: TrainConfig) -> dict[str, Any]:
 
 def _run_unlocked(cfg: TrainConfig, out: Path) -> dict[str, Any]:
     marker = out / "diverged.json"
-    comparable = {k: v for k, v in cfg.to_dict().items() if k not in compare.UNCOMPARED}
     if marker.exists():
         old = json.loads(marker.read_text())
-        if {k: v for k, v in old["config"].items() if k not in compare.UNCOMPARED} != comparable:
+        if compare.comparable_config(old["config"]) != compare.comparable_config(cfg.to_dict()):
             raise FileExistsError(f"{out} holds a diverged run with a different config")
         return old["summary"]
     try:

@@ -12,6 +12,7 @@ Starting learning rates for a small GPT; not tuned (a sweep will replace them):
 name        lr      scalar lr  why
 ==========  ======  =========  ===========================================================
 dobb        1e-3    1e-3       update RMS is 0.2 lr, as AdamW's, so AdamW rates transfer
+dobb2s      1e-3    1e-3       two-sided Dobb (``two_sided=True``): the same RMS as Dobb's
 muon        0.02    1e-3       Keller's default; lr in spectral norm per update
 muonbp      5e-3    1e-3       update RMS 0.2 lr (the paper's RMS matching) = 1e-3, Muon's
                                0.02 / sqrt(d_in) at d_in = 400 (the study's: 128-512)
@@ -126,6 +127,24 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
                 ErrorInput({"num_blocks": 0}, ValueError, "invalid num_blocks"),
                 ErrorInput({"update_scale": "huge"}, ValueError, "invalid update_scale"),
                 ErrorInput({"basis_method": "svd"}, ValueError, "invalid basis_method"),
+            ),
+        ),
+        OptimizerEntry(
+            name="dobb2s",
+            cls=Dobb,
+            lr=1e-3,
+            scalar_lr=1e-3,
+            hyperparameters={"two_sided": True},
+            small_inputs=(
+                {},
+                {"row_blocks": 2, "block_size": 4, "basis_interval": 2},
+                {"coefficients": "adam", "update_scale": 1.0, "row_stats": "outputs"},
+            ),
+            error_inputs=MATRIX_ERRORS
+            + (
+                ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
+                ErrorInput({"row_stats": "weights"}, ValueError, "invalid row_stats"),
+                ErrorInput({"coefficients": "lion"}, ValueError, "invalid coefficients"),
             ),
         ),
         OptimizerEntry(

@@ -27,12 +27,17 @@ from dobb.optim.registry import get_entry, tuned_lrs
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
 
-OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "blockmuon", "normuon", "dion2", "adamw")
+OPTIMIZERS = (
+    "dobb", "dobb2s", "dion", "muon", "muonbp", "blockmuon", "normuon", "dion2", "adamw",
+)  # fmt: skip
 # The settings compared in the Dobb paper's abstract (DESIGN.md §1); others are defaults.
 # MuonBP and BlockMuon in one process tile each matrix's rows as FSDP over 4 ranks would
-# shard them; Dion2 selects its rows per such block, as FSDP's shards would.
+# shard them; Dion2 selects its rows per such block, as FSDP's shards would. Two-sided Dobb
+# keeps one row basis per such block, and input blocks of 32 columns, which tile the column
+# shards of row-parallel TP over 4 ranks at every width the study runs (>= 128).
 OPTIONS: dict[str, dict[str, Any]] = {
     "dobb": {"num_blocks": 16},
+    "dobb2s": {"row_blocks": 4, "block_size": 32},
     "dion": {"rank_fraction": 1 / 16},
     "muon": {},
     "muonbp": {"row_blocks": 4},
@@ -115,7 +120,7 @@ def run_config(base: TrainConfig, optimizer: str, lr: float | None, out: Path) -
     )
 
 
-def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     """The fields of a logged config that decide what a run computes; a field added later
     and missing from an older log takes its `ADDED_FIELDS` value (the old behaviour)."""
     return {k: v for k, v in (ADDED_FIELDS | config).items() if k not in UNCOMPARED}
@@ -125,8 +130,8 @@ def run(cfg: TrainConfig, log=print) -> dict[str, Any]:
     """Train `cfg` unless its directory holds a finished run of the same config."""
     out = Path(cfg.out_dir)
     if (out / "run.json").exists():
-        old = _comparable(json.loads((out / "run.json").read_text())["config"])
-        new = _comparable(cfg.to_dict())
+        old = comparable_config(json.loads((out / "run.json").read_text())["config"])
+        new = comparable_config(cfg.to_dict())
         if old != new:
             diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
             raise FileExistsError(

@@ -1,0 +1,435 @@
+"""Part (e) of the study: closing the gap to Muon without leaving the shard.
+
+Three questions, each answered by training runs of `dobb.bench.study_runs`:
+
+- Variants (at the study's width): Dobb and two-sided Dobb (``dobb2s``: row blocks with
+  their own eigenbases, ``Dobb(two_sided=True)``) at input block sizes 32, 64 and the whole
+  width, Adam coefficients in the eigenbasis instead of the sign (SOAP's idea), K-FAC's
+  output-gradient row moments instead of Shampoo's ``G Gᵀ``, slower statistics, and an EMA
+  of the weights for evaluation. Each gets a small lr sweep around its optimizer's tuned lr
+  of (a); the best ``seeded`` ones get more seeds, set against Muon's and BlockMuon's.
+- Shard count (at ``shard_width``): two-sided Dobb, BlockMuon and MuonBP with 2..32 row
+  blocks (the FSDP degrees they emulate) against one-sided Dobb, whose update does not
+  depend on the number of row shards, and Muon. One seed, each at its tuned lr of (a).
+- Width: Dobb, two-sided Dobb, the best variant, BlockMuon and Muon at each width of
+  ``gap_widths`` (one seed, tuned lrs of (a)).
+
+"Shard-local" means no collective inside ``step()`` besides the statistics average on
+refresh steps, at 4 row shards (FSDP, column-parallel TP); a variant's input blocks also
+tile the column shards of row-parallel TP over 4 ranks when its block count at every
+``d_in`` (the width and 4 x the width) is a multiple of 4.
+"""
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from dobb.bench.study_runs import Sweep, best_run, loss_of, run_config, tune, width_of
+from dobb.bench.study_stats import compare_seeds, seed_stats
+from dobb.train.compare import OPTIONS
+
+TP_DEGREE = 4  # the row-parallel TP degree the "shard-local under TP" column checks
+REFERENCE_OPTIMIZERS = ("muon", "blockmuon")  # each variant's seeds are set against these
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of (e): options on top of ``OPTIONS[optimizer]``, and trainer
+    overrides (``train``, e.g. the weights EMA)."""
+
+    label: str
+    optimizer: str
+    options: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    shard_local: bool = True  # False: a control that reads rows of other shards
+    lr_scale: float = 1.0  # the sweep's centre: lr_scale x the optimizer's tuned lr
+
+    def settings(self) -> dict[str, Any]:
+        return OPTIONS[self.optimizer] | self.options
+
+
+WHOLE = {"block_size": None, "num_blocks": 1}  # one input block: the whole width
+
+
+def variants() -> list[Variant]:
+    """The configurations of (e). Two-sided Dobb's settings of (a): 4 row blocks, input
+    blocks of 32 columns (``compare.OPTIONS["dobb2s"]``)."""
+    adam = {"coefficients": "adam", "update_scale": 1.0}  # RMS ~0.2 by itself
+    return [
+        Variant("Dobb, input blocks of 32", "dobb", {"block_size": 32}),
+        Variant("Dobb, input blocks of 64", "dobb", {"block_size": 64}),
+        Variant("Dobb, one input block", "dobb", {"num_blocks": 1}),
+        Variant("Dobb, Adam coefficients", "dobb", adam),
+        Variant("two-sided, input blocks of 64", "dobb2s", {"block_size": 64}),
+        Variant("two-sided, one input block", "dobb2s", WHOLE),
+        Variant(
+            "two-sided, 16 input blocks (the paper's)",
+            "dobb2s",
+            {"block_size": None, "num_blocks": 16},
+        ),  # fmt: skip
+        Variant("two-sided, Adam coefficients", "dobb2s", adam),
+        Variant("two-sided, K-FAC row moments", "dobb2s", {"row_stats": "outputs"}),
+        Variant(
+            "two-sided, statistics EMA 0.99, refresh every 20",
+            "dobb2s",
+            {"stats_beta": 0.99, "basis_interval": 20},
+        ),  # fmt: skip
+        Variant(
+            "two-sided, statistics EMA 0.999, refresh every 50",
+            "dobb2s",
+            {"stats_beta": 0.999, "basis_interval": 50},
+        ),  # fmt: skip
+        Variant("two-sided, weights EMA 0.99 for evaluation", "dobb2s", train={"eval_ema": 0.99}),
+        Variant(
+            "two-sided, one row block (not shard-local)",
+            "dobb2s",
+            {"row_blocks": 1},
+            shard_local=False,
+        ),  # fmt: skip
+    ]
+
+
+def input_blocks(settings: dict[str, Any], d_in: int) -> int:
+    """Dobb's number of input blocks of a ``d_in``-wide matrix under ``settings``."""
+    size = settings.get("block_size")
+    return -(-d_in // size) if size else min(settings.get("num_blocks", 16), d_in)
+
+
+def tiles_tp(settings: dict[str, Any], width: int) -> bool:
+    """Whether the input blocks tile row-parallel TP's column shards over ``TP_DEGREE``."""
+    return all(input_blocks(settings, d) % TP_DEGREE == 0 for d in (width, 4 * width))
+
+
+# ---- runs ------------------------------------------------------------------------------
+
+
+def run_gap(spec, base, out: Path, runner, best: dict[str, float], log=print) -> dict:
+    """Every run of (e); returns their summaries, grouped."""
+    make = partial(run_config, base, out)
+    width = width_of(base)
+
+    def maker(v: Variant, **kw):
+        return partial(make, v.optimizer, options=v.options, train=v.train, **kw)
+
+    sweeps = {
+        ("variant", i): Sweep(
+            maker(v),
+            [best[v.optimizer] * v.lr_scale * f for f in spec.ablation_lr_factors],
+            spec.ablation_max_extensions,
+        )
+        for i, v in enumerate(variants())
+    }
+    log(f"(e) variants: {sum(len(s.grid) for s in sweeps.values())} runs + extensions")
+    swept = tune(runner, sweeps)
+    ranked = sorted(
+        (i for i, v in enumerate(variants()) if v.shard_local),
+        key=lambda i: loss_of(best_run(swept[("variant", i)])),
+    )
+    seeded = ranked[: spec.gap_seeded]
+    later: dict = {}
+    for i in seeded:
+        v, lr = variants()[i], best_run(swept[("variant", i)])["lr"]
+        for seed in range(1, spec.gap_seeds):
+            later[("seed", i, seed)] = Sweep(maker(v, seed=seed), [lr])
+    shard_width = spec.gap_widths[0]
+    for n in spec.shard_counts:
+        for name in ("dobb2s", "blockmuon", "muonbp"):
+            # (a)'s row blocks: the width trend's run, under the same name
+            options = {} if OPTIONS[name].get("row_blocks") == n else {"row_blocks": n}
+            run = partial(make, name, options=options, width=shard_width)
+            later[("shards", name, n)] = Sweep(run, [best[name]])
+    trend = ["dobb", "dobb2s", "blockmuon", "muon"]
+    top = variants()[ranked[0]] if ranked else None
+    for w in spec.gap_widths:
+        for name in trend:
+            later[("width", name, w)] = Sweep(partial(make, name, width=w), [best[name]])
+        if top is not None:
+            lr = best_run(swept[("variant", ranked[0])])["lr"]
+            later[("width", "top", w)] = Sweep(maker(top, width=w), [lr])
+    log(f"(e) seeds, shard counts, widths: {len(later)} runs")
+    done = tune(runner, later)
+    return {
+        "variants": [(v, swept[("variant", i)]) for i, v in enumerate(variants())],
+        "variant_seeds": {
+            i: [best_run(swept[("variant", i)])]
+            + [done[("seed", i, s)][0] for s in range(1, spec.gap_seeds)]
+            for i in seeded
+        },
+        "shards": {
+            (name, n): done[("shards", name, n)][0]
+            for n in spec.shard_counts
+            for name in ("dobb2s", "blockmuon", "muonbp")
+        },
+        "shard_width": shard_width,
+        "widths": {(name, w): done[("width", name, w)][0] for name, w in _width_keys(spec, top)},
+        "top": ranked[0] if ranked else None,
+        "width": width,
+    }
+
+
+def _width_keys(spec, top) -> list[tuple[str, int]]:
+    names = ["dobb", "dobb2s", "blockmuon", "muon"] + (["top"] if top is not None else [])
+    return [(name, w) for w in spec.gap_widths for name in names]
+
+
+def all_runs(gap: dict) -> list[list[dict]]:
+    """Every summary of (e), for the study's compute total."""
+    return [
+        *(runs for _, runs in gap["variants"]),
+        *gap["variant_seeds"].values(),
+        [*gap["shards"].values(), *gap["widths"].values()],
+    ]
+
+
+# ---- analysis --------------------------------------------------------------------------
+
+
+def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
+    """The numbers of (e): variant table, seeded comparisons, shard-count and width trends.
+
+    ``seeds``: (a)'s seed statistics per optimizer; ``results``: the other parts' runs (for
+    one-sided Dobb at the widths of (c)).
+    """
+    width = gap["width"]
+    rows = []
+    for i, (v, runs) in enumerate(gap["variants"]):
+        top = best_run(runs)
+        row = {
+            "label": v.label,
+            "optimizer": v.optimizer,
+            "settings": {k: val for k, val in v.settings().items()},
+            "train": dict(v.train),
+            "shard_local": v.shard_local,
+            "tiles_tp": v.shard_local and tiles_tp(v.settings(), width),
+            "lrs": [s["lr"] for s in runs],
+            "losses": [loss_of(s) for s in runs],
+            "best_lr": top["lr"],
+            "loss": loss_of(top),
+            "opt_ms": top.get("opt_ms"),
+            "state_bytes_per_param": top.get("state_bytes_per_param"),
+            "seeds": None,
+        }
+        if i in gap["variant_seeds"]:
+            stats = seed_stats(gap["variant_seeds"][i])
+            stats["pairs"] = {n: compare_seeds(stats, seeds[n]) for n in REFERENCE_OPTIMIZERS}
+            row["seeds"] = stats
+        rows.append(row)
+    # (a)'s two-sided Dobb and one-sided Dobb, as rows of the same table
+    for name in ("dobb2s", "dobb"):
+        stats = dict(seeds[name])
+        stats["pairs"] = {n: compare_seeds(stats, seeds[n]) for n in REFERENCE_OPTIMIZERS}
+        rows.insert(0, {
+            "label": {"dobb": "Dobb (a)", "dobb2s": "two-sided Dobb (a)"}[name],
+            "optimizer": name, "settings": dict(OPTIONS[name]), "train": {},
+            "shard_local": True, "tiles_tp": tiles_tp(OPTIONS[name], width),
+            "lrs": [], "losses": [], "best_lr": None, "loss": stats["losses"][0],
+            "opt_ms": stats["opt_ms"], "state_bytes_per_param": None, "seeds": stats,
+        })  # fmt: skip
+    shard_width = gap["shard_width"]
+    counts = sorted({n for _, n in gap["shards"]})
+    flat = {  # no row blocks: the same run at every shard count
+        "dobb": _width_run(gap, results, "dobb", shard_width),
+        "muon": gap["widths"][("muon", shard_width)],
+    }
+    shards = {
+        name: [loss_of(gap["shards"][(name, n)]) for n in counts]
+        for name in ("dobb2s", "blockmuon", "muonbp")
+    }
+    crossings = {
+        name: next((n for n, x in zip(counts, losses) if x > loss_of(flat["dobb"])), None)
+        for name, losses in shards.items()
+    }
+    widths = sorted({w for _, w in gap["widths"]} - {width})
+    trend = []
+    for w in [width, *widths]:
+        entry = {"n_embd": w, "losses": {}}
+        for name in ("dobb", "dobb2s", "blockmuon", "muon", "top"):
+            if w == width:
+                loss = seeds[name]["mean"] if name in seeds else None
+                if name == "top" and gap["top"] is not None:
+                    top_row = rows[gap["top"] + 2]
+                    loss = (top_row["seeds"] or {}).get("mean", top_row["loss"])
+            elif name == "dobb":
+                loss = loss_of(_width_run(gap, results, "dobb", w))
+            else:
+                loss = loss_of(gap["widths"][(name, w)]) if (name, w) in gap["widths"] else None
+            entry["losses"][name] = loss
+        local = {n: x for n, x in entry["losses"].items() if n != "muon" and x is not None}
+        best = min(local, key=local.get)
+        entry["best_local"] = best
+        entry["gap"] = local[best] - entry["losses"]["muon"]
+        trend.append(entry)
+    top_label = rows[gap["top"] + 2]["label"] if gap["top"] is not None else None
+    return {
+        "rows": rows,
+        "shard_width": shard_width,
+        "counts": counts,
+        "shards": shards,
+        "flat": {k: loss_of(v) for k, v in flat.items()},
+        "crossings": crossings,
+        "widths": trend,
+        "top_label": top_label,
+        "width": width,
+    }
+
+
+def _width_run(gap: dict, results: dict, name: str, w: int) -> dict:
+    """One-sided Dobb at width ``w``: (c)'s best run there, else (e)'s run."""
+    runs = results["widths"].get((name, w))
+    return best_run(runs) if runs else gap["widths"][(name, w)]
+
+
+# ---- the section ---------------------------------------------------------------------
+
+
+NAMES = {
+    "dobb": "Dobb",
+    "dobb2s": "two-sided Dobb",
+    "blockmuon": "BlockMuon",
+    "muonbp": "MuonBP",
+    "muon": "Muon",
+}
+
+
+def _name(report: dict, key: str) -> str:
+    return report["top_label"] if key == "top" else NAMES[key]
+
+
+def gap_findings(report: dict) -> list[str]:
+    """One sentence per width, the shard-count crossings and the goal, all computed."""
+    lines = []
+    for entry in report["widths"]:
+        losses = entry["losses"]
+        lines.append(
+            f"n_embd {entry['n_embd']}: best shard-local: {_name(report, entry['best_local'])} "
+            f"{losses[entry['best_local']]:.4f} vs Muon {losses['muon']:.4f} "
+            f"(gap {entry['gap']:+.3f})"
+        )
+    close = [e["n_embd"] for e in report["widths"] if e["gap"] <= 0.02]
+    goal = "met" if len(close) >= 2 else "not met"
+    lines.append(
+        f"Goal (a shard-local update within 0.02 of Muon at two widths, or better): {goal}; "
+        f"within 0.02 at n_embd {close or 'none'}."
+    )
+    flat = report["flat"]["dobb"]
+    for name, n in report["crossings"].items():
+        where = f"from {n} row shards on" if n else "at none of the shard counts tried"
+        lines.append(
+            f"{NAMES[name]} is worse than one-sided Dobb ({flat:.4f}, which does not depend on "
+            f"the shard count) {where} (n_embd {report['shard_width']})."
+        )
+    return lines
+
+
+def plot_shards(out: Path, report: dict) -> str:
+    """Final val loss against the number of row shards (row blocks), log2 x axis."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    counts = report["counts"]
+    for name, losses in report["shards"].items():
+        ax.plot(counts, losses, "o-", label=NAMES[name])
+    for name, style in (("dobb", "--"), ("muon", ":")):
+        ax.axhline(report["flat"][name], linestyle=style, color="black", label=NAMES[name])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(n) for n in counts])
+    ax.set_xlabel("row shards (row blocks per matrix)")
+    ax.set_ylabel("final validation loss")
+    ax.set_title(f"n_embd {report['shard_width']}, one seed, tuned lrs of (a)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(out / "row_shards.png", dpi=120)
+    return "row_shards.png"
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}" if math.isfinite(x) else "diverged"
+
+
+def _settings(row: dict) -> str:
+    items = {**row["settings"], **row["train"]}
+    if items.get("block_size"):  # it overrides num_blocks
+        items.pop("num_blocks", None)
+    return ", ".join(f"{k}={v}" for k, v in items.items() if k != "two_sided") or "-"
+
+
+def _seed_text(row: dict) -> tuple[str, str, str]:
+    stats = row["seeds"]
+    if not stats:
+        return "-", "-", "-"
+    pairs = stats["pairs"]
+    return (
+        f"{_fmt(stats['mean'])} ± {stats['std']:.4f} ({stats['n']})",
+        *(f"{pairs[n]['diff']:+.4f} (t {pairs[n]['welch_t']:.1f})" for n in REFERENCE_OPTIMIZERS),
+    )
+
+
+def gap_section(report: dict, out: Path, link, table) -> list[str]:
+    """The Markdown of (e)."""
+    plot = plot_shards(out, report)
+    rows = []
+    for r in report["rows"]:
+        local = "FSDP, TP" if r["tiles_tp"] else "FSDP" if r["shard_local"] else "no"
+        lrs = ", ".join(f"{lr:.4g}" for lr in r["lrs"]) or "(a)"
+        best_lr = f"{r['best_lr']:.4g}" if r["best_lr"] else "(a)"
+        rows.append(
+            f"{r['label']}|{_settings(r)}|{local}|{lrs}|{best_lr}|{_fmt(r['loss'])}|"
+            + "|".join(_seed_text(r))
+        )
+    widths = report["widths"]
+    keys = ["dobb", "dobb2s", "top", "blockmuon", "muon"]
+    width_rows = [
+        f"{e['n_embd']}|"
+        + "|".join(_fmt(e["losses"].get(k)) for k in keys)
+        + f"|{_name(report, e['best_local'])}|{e['gap']:+.4f}"
+        for e in widths
+    ]
+    counts = report["counts"]
+    shard_rows = [
+        f"{n}|"
+        + "|".join(_fmt(report["shards"][name][i]) for name in report["shards"])
+        + f"|{_fmt(report['flat']['dobb'])}|{_fmt(report['flat']['muon'])}"
+        for i, n in enumerate(counts)
+    ]
+    return [
+        "## (e) Closing the gap to Muon without leaving the shard",
+        "",
+        "Two-sided Dobb (`dobb2s`, `Dobb(two_sided=True)`) rotates both sides of each tile: "
+        "row blocks with eigenbases of their own moments (Shampoo's `G Gᵀ` of the rank's rows "
+        "by default) and Dobb's input blocks. In (a) it uses "
+        f"{', '.join(f'{k}={v}' for k, v in OPTIONS['dobb2s'].items())}. Each variant below "
+        "changes the listed settings, runs at 0.5/1/2 x its optimizer's tuned lr of (a) "
+        "(extended once at an edge), and the best shard-local ones get more seeds, set "
+        "against Muon's and BlockMuon's seeds of (a) (difference of means, Welch t). "
+        "Shard-local: no collective inside `step()` besides the statistics average on "
+        "refresh steps at 4 row shards (FSDP, column-parallel TP); 'FSDP, TP': the input "
+        f"blocks also tile row-parallel TP's column shards over {TP_DEGREE} ranks.",
+        "",
+        table(
+            "variant|settings|shard-local|lrs tried|best lr|final val loss (seed 0)|"
+            "seeds: mean ± std (n)|vs Muon|vs BlockMuon",
+            rows,
+        ),
+        "",
+        f"### Row shards (n_embd {report['shard_width']}, one seed, tuned lrs of (a))",
+        "",
+        table(
+            "row shards|" + "|".join(NAMES[n] for n in report["shards"]) + "|one-sided Dobb|Muon",
+            shard_rows,
+        ),
+        "",
+        f"![final loss against row shards]({link(plot)})",
+        "",
+        "### Width (one seed per width above the study's; the study's width: seed means)",
+        "",
+        table(
+            "n_embd|" + "|".join(_name(report, k) for k in keys) + "|best shard-local|gap to Muon",
+            width_rows,
+        ),
+        "",
+        *[f"- {line}" for line in gap_findings(report)],
+        "",
+    ]
