@@ -1,4 +1,5 @@
-"""Optimizer-call time on the hidden matrices of a GPT: Dobb, Dion, Muon, MuonBP, AdamW.
+"""Optimizer-call time on the hidden matrices of a GPT: Dobb, two-sided Dobb, Dion, Muon,
+MuonBP, NorMuon, Dion2, AdamW.
 
     python -m dobb.bench.calltime --config gpt2-xl --layers 2 --repeats 5 --out calltime.json
 
@@ -11,7 +12,8 @@ What is measured:
 
 - **Call time**, amortized over one period of the optimizer's periodic work. Dobb's period
   is ``--basis-interval`` (k) calls, exactly one of which refreshes the bases (batched
-  ``eigh``), so the refresh is included; MuonBP's is its ``--period`` (P) calls, one full
+  ``eigh``), so the refresh is included (two-sided Dobb, ``dobb2s``, likewise: every
+  entry of the registry that needs statistics); MuonBP's is its ``--period`` (P) calls, one full
   Newton-Schulz step and P - 1 block steps (on one device its blocks are
   ``--row-blocks`` row tiles, emulating FSDP over that many ranks); Dion, Muon and AdamW
   do the same work every call, so their period is ``--calls`` calls. Each repeat gives one
@@ -25,6 +27,9 @@ What is measured:
 - **Statistics hooks' share** of forward+backward: the stack's forward+backward with and
   without hooks (alternated), and the hooks alone (``BlockStatistics.add`` on each input).
 - **Optimizer-state bytes per parameter** of the hidden matrices.
+
+Two-sided Dobb is measured beside the others but has no cost-model prediction yet
+(``costmodel.OPTIMIZERS`` lacks it); its row blocks are ``DOBB2S_ROW_BLOCKS`` per matrix.
 
 The cost model's ``Hardware`` profile of a machine is ``dobb.bench.calibrate``'s job.
 
@@ -59,6 +64,14 @@ from dobb.optim.registry import build_optimizer, get_entry
 from dobb.stats import BlockStatistics, GramCache, statistics_hook
 
 Progress = Callable[[str], None]
+
+# Two-sided Dobb's row blocks per matrix: the rows one rank holds under FSDP over 32 ranks
+# (the paper's call-time setting: GPT-2 XL on 32 GPUs), emulated here on one device.
+DOBB2S_ROW_BLOCKS = 32
+# What ``run`` measures by default: the cost model's optimizers, and two-sided Dobb right
+# after Dobb (measured only: the cost model has no work function for it yet).
+_AFTER_DOBB = OPTIMIZERS.index("dobb") + 1
+MEASURED_OPTIMIZERS = (*OPTIMIZERS[:_AFTER_DOBB], "dobb2s", *OPTIMIZERS[_AFTER_DOBB:])
 
 
 class LinearStack(nn.Module):
@@ -235,29 +248,43 @@ def optimizer_overrides(
     """Constructor arguments of the comparison (everything else: registry defaults).
 
     The arguments are named as ``costmodel.predict``'s, so one dict feeds both;
-    ``basis_method`` (Dobb's refresh solver, default: the class's) is passed only if set."""
+    ``basis_method`` (Dobb's refresh solver, default: the class's) is passed only if set.
+    ``row_blocks`` is MuonBP's; two-sided Dobb (``"dobb2s"``) takes Dobb's options, input
+    blocks by ``num_blocks`` (``block_size=None``) and ``DOBB2S_ROW_BLOCKS`` row blocks."""
     method = {} if basis_method is None else {"basis_method": basis_method}
+    dobb = {"num_blocks": num_blocks, "basis_interval": basis_interval, **method}
     return {
-        "dobb": {"num_blocks": num_blocks, "basis_interval": basis_interval, **method},
+        "dobb": dobb,
+        "dobb2s": {**dobb, "block_size": None, "row_blocks": DOBB2S_ROW_BLOCKS},
         "dion": {"rank_fraction": rank_fraction},
         "muonbp": {"period": period, "row_blocks": row_blocks},
     }.get(name, {})
 
 
 def calls_per_period(name: str, options: dict, calls: int) -> int:
-    """Calls over which ``name``'s periodic work repeats (``options``: its overrides)."""
-    if name == "dobb":
+    """Calls over which ``name``'s periodic work repeats (``options``: its overrides).
+
+    Dobb-class entries (``needs_statistics``: Dobb, two-sided Dobb) refresh their bases
+    once every ``basis_interval`` calls."""
+    if get_entry(name).needs_statistics:
         return options["basis_interval"]
     if name == "muonbp" and options["period"]:
         return options["period"]
     return calls
 
 
-# the first call of a period is the periodic one: (its key, the other calls' key)
-PERIODIC_CALLS = {
-    "dobb": ("refresh_call_s", "steady_call_s"),
-    "muonbp": ("full_call_s", "block_call_s"),
-}
+# the first call of a period is the periodic one: (its key, the other calls' key); every
+# Dobb-class entry of the registry (needs_statistics) has REFRESH_CALLS, others their own
+REFRESH_CALLS = ("refresh_call_s", "steady_call_s")
+PERIODIC_CALLS = {"muonbp": ("full_call_s", "block_call_s")}
+
+
+def periodic_calls(name: str) -> tuple[str, str] | None:
+    """``(key of the periodic call, key of the others)`` of ``name``; None if every call
+    does the same work."""
+    if get_entry(name).needs_statistics:
+        return REFRESH_CALLS
+    return PERIODIC_CALLS.get(name)
 
 
 def state_bytes_measured(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> int:
@@ -272,7 +299,7 @@ def state_bytes_measured(optimizer: torch.optim.Optimizer, params: list[Tensor])
 
 def time_optimizers(
     stack: LinearStack,
-    names: tuple[str, ...] = OPTIMIZERS,
+    names: tuple[str, ...] = MEASURED_OPTIMIZERS,
     *,
     repeats: int = 5,
     warmup: int = 1,
@@ -360,8 +387,9 @@ def summarize(results: dict, optimizers: dict, params: list[Tensor]) -> dict:
         if not res["amortized_s"]:
             continue
         entry = {**res, "call_s": spread(res["amortized_s"])}
-        if name in PERIODIC_CALLS:  # call 0 of every period: Dobb's refresh, MuonBP's full step
-            first, others = PERIODIC_CALLS[name]
+        keys = periodic_calls(name)
+        if keys:  # call 0 of every period: Dobb's refresh, MuonBP's full step
+            first, others = keys
             entry[first] = spread([calls[0] for calls in res["period_calls"]])
             rest = [t for calls in res["period_calls"] for t in calls[1:]]
             if rest:
@@ -397,7 +425,7 @@ def run(
     config: str = "gpt2-xl",
     layers: int | None = 1,
     *,
-    names: tuple[str, ...] = OPTIMIZERS,
+    names: tuple[str, ...] = MEASURED_OPTIMIZERS,
     tokens: int = 512,
     repeats: int = 5,
     warmup: int = 1,
@@ -437,6 +465,7 @@ def run(
             "rank_fraction": rank_fraction,
             "period": period,
             "row_blocks": row_blocks,
+            "dobb2s_row_blocks": DOBB2S_ROW_BLOCKS,
             "basis_method": basis_method or default_basis_method(),
             # same-shape matrices share kernels (off the CPU); hooks share inputs (q, k, v)
             "batched": batches_kernels(device_),
@@ -495,6 +524,10 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
+# how format_table's notes name the optimizers with a refresh call
+REFRESH_LABELS = {"dobb": "Dobb", "dobb2s": "Two-sided Dobb"}
+
+
 def format_table(record: dict) -> str:
     """A Markdown table of the call times (ms), their spread, ratios and state bytes."""
     lines = [
@@ -510,14 +543,15 @@ def format_table(record: dict) -> str:
             f"{e['state_bytes_per_param']:.3f} |"
         )
     lines.append("")  # notes below the table
-    dobb = record["optimizers"].get("dobb")
-    if dobb and "steady_call_s" in dobb:
-        lines.append(
-            f"Dobb: refresh call {dobb['refresh_call_s']['median'] * 1e3:.1f} ms, other calls "
-            f"{dobb['steady_call_s']['median'] * 1e3:.1f} ms (medians); forward with hooks "
-            f"before each call {dobb['forward_with_hooks_s']['median'] * 1e3:.1f} ms (not in "
-            "the call time)."
-        )
+    for name, e in record["optimizers"].items():
+        if "steady_call_s" in e:  # Dobb-class: one refresh call per period
+            lines.append(
+                f"{REFRESH_LABELS.get(name, name)}: refresh call "
+                f"{e['refresh_call_s']['median'] * 1e3:.1f} ms, other calls "
+                f"{e['steady_call_s']['median'] * 1e3:.1f} ms (medians); forward with hooks "
+                f"before each call {e['forward_with_hooks_s']['median'] * 1e3:.1f} ms (not in "
+                "the call time)."
+            )
     muonbp = record["optimizers"].get("muonbp")
     if muonbp and "block_call_s" in muonbp:
         lines.append(
@@ -543,7 +577,9 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--config", default="gpt2-xl", help="GPT config (dobb.train.model)")
     parser.add_argument("--layers", type=int, default=1, help="transformer blocks to include")
-    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated")
+    parser.add_argument(
+        "--optimizers", default=",".join(MEASURED_OPTIMIZERS), help="comma-separated"
+    )
     parser.add_argument("--tokens", type=int, default=512, help="rows of the token batch")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1, help="warm-up periods per optimizer")

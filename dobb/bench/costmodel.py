@@ -78,13 +78,26 @@ PAPER_XL_32_H100_MS = {"dobb": 9.2, "dion": 124.1}
 
 
 # --------------------------------------------------------------------------- memory
-def state_bytes(name: str, matrix: Matrix, *, num_blocks: int = 16, rank_fraction=1 / 16):
+def state_bytes(
+    name: str,
+    matrix: Matrix,
+    *,
+    num_blocks: int = 16,
+    rank_fraction=1 / 16,
+    row_blocks: int = 32,
+):
     """Bytes of optimizer state our implementation keeps for one fp32 matrix.
 
     AdamW: ``exp_avg``, ``exp_avg_sq`` and a scalar ``step`` tensor. Muon: momentum. Dion:
     momentum, ``Q`` (``d_in x r``) and ``step``. Dobb: momentum, per block ``C_b`` and
     ``Q_b`` (``s x s`` each), ``step`` and ``stats_steps``; its statistics accumulators
     (another ``s x s`` per block) live outside the state and are not counted here.
+    Two-sided Dobb (``"dobb2s"``, sign coefficients): Dobb's state plus, per row block of
+    ``m`` rows (``row_blocks`` near-equal blocks of the whole matrix's ``d_out`` rows),
+    the moments ``row_cov`` and the basis ``P_r`` (``m x m`` each); with
+    ``row_stats="gradients"`` its row moments come from the gradient in the step, so it
+    keeps no further accumulators. (``coefficients="adam"`` would add a ``variance`` the
+    size of the matrix; not modelled.)
     """
     mn, scalar = matrix.numel * FP32, FP32
     if name == "adamw":
@@ -97,10 +110,13 @@ def state_bytes(name: str, matrix: Matrix, *, num_blocks: int = 16, rank_fractio
         return mn  # the error-feedback momentum
     if name == "dion":
         return mn + matrix.d_in * dion_rank(matrix, rank_fraction) * FP32 + scalar
-    if name == "dobb":
+    if name in ("dobb", "dobb2s"):
         blocks = sum(s.count * s.size**2 for s in block_stacks(matrix.d_in, num_blocks))
+        if name == "dobb2s":  # P_r and its moments, per row block
+            blocks += sum(s.count * s.size**2 for s in block_stacks(matrix.d_out, row_blocks))
         return mn + 2 * blocks * FP32 + 2 * scalar
-    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+    known = (*OPTIMIZERS, "dobb2s")
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {known}")
 
 
 # --------------------------------------------------------------------------- work

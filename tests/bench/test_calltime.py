@@ -1,5 +1,6 @@
 """Optimizer-call benchmark on a tiny config: every optimizer timed, sane numbers, state
-bytes equal to the formulas, Dobb's period holding exactly one refresh."""
+bytes equal to the formulas, Dobb's (and two-sided Dobb's) period holding exactly one
+refresh; two-sided Dobb measured without a cost model, through results' tables."""
 
 import json
 import math
@@ -7,8 +8,9 @@ import math
 import pytest
 import torch
 
-from dobb.bench import calltime
+from dobb.bench import calltime, results
 from dobb.bench.costmodel import OPTIMIZERS, state_bytes
+from dobb.bench.hardware import H100
 from dobb.bench.workload import Matrix, hidden_matrices
 
 
@@ -28,7 +30,10 @@ def record(tmp_path_factory):
 
 
 def test_every_optimizer_has_positive_finite_call_times(record):
-    assert set(record["optimizers"]) == set(OPTIMIZERS)
+    assert tuple(record["optimizers"]) == calltime.MEASURED_OPTIMIZERS
+    # the cost model's optimizers, and two-sided Dobb right after Dobb (measured only)
+    assert calltime.MEASURED_OPTIMIZERS[:2] == ("dobb", "dobb2s")
+    assert set(calltime.MEASURED_OPTIMIZERS) - set(OPTIMIZERS) == {"dobb2s"}
     for name, entry in record["optimizers"].items():
         spread = entry["call_s"]
         assert 0 < spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"]
@@ -38,11 +43,41 @@ def test_every_optimizer_has_positive_finite_call_times(record):
     assert all(math.isfinite(e["ratio_vs_dobb"]) for e in record["optimizers"].values())
 
 
-def test_dobb_period_is_one_refresh_plus_steady_calls(record):
-    dobb = record["optimizers"]["dobb"]
+@pytest.mark.parametrize("name", ["dobb", "dobb2s"])
+def test_dobb_period_is_one_refresh_plus_steady_calls(record, name):
+    dobb = record["optimizers"][name]
     assert [len(p) for p in dobb["period_calls"]] == [3, 3]
     assert {"refresh_call_s", "steady_call_s", "forward_with_hooks_s"} <= set(dobb)
+    assert len(dobb["forward_s"]) == 2 * 3  # a forward (statistics) before every call
     assert [len(p) for p in record["optimizers"]["muon"]["period_calls"]] == [1, 1]
+
+
+def test_dobb2s_refresh_call_is_periodic_as_dobbs():
+    options = {"basis_interval": 7, "period": 5}
+    assert calltime.calls_per_period("dobb2s", options, calls=1) == 7
+    assert calltime.periodic_calls("dobb2s") == calltime.periodic_calls("dobb")
+    assert calltime.periodic_calls("dobb2s") == ("refresh_call_s", "steady_call_s")
+    assert calltime.periodic_calls("muon") is None
+    assert calltime.calls_per_period("muon", options, calls=2) == 2
+    # the first call of each period is the refresh: summarize splits it off
+    res = {"period_calls": [[0.5, 0.1, 0.2]], "amortized_s": [0.8 / 3], "forward_s": []}
+    params = [torch.ones(1, requires_grad=True)]
+    out = calltime.summarize({"dobb2s": res}, {"dobb2s": torch.optim.SGD(params)}, params)
+    assert out["dobb2s"]["refresh_call_s"]["median"] == 0.5
+    assert out["dobb2s"]["steady_call_s"]["median"] == pytest.approx(0.15)
+
+
+def test_dobb2s_takes_dobbs_options_and_its_row_blocks():
+    assert calltime.DOBB2S_ROW_BLOCKS == 32
+    assert calltime.optimizer_overrides("dobb2s", 4, 2, 0.5, basis_method="power_qr") == {
+        "num_blocks": 4,
+        "basis_interval": 2,
+        "basis_method": "power_qr",
+        "block_size": None,
+        "row_blocks": 32,
+    }
+    # row_blocks= of the call is MuonBP's, not two-sided Dobb's
+    assert calltime.optimizer_overrides("dobb2s", 4, 2, 0.5, row_blocks=4)["row_blocks"] == 32
 
 
 def test_muonbp_period_is_one_full_step_plus_block_steps(record):
@@ -65,6 +100,9 @@ def test_state_bytes_per_param_match_the_formulas(record):
     # tiny: d = 64, 4 blocks of 16 (d_in = 64) or of 64 (d_in = 256): C_b and Q_b
     blocks = sum(2 * 4 * m.d_in * (m.d_in // 4) for m in matrices)
     assert per_param["dobb"] == pytest.approx(4 + (blocks + 8 * len(matrices)) / numel)
+    # two-sided: plus P_r and its moments, 32 row blocks of d_out / 32 rows (2 or 8)
+    rows = sum(2 * 4 * m.d_out * (m.d_out // 32) for m in matrices)
+    assert per_param["dobb2s"] == pytest.approx(per_param["dobb"] + rows / numel)
     r = 4  # ceil(64 / 16) for every tiny matrix
     dion = sum(4 * m.d_in * r + 4 for m in matrices)
     assert per_param["dion"] == pytest.approx(4 + dion / numel)
@@ -79,7 +117,41 @@ def test_hook_overhead_is_recorded(record):
 def test_json_is_written_complete(record):
     saved = json.loads(record["path"].read_text())
     assert saved["meta"]["complete"] and saved["meta"]["config"] == "tiny"
-    assert "| dobb |" in calltime.format_table(saved)
+    assert saved["meta"]["dobb2s_row_blocks"] == 32
+    table = calltime.format_table(saved)
+    assert "| dobb |" in table and "| dobb2s | 3 |" in table
+    assert "\nDobb: refresh call" in table and "\nTwo-sided Dobb: refresh call" in table
+
+
+def test_results_tables_take_dobb2s_without_a_cost_model(record):
+    rows, ratios = results.check_rows(record, H100)
+    (row,) = [r for r in rows if r.startswith("| dobb2s ")]
+    assert "(two-sided Dobb: measured only, no cost model yet) |" in row
+    assert row.endswith("| – | – |")
+    assert len(ratios) == len(rows) - 1  # every other row has a prediction
+    assert "two-sided Dobb: measured only, no cost model yet" in results.check_section(
+        record, H100, "check"
+    )
+    assert "dobb2s" in results.calltime_section(record)
+    lines = results.state_section(record).splitlines()
+    (state,) = [line for line in lines if line.startswith("| dobb2s |")]
+    measured, expected, formula = (cell.strip() for cell in state.split("|")[2:5])
+    assert float(measured) == pytest.approx(float(expected), abs=1e-4)
+    assert float(expected) > float(next(x for x in lines if x.startswith("| dobb |")).split("|")[3])
+    assert "8 m / d_in (P_r and its moments)" in formula
+
+
+def test_results_tables_tolerate_any_optimizer_without_a_model(record):
+    """A measured optimizer unknown to the cost model and to ``state_bytes`` (here
+    BlockMuon) gets a measured-only row, not a KeyError or ValueError."""
+    other = {**record, "optimizers": {**record["optimizers"]}}
+    other["optimizers"]["blockmuon"] = record["optimizers"]["muonbp"]
+    rows, _ = results.check_rows(other, H100)
+    assert any(
+        r.startswith("| blockmuon (blockmuon: measured only, no cost model yet)") for r in rows
+    )
+    (state,) = [x for x in results.state_section(other).splitlines() if "| blockmuon |" in x]
+    assert state.endswith("| – | – |")
 
 
 def test_linear_stack_gradients_are_cotangent_times_input():
@@ -112,3 +184,18 @@ def test_basis_method_option_reaches_dobb(tmp_path):
     assert "basis_method" not in calltime.optimizer_overrides("muon", 4, 2, 0.5, basis_method="x")
     with pytest.raises(ValueError, match="basis_method"):  # Dobb itself rejects the name
         calltime.main([*args, "--basis-method", "no-such-solver"])
+
+
+def test_cli_measures_dobb2s(tmp_path, capsys):
+    out = tmp_path / "dobb2s.json"
+    args = ["--config", "tiny", "--tokens", "16", "--repeats", "1", "--num-blocks", "4"]
+    calltime.main(
+        [*args, "--optimizers", "dobb,dobb2s", "--basis-interval", "2", "--out", str(out)]
+    )
+    saved = json.loads(out.read_text())
+    assert list(saved["optimizers"]) == ["dobb", "dobb2s"]
+    assert [len(p) for p in saved["optimizers"]["dobb2s"]["period_calls"]] == [2]
+    assert "Two-sided Dobb: refresh call" in capsys.readouterr().out
+    matrices = hidden_matrices("tiny", 1)
+    expected = sum(state_bytes("dobb2s", m, num_blocks=4) for m in matrices)
+    assert saved["optimizers"]["dobb2s"]["state_bytes"] == expected

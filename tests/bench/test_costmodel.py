@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dobb.bench import calibrate, hardware, results, workload
+from dobb.bench import calibrate, calltime, hardware, results, workload
 from dobb.bench import costmodel as cm
 from dobb.blocks import block_stacks
 from dobb.eigensolve import OpCounter, jacobi_basis
@@ -17,6 +17,7 @@ from dobb.optim.dion import dion_update
 from dobb.optim.dobb import dobb_update
 from dobb.optim.muon import newton_schulz
 from dobb.optim.muonbp import block_muon_update, block_tiles
+from dobb.optim.registry import build_optimizer
 
 M = workload.Matrix("w", 8, 16)  # d_out = 8 rows, d_in = 16
 XL = workload.hidden_matrices("gpt2-xl")
@@ -199,6 +200,29 @@ def test_hook_flops_are_2_n_n_s():
 )
 def test_state_bytes_by_hand(name, expected):
     assert cm.state_bytes(name, M, num_blocks=4, rank_fraction=2 / 8) == expected
+
+
+@pytest.mark.parametrize(
+    "row_blocks, rows",
+    [
+        (2, 2 * 4 * 4),  # row_cov, P_r: 2 blocks of 4 x 4
+        (3, 2 * 3 * 3 + 2 * 2),  # 8 rows in blocks of 3, 3 and 2
+        (32, 8 * 1 * 1),  # more blocks than rows: blocks of 1
+    ],
+)
+def test_dobb2s_state_bytes_add_the_row_blocks(row_blocks, rows):
+    dobb = 4 * 128 + 2 * 4 * (4 * 4 * 4) + 8  # momentum, C_b and Q_b, step counters
+    got = cm.state_bytes("dobb2s", M, num_blocks=4, row_blocks=row_blocks)
+    assert got == dobb + 2 * 4 * rows
+    # and what two-sided Dobb keeps (one matrix, sign coefficients, gradient row moments)
+    stack = calltime.LinearStack([M], tokens=8)
+    calltime.forward_backward(stack, autocast=False)
+    opt = build_optimizer("dobb2s", stack, num_blocks=4, row_blocks=row_blocks)
+    with torch.enable_grad():
+        stack()  # statistics for the step
+    opt.step()
+    assert calltime.state_bytes_measured(opt, list(stack.parameters())) == got
+    assert "dobb2s" not in cm.OPTIMIZERS  # measured only: no work model yet
 
 
 # ------------------------------------------------------------------- collectives
