@@ -13,7 +13,7 @@ from opcount import count_step, tiny_gpt
 from dobb.blocks import block_stacks
 from dobb.optim.registry import build_optimizer
 
-BATCHED = ["dobb", "muon", "muonbp", "blockmuon", "dion", "normuon", "dion2"]
+BATCHED = ["dobb", "dobb2s", "muon", "muonbp", "blockmuon", "dion", "normuon", "dion2"]
 
 
 @pytest.mark.parametrize("name", BATCHED)
@@ -49,7 +49,7 @@ def test_dobb_refresh_step_reads_at_most_once_per_block_size():
     assert counter.host_reads <= 1 + len(sizes), counter.ops
 
 
-@pytest.mark.parametrize("name", ["dobb", "muon", "muonbp", "dion", "normuon", "dion2"])
+@pytest.mark.parametrize("name", ["dobb", "dobb2s", "muon", "muonbp", "dion", "normuon", "dion2"])
 def test_cpu_path_matrix_by_matrix_equals_the_batched_path(name, monkeypatch):
     """On CPU the optimizers update matrix by matrix (stacking copies cost more than the
     launches they save there); both paths give the same parameters."""

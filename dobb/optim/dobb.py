@@ -633,35 +633,56 @@ class Dobb(MatrixOptimizer):
             chunks[-1].append(entry)
         return [chunk for chunks in batches.values() for chunk in chunks]
 
-    def _gradient_moments(self, param: Tensor, group: dict[str, Any], rows: bool) -> list[Tensor]:
-        """Block moments of the gradient: ``G_bᵀ G_b / d_out`` of the input blocks
-        (``basis_source="gradients"``), or ``G_r G_rᵀ / d_in`` of the row blocks
-        (``row_stats="gradients"``)."""
-        grad = local(param.grad)
-        grad = grad.mT if self._input_dims.get(param, 1) == 0 else grad  # (rows, d_in)
-        grad, stacks = (grad.mT, self._row_stacks(param, group)) if rows else (
-            grad, self._stacks(param, group))  # fmt: skip
-        means = []
-        for s in stacks:
-            cols = grad[:, s.start : s.stop].unflatten(1, (s.count, s.size)).transpose(0, 1)
-            cols = cols.to(state_dtype(param))  # (count, other, size)
-            means.append(cols.mT @ cols / max(1, grad.shape[0]))
-        return means
+    def _gradient_moments(self, active: list[tuple[Tensor, dict, dict]]) -> dict:
+        """This step's gradient moments, ``{(index into active, side): [per stack]}``: the
+        input blocks' ``G_bᵀ G_b / d_out`` (``basis_source="gradients"``) and the row blocks'
+        ``G_r G_rᵀ / d_in`` (two-sided, ``row_stats="gradients"``); one ``bmm`` per stack
+        for each batch of same-shape matrices (matrix by matrix on CPU)."""
+        batches: dict[tuple, list[list[tuple[int, str]]]] = {}
+        for i, (p, state, group) in enumerate(active):
+            sides = ["cols"] if group["basis_source"] == "gradients" else []
+            if "row_cov" in state and not self._tracks_outputs(group):
+                sides.append("rows")
+            grad = local(p.grad)
+            for side in sides:
+                stacks = self._row_stacks(p, group) if side == "rows" else self._stacks(p, group)
+                key = (side, tuple(grad.shape), self._input_dims.get(p, 1), stacks, grad.dtype,
+                       state["momentum"].dtype, grad.device)  # fmt: skip
+                chunks = batches.setdefault(key, [[]])
+                if chunks[-1] and not batches_kernels(grad.device):
+                    chunks.append([])
+                chunks[-1].append((i, side))
+        moments = {}
+        for (side, _, dim, stacks, _, dtype, _), chunks in batches.items():
+            for chunk in chunks:
+                grads = torch.stack([local(active[i][0].grad) for i, _ in chunk]).to(dtype)
+                grads = grads.mT if dim == 0 else grads  # (n, d_out, d_in)
+                grads = grads.mT if side == "rows" else grads  # blocks along the last dim
+                per_stack = []
+                for s in stacks:
+                    cols = grads[..., s.start : s.stop].unflatten(-1, (s.count, s.size))
+                    cols = cols.movedim(-2, 1)  # (n, count, other, size)
+                    per_stack.append((cols.mT @ cols / max(1, grads.shape[1])).unbind(0))
+                for j, entry in enumerate(chunk):
+                    moments[entry] = [m[j] for m in per_stack]
+        return moments
 
-    def _sources(self, param: Tensor, state: dict, group: dict[str, Any]) -> list[tuple]:
-        """``(covs, source)`` for each side of ``param`` that has moments: ``source`` is the
-        hooks' ``BlockStatistics`` (None if never tracked) or this step's moments."""
+    def _sources(self, index: int, active: list, moments: dict) -> list[tuple]:
+        """``(covs, source)`` for each side of ``active[index]`` that has moments:
+        ``source`` is the hooks' ``BlockStatistics`` (None if never tracked) or this step's
+        moments (``_gradient_moments``)."""
+        param, state, group = active[index]
         sources = []
         covs = [local(state[cov]) for cov, _ in STACK_KEYS if cov in state]
         if group["basis_source"] == "activations":
             sources.append((covs, self._stats.get(param)))
         elif group["basis_source"] == "gradients":
-            sources.append((covs, self._gradient_moments(param, group, rows=False)))
+            sources.append((covs, moments[(index, "cols")]))
         row_covs = [local(state[cov]) for cov, _ in ROW_KEYS if cov in state]
         if row_covs and self._tracks_outputs(group):
             sources.append((row_covs, self._row_stats.get(param)))
         elif row_covs:
-            sources.append((row_covs, self._gradient_moments(param, group, rows=True)))
+            sources.append((row_covs, moments[(index, "rows")]))
         return sources
 
     def _fold_statistics(self, active: list[tuple[Tensor, dict, dict]]) -> list[float]:
@@ -674,8 +695,9 @@ class Dobb(MatrixOptimizer):
         """
         stats_steps = torch.stack([state["stats_steps"] for _, state, _ in active]).tolist()
         folding, sums, tokens = [], [], []  # (index, sources); hook sums and token counts
-        for i, (p, state, group) in enumerate(active):
-            sources = self._sources(p, state, group)
+        moments = self._gradient_moments(active)
+        for i in range(len(active)):
+            sources = self._sources(i, active, moments)
             hooks = [src for _, src in sources if not isinstance(src, list)]
             if not sources or any(h is None or h.tokens == 0 for h in hooks):
                 for h in hooks:
