@@ -201,13 +201,9 @@ class BlockStatistics:
         dtype: torch.dtype,
         device,
         cache: GramCache | None = None,
-        window: tuple[int, int] | None = None,
     ):
         self.stacks = stacks
         self.width = stacks[-1].stop - stacks[0].start
-        # (start, full width): a plain input of the full width holds more features than
-        # this rank's blocks (the output gradient of an FSDP layer): keep [start, start + width)
-        self.window = window
         self.sums = [
             torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device) for s in stacks
         ]
@@ -216,12 +212,9 @@ class BlockStatistics:
 
     @torch.no_grad()
     def add(self, x: Tensor) -> None:
-        """Accumulate ``x`` of shape ``(..., width)``: the layer input's local columns (or
-        the features of a full-width input inside ``window``)."""
-        if isinstance(x, DTensor):  # row-parallel TP input: this rank's columns only
+        """Accumulate ``x`` of shape ``(..., width)``: the layer input's local columns."""
+        if isinstance(x, DTensor):  # this rank's features only (e.g. row-parallel TP input)
             x = x.to_local()
-        elif self.window is not None and x.shape[-1] == self.window[1] != self.width:
-            x = x[..., self.window[0] : self.window[0] + self.width]
         if x.shape[-1] != self.width:
             raise ValueError(f"activation has {x.shape[-1]} features, expected {self.width}")
         if self.sums[0].device != x.device:  # the model moved after track()

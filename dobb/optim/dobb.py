@@ -433,10 +433,8 @@ class Dobb(MatrixOptimizer):
                 self._stats[weight] = stats
                 handles.append(module.register_forward_pre_hook(statistics_hook(stats)))
             row_stacks = self._row_stacks(weight, group)
-            if self._tracks_outputs(group) and row_stacks:
-                dim = 1 - spec.input_dim  # the output features' dim of the weight
-                window = (matrix_placement(weight).span(dim)[0], weight.shape[dim])
-                stats = BlockStatistics(row_stacks, dtype, device, window=window)
+            if self._tracks_outputs(group) and row_stacks:  # rows never split over data ranks
+                stats = BlockStatistics(row_stacks, dtype, device)
                 self._row_stats[weight] = stats
                 handles.append(module.register_forward_hook(output_gradient_hook(stats)))
         self._hooks += handles
