@@ -11,8 +11,9 @@ Three questions, each answered by training runs of `dobb.bench.study_runs`:
 - Shard count (at ``shard_width``): two-sided Dobb, BlockMuon and MuonBP with 2..32 row
   blocks (the FSDP degrees they emulate) against one-sided Dobb, whose update does not
   depend on the number of row shards, and Muon. One seed, each at its tuned lr of (a).
-- Width: Dobb, two-sided Dobb, the best variant, BlockMuon and Muon at each width of
-  ``gap_widths`` (one seed, tuned lrs of (a)).
+- Width: Dobb, two-sided Dobb, the best variant, BlockMuon and Muon at the first width of
+  ``gap_widths``, and Muon, BlockMuon and the best variant at the wider ones (one seed,
+  tuned lrs of (a)).
 
 "Shard-local" means no collective inside ``step()`` besides the statistics average on
 refresh steps, at 4 row shards (FSDP, column-parallel TP); a variant's input blocks also
@@ -140,14 +141,13 @@ def run_gap(spec, base, out: Path, runner, best: dict[str, float], log=print) ->
             options = {} if OPTIONS[name].get("row_blocks") == n else {"row_blocks": n}
             run = partial(make, name, options=options, width=shard_width)
             later[("shards", name, n)] = Sweep(run, [best[name]])
-    trend = ["dobb", "dobb2s", "blockmuon", "muon"]
     top = variants()[ranked[0]] if ranked else None
-    for w in spec.gap_widths:
-        for name in trend:
-            later[("width", name, w)] = Sweep(partial(make, name, width=w), [best[name]])
-        if top is not None:
+    for name, w in _width_keys(spec, top):
+        if name == "top":
             lr = best_run(swept[("variant", ranked[0])])["lr"]
             later[("width", "top", w)] = Sweep(maker(top, width=w), [lr])
+        else:
+            later[("width", name, w)] = Sweep(partial(make, name, width=w), [best[name]])
     log(f"(e) seeds, shard counts, widths: {len(later)} runs")
     done = tune(runner, later)
     return {
@@ -170,8 +170,13 @@ def run_gap(spec, base, out: Path, runner, best: dict[str, float], log=print) ->
 
 
 def _width_keys(spec, top) -> list[tuple[str, int]]:
+    """(optimizer, width) of the width trend: every trend optimizer at the first width;
+    at the wider ones (the costliest runs) only Muon, BlockMuon and the best variant."""
     names = ["dobb", "dobb2s", "blockmuon", "muon"] + (["top"] if top is not None else [])
-    return [(name, w) for w in spec.gap_widths for name in names]
+    first, *wider = spec.gap_widths
+    return [(n, first) for n in names] + [
+        (n, w) for w in wider for n in names if n in ("muon", "blockmuon", "top")
+    ]
 
 
 def all_runs(gap: dict) -> list[list[dict]]:
@@ -243,7 +248,7 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
     }
     widths = sorted({w for _, w in gap["widths"]} - {width})
     trend = []
-    for w in [width, *widths]:
+    for w in sorted({width, *widths}):
         entry = {"n_embd": w, "losses": {}}
         for name in ("dobb", "dobb2s", "blockmuon", "muon", "top"):
             if w == width:
@@ -252,7 +257,8 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
                     top_row = rows[gap["top"] + 2]
                     loss = (top_row["seeds"] or {}).get("mean", top_row["loss"])
             elif name == "dobb":
-                loss = loss_of(_width_run(gap, results, "dobb", w))
+                run = _width_run(gap, results, "dobb", w)
+                loss = loss_of(run) if run else None
             else:
                 loss = loss_of(gap["widths"][(name, w)]) if (name, w) in gap["widths"] else None
             entry["losses"][name] = loss
@@ -278,7 +284,7 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
 def _width_run(gap: dict, results: dict, name: str, w: int) -> dict:
     """One-sided Dobb at width ``w``: (c)'s best run there, else (e)'s run."""
     runs = results["widths"].get((name, w))
-    return best_run(runs) if runs else gap["widths"][(name, w)]
+    return best_run(runs) if runs else gap["widths"].get((name, w))
 
 
 # ---- the section ---------------------------------------------------------------------
@@ -423,7 +429,8 @@ def gap_section(report: dict, out: Path, link, table) -> list[str]:
         "",
         f"![final loss against row shards]({link(plot)})",
         "",
-        "### Width (one seed per width above the study's; the study's width: seed means)",
+        "### Width (one seed per width above the study's; the study's width: seed means; "
+        "the widest: Muon, BlockMuon and the best variant only)",
         "",
         table(
             "n_embd|" + "|".join(_name(report, k) for k in keys) + "|best shard-local|gap to Muon",
