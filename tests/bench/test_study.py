@@ -193,6 +193,20 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
         grid = {study_runs.round_lr(best * f) for f in report["spec"]["ablation_lr_factors"]}
         assert grid <= set(row["lrs"])
         assert re.search(rf"\| period +\| 5 +\| {row['value']} +\|", text)
+    # (e): variants, row shards and widths, each number from the runs' own JSON
+    gap = report["gap"]
+    assert "## (e) Closing the gap to Muon" in text and (out / "row_shards.png").exists()
+    for row in gap["rows"][2:]:  # the variants (after Dobb and two-sided Dobb of (a))
+        assert row["loss"] == min(row["losses"]) and len(row["lrs"]) >= 2
+    seeded = [row for row in gap["rows"][2:] if row["seeds"]]
+    assert len(seeded) == report["spec"]["gap_seeded"] and seeded[0]["seeds"]["n"] == 2
+    shard_width, count = gap["shard_width"], report["spec"]["shard_counts"][0]
+    (run,) = (out / "runs").glob(f"dobb2s-row_blocks-{count}-w{shard_width}-lr*")
+    assert gap["shards"]["dobb2s"][0] == summary(run.name)["final_val_loss"]
+    for entry in gap["widths"]:
+        best = entry["losses"][entry["best_local"]]
+        assert entry["gap"] == pytest.approx(best - entry["losses"]["muon"])
+        assert f"n_embd {entry['n_embd']}: best shard-local:" in text
     assert report["compute"]["runs"] == report["new_runs"] == len(list((out / "runs").iterdir()))
 
     # a second call trains nothing; a run lost to a kill is the only one redone
