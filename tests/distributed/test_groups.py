@@ -19,6 +19,7 @@ from dobb.optim.registry import OPTIMIZERS, build_optimizer
 # each matrix optimizer's group argument (the meanings: dobb.distributed.groups)
 NEW_NAME = {
     "dobb": "stats_group",
+    "dobb2s": "stats_group",
     "muon": "replica_group",
     "muonbp": "replica_group",
     "blockmuon": "replica_group",
