@@ -24,7 +24,7 @@ from dobb.distributed.reduce import all_reduce_
 from dobb.distributed.sharding import block_state_like, local_block_stacks, split_over_ranks
 from dobb.eigensolve import BASIS_METHODS, refresh_bases
 from dobb.optim.base import MatrixOptimizer, state_dtype
-from dobb.optim.batching import batches_kernels, foreach_mul_
+from dobb.optim.batching import batches_kernels, foreach_mul_, group_by, solo
 from dobb.optim.dobb_variants import COEFFICIENTS, dobb_variant_update
 from dobb.stats import (
     BlockStatistics,
@@ -636,33 +636,38 @@ class Dobb(MatrixOptimizer):
         input blocks' ``G_bᵀ G_b / d_out`` (``basis_source="gradients"``) and the row blocks'
         ``G_r G_rᵀ / d_in`` (two-sided, ``row_stats="gradients"``); one ``bmm`` per stack
         for each batch of same-shape matrices (matrix by matrix on CPU)."""
-        batches: dict[tuple, list[list[tuple[int, str]]]] = {}
-        for i, (p, state, group) in enumerate(active):
-            sides = ["cols"] if group["basis_source"] == "gradients" else []
-            if "row_cov" in state and not self._tracks_outputs(group):
-                sides.append("rows")
+        entries = [  # (index into active, side)
+            (i, side)
+            for i, (_, state, group) in enumerate(active)
+            for side, wanted in (
+                ("cols", group["basis_source"] == "gradients"),
+                ("rows", "row_cov" in state and not self._tracks_outputs(group)),
+            )
+            if wanted
+        ]
+
+        def key(n: int) -> tuple:
+            i, side = entries[n]
+            p, state, group = active[i]
             grad = local(p.grad)
-            for side in sides:
-                stacks = self._row_stacks(p, group) if side == "rows" else self._stacks(p, group)
-                key = (side, tuple(grad.shape), self._input_dims.get(p, 1), stacks, grad.dtype,
-                       state["momentum"].dtype, grad.device)  # fmt: skip
-                chunks = batches.setdefault(key, [[]])
-                if chunks[-1] and not batches_kernels(grad.device):
-                    chunks.append([])
-                chunks[-1].append((i, side))
+            stacks = self._row_stacks(p, group) if side == "rows" else self._stacks(p, group)
+            return (side, tuple(grad.shape), self._input_dims.get(p, 1), stacks, grad.dtype,
+                    state["momentum"].dtype, grad.device, *solo(n, grad.device))  # fmt: skip
+
         moments = {}
-        for (side, _, dim, stacks, _, dtype, _), chunks in batches.items():
-            for chunk in chunks:
-                grads = torch.stack([local(active[i][0].grad) for i, _ in chunk]).to(dtype)
-                grads = grads.mT if dim == 0 else grads  # (n, d_out, d_in)
-                grads = grads.mT if side == "rows" else grads  # blocks along the last dim
-                per_stack = []
-                for s in stacks:
-                    cols = grads[..., s.start : s.stop].unflatten(-1, (s.count, s.size))
-                    cols = cols.movedim(-2, 1)  # (n, count, other, size)
-                    per_stack.append((cols.mT @ cols / max(1, grads.shape[1])).unbind(0))
-                for j, entry in enumerate(chunk):
-                    moments[entry] = [m[j] for m in per_stack]
+        batches = group_by(range(len(entries)), key)
+        for (side, _, dim, stacks, _, dtype, *_), members in batches.items():
+            chunk = [entries[n] for n in members]
+            grads = torch.stack([local(active[i][0].grad) for i, _ in chunk]).to(dtype)
+            grads = grads.mT if dim == 0 else grads  # (n, d_out, d_in)
+            grads = grads.mT if side == "rows" else grads  # blocks along the last dim
+            per_stack = []
+            for s in stacks:
+                cols = grads[..., s.start : s.stop].unflatten(-1, (s.count, s.size))
+                cols = cols.movedim(-2, 1)  # (n, count, other, size)
+                per_stack.append((cols.mT @ cols / max(1, grads.shape[1])).unbind(0))
+            for j, entry in enumerate(chunk):
+                moments[entry] = [m[j] for m in per_stack]
         return moments
 
     def _sources(self, index: int, active: list, moments: dict) -> list[tuple]:

@@ -111,8 +111,7 @@ def dobb_variant_update(
         projected = rotate(orient(torch.stack(grads)), *bases)
         variance = torch.stack([orient(v) for v in variances])
         variance.lerp_(projected.square_(), 1 - beta2)
-        for v, new in zip(variances, variance.unbind(0), strict=True):
-            orient(v).copy_(new)
+        torch._foreach_copy_([orient(v) for v in variances], list(variance.unbind(0)))
         correction = 1 - beta2 ** torch.tensor(steps, dtype=dtype, device=variance.device)
         denominator = (variance / correction[:, None, None]).sqrt_().add_(eps)
         coefficients.div_(denominator)
