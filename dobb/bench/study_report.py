@@ -24,9 +24,10 @@ from dobb.bench.study_runs import (
     round_lr,
 )
 from dobb.bench.study_stats import NOISE_FACTOR, compare_seeds, seed_stats
+from dobb.markdown import markdown_table
 from dobb.optim.registry import get_entry
 from dobb.train import compare
-from dobb.train.compare import OPTIMIZERS, OPTIONS, markdown_table, read_metrics
+from dobb.train.compare import OPTIMIZERS, OPTIONS, read_metrics
 from dobb.train.config import TrainConfig
 from dobb.train.model import gpt_config
 

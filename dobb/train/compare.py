@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from dobb.markdown import markdown_table
 from dobb.optim.registry import get_entry, tuned_lrs
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
@@ -208,14 +209,6 @@ COLUMNS = (  # (header, summary key, format)
     ("optimizer state B/param", "state_bytes_per_param", "{:.2f}"),
     ("train time s", "train_time_s", "{:.1f}"),
 )
-
-
-def markdown_table(headers, rows) -> str:
-    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]
-    lines = [headers, ["-" * w for w in widths], *rows]
-    return "\n".join(
-        "| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines
-    )
 
 
 def table(summaries) -> str:
