@@ -31,12 +31,12 @@ from dobb.bench.costmodel import (
     CATEGORIES,
     OPTIMIZERS,
     PAPER_XL_32_H100_MS,
-    dobb_work,
     format_terms,
     predict,
     predict_hooks,
     state_bytes,
 )
+from dobb.bench.costs import dobb as dobb_cost
 from dobb.bench.hardware import H100, H200, Hardware, Network
 from dobb.bench.workload import WIDTHS, Layout, hidden_matrices, transformer_matrices
 from dobb.eigensolve import AUTO_CUDA
@@ -587,7 +587,7 @@ def discussion(rows: dict[str, dict[str, float]]) -> str:
 
     xl = hidden_matrices("gpt2-xl")
     shapes = len({(m.d_out, m.d_in) for m in xl})
-    refresh = dobb_work(xl, layout=Layout(shard=32), solver="eigh").refresh
+    refresh = dobb_cost.work(xl, layout=Layout(shard=32), solver="eigh").refresh
     blocks_per_rank = sum(k.count for k in refresh if k.kind == "eigh")
     per_matrix = rows["Dion, 3 all-reduces per matrix (hierarchical)"]
     per_matrix_ring = rows["Dion, 3 all-reduces per matrix (ring)"]
