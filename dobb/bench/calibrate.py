@@ -33,7 +33,8 @@ from dobb.bench.calltime import (
     timed,
     write_json,
 )
-from dobb.bench.costmodel import FP32, OPTIMIZERS, predict, predict_hooks
+from dobb.bench.costmodel import OPTIMIZERS, predict, predict_hooks
+from dobb.bench.costs.kernels import FP32
 from dobb.bench.hardware import Hardware
 from dobb.bench.workload import Matrix, dion_rank, hidden_matrices
 from dobb.blocks import block_stacks

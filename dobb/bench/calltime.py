@@ -262,29 +262,19 @@ def optimizer_overrides(
 
 
 def calls_per_period(name: str, options: dict, calls: int) -> int:
-    """Calls over which ``name``'s periodic work repeats (``options``: its overrides).
-
-    Dobb-class entries (``needs_statistics``: Dobb, two-sided Dobb) refresh their bases
-    once every ``basis_interval`` calls."""
-    if get_entry(name).needs_statistics:
-        return options["basis_interval"]
-    if name == "muonbp" and options["period"]:
-        return options["period"]
-    return calls
-
-
-# the first call of a period is the periodic one: (its key, the other calls' key); every
-# Dobb-class entry of the registry (needs_statistics) has REFRESH_CALLS, others their own
-REFRESH_CALLS = ("refresh_call_s", "steady_call_s")
-PERIODIC_CALLS = {"muonbp": ("full_call_s", "block_call_s")}
+    """Calls over which ``name``'s periodic work repeats (``options``: its overrides): the
+    registry entry's ``period_option`` (Dobb's ``basis_interval``, MuonBP's ``period``),
+    else ``calls``."""
+    option = get_entry(name).period_option
+    return (options.get(option) if option else None) or calls
 
 
 def periodic_calls(name: str) -> tuple[str, str] | None:
-    """``(key of the periodic call, key of the others)`` of ``name``; None if every call
-    does the same work."""
-    if get_entry(name).needs_statistics:
-        return REFRESH_CALLS
-    return PERIODIC_CALLS.get(name)
+    """``(key of the periodic call, key of the others)`` of ``name``, from its registry
+    entry's ``periodic_calls`` (``("refresh_call_s", "steady_call_s")`` for Dobb); None if
+    every call does the same work."""
+    calls = get_entry(name).periodic_calls
+    return tuple(f"{call}_call_s" for call in calls) if calls else None
 
 
 def state_bytes_measured(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> int:

@@ -32,23 +32,26 @@ column evaluates the formula on the model's shapes and this rank's pieces:
 """
 
 import argparse
-import math
 import os
 import platform
 import sys
 from collections import Counter
 from datetime import UTC, datetime
+from fractions import Fraction
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from dobb.bench.costs import cost_model
+from dobb.markdown import markdown_table
 from dobb.optim.registry import get_entry
 
 LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")
 OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "normuon", "dion2")
 COLUMN_SPLITS = ("tp", "fsdp_tp")  # layouts that split some matrices' columns
 BATCH = 4  # sequences per rank and step
+TENSOR_PARALLEL = 2  # fsdp_tp's tensor-parallel degree
+SETTINGS = ("rank_fraction", "basis_interval", "period")  # the report quotes them
 
 
 def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dict]:
@@ -65,7 +68,7 @@ def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dic
             if layout in COLUMN_SPLITS and not get_entry(name).splits_columns:
                 continue
             torch.manual_seed(0)
-            model, par = parallelize(GPT(cfg), layout, tensor_parallel=2)
+            model, par = parallelize(GPT(cfg), layout, tensor_parallel=TENSOR_PARALLEL)
             opt = build_optimizer(name, model, **_options(name, par.data_parallel))
             gen = torch.Generator().manual_seed(rank)
             for step in (1, 2):
@@ -76,8 +79,16 @@ def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dic
                     opt.step()
                 events = [(e.kind, e.group_size, e.nbytes) for e in rec.events]
                 analytic = analytic_bytes(name, layout, opt, world, step)
+                settings = {k: g[k] for g in opt.param_groups for k in SETTINGS if k in g}
                 rows.append(
-                    dict(layout=layout, name=name, step=step, events=events, analytic=analytic)
+                    dict(
+                        layout=layout,
+                        name=name,
+                        step=step,
+                        events=events,
+                        analytic=analytic,
+                        settings=settings,
+                    )  # fmt: skip
                 )
     return rows
 
@@ -91,55 +102,11 @@ def _options(name: str, data_parallel) -> dict:
 
 
 def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
-    """This rank's bytes in ``opt.step()`` by the formulas of the module docstring."""
-    from dobb.distributed.placement import matrix_placement
-    from dobb.optim.dion import Dion
-    from dobb.optim.dion2 import Dion2, selected_count
-
-    matrices = [(p, g) for g in opt.param_groups if g["algorithm"] == name for p in g["params"]]
-    if name == "muonbp":  # a full step (the first, then every period) moves what Muon's does
-        if any(not _muonbp_full_step(step, g) for _, g in matrices):
-            return 0
-        name = "muon"
-    if name == "normuon" and layout != "ddp":  # ||Ô||_F² of every matrix, one fp64 each
-        total = 8 * len(matrices)
-    else:
-        total = 0
-    gathered: Counter = Counter()  # Dobb's sharded refresh: blocks per size, all matrices
-    for p, group in matrices:
-        placement = matrix_placement(p)
-        m, n = p.shape
-        m_local, n_local = len(placement.rows), len(placement.cols)
-        if name == "dion2":  # Muon's exchange on the selected rows: K x n, K = W k_local
-            blocks = Dion2.blocks(m_local, group)
-            m_local = sum(selected_count(b, group["fraction"]) for b in blocks)
-            m = m_local * (1 if layout == "ddp" else world)
-        split_rows, split_cols = len(placement.row_groups), len(placement.col_groups)
-        if name == "dobb":
-            refresh = (step - 1) % group["basis_interval"] == 0
-            blocks = sum(s.count * s.size**2 for s in opt.local_blocks(p))  # local C_b
-            axes = len(opt.stats_groups) if refresh else 0
-            total += 4 * blocks * axes
-            if refresh and axes:
-                gathered.update({s.size: s.count for s in opt.local_blocks(p)})
-        elif name == "dion":
-            r = Dion.rank_of((m, n), group)
-            k = 128 * math.ceil(1.25 * r / 128)
-            floats = split_rows * ((k * r + 1) + r * r + n_local * r)
-            floats += split_cols * ((m_local * r + 1) + r)
-            total += 4 * floats
-        elif layout == "ddp":  # the owner sends W - 1 copies of its matrices; per rank / W
-            total += 2 * m * n * (world - 1) // world
-        elif split_rows or split_cols:  # to the owner in fp32, back in bf16; per rank / W
-            total += (4 + 2) * m * n * (world - 1) // world**2
-    if gathered:  # one all-gather per block size, padded to a multiple of the group size
-        ranks = dist.get_world_size(opt.stats_groups[-1])
-        total += sum(4 * ranks * -(-count // ranks) * size**2 for size, count in gathered.items())
-    return total
-
-
-def _muonbp_full_step(step: int, group: dict) -> bool:
-    return group["period"] is not None and (step - 1) % group["period"] == 0
+    """This rank's bytes in ``opt.step()`` by the formulas of the module docstring (the
+    entry's cost model, ``dobb.bench.costs``: ``comm_bytes``)."""
+    group = get_entry(name).cls.algorithm
+    matrices = [(p, g) for g in opt.param_groups if g["algorithm"] == group for p in g["params"]]
+    return cost_model(name).comm_bytes(opt, matrices, layout, world, step)
 
 
 def summarize(kinds: list[tuple[str, int]]) -> str:
@@ -150,52 +117,49 @@ def summarize(kinds: list[tuple[str, int]]) -> str:
     return ", ".join(f"{c} {kind}({size})" for (kind, size), c in counts.items())
 
 
-FORMULAS = {
-    "dobb": "refresh: Σ d_in²/B fp32 per data axis + bases all-gather Σ_s P⌈n_s/P⌉ s²; else 0",
-    "dion": "per row axis (k r + 1 + r² + n r), per col axis (m r + 1 + r) fp32",
-    "muon": "m n (W-1)/W fp32 to owner + m n (W-1)/W bf16 back (DDP: m n (W-1) bf16)",
-    "muonbp": "full step (step 1, then every period): as Muon; block step: 0",
-    "normuon": "as Muon + 1 fp64 per matrix all-reduced (DDP: as Muon)",
-    "dion2": "as Muon on the K x n selected rows, K = Σ_shards ceil(f m_shard)",
-}
-
-
 def report(results: list[list[dict]], world: int, config: str, command: str) -> str:
     """The Markdown table (per row: rank 0's collectives, bytes averaged over ranks)."""
+    settings = {r["name"]: r["settings"] for r in results[0]}
+    fraction = Fraction(settings["dion"]["rank_fraction"]).limit_denominator(1024)
     lines = [
         "# Communication per optimizer step",
         "",
         f"Measured with `{command}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: "
         f"{world} gloo ranks on one machine ({platform.machine()}, {platform.system()} "
         f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}); "
-        f"model `dobb.train.model.GPT` `{config}`, `fsdp_tp` with tensor-parallel degree 2, "
+        f"model `dobb.train.model.GPT` `{config}`, `fsdp_tp` with tensor-parallel degree "
+        f"{TENSOR_PARALLEL}, "
         "`tp` over all ranks. Collectives and bytes are those inside `opt.step()` "
         "(CommRecorder: full-buffer bytes; all_to_all: bytes sent), averaged over ranks; "
-        "gradient reduction in the backward pass is not counted. Dion: rank fraction 1/16, "
-        "randomized Cholesky QR. Muon: bf16 Newton-Schulz; under DDP the replicas split the "
-        "matrices (Keller's distributed Muon). Dobb: basis interval 10 (step 1 refreshes). "
-        "MuonBP: period 5 (step 1 is a full step, step 2 a block step on local shards).",
+        "gradient reduction in the backward pass is not counted. Dion: rank fraction "
+        f"{fraction}, randomized Cholesky QR. Muon: bf16 Newton-Schulz; under DDP the replicas "
+        "split the matrices (Keller's distributed Muon). Dobb: basis interval "
+        f"{settings['dobb']['basis_interval']} (step 1 refreshes). MuonBP: period "
+        f"{settings['muonbp']['period']} (step 1 is a full step, step 2 a block step on local "
+        "shards).",
         "",
-        "| optimizer | layout | step | collectives / step (kind(group size)) "
-        "| bytes / step measured | analytic | formula |",
-        "|---|---|---|---|---:|---:|---|",
     ]
+    rows = []
     for i, row in enumerate(results[0]):
         name, step = row["name"], row["step"]
-        if name not in ("dobb", "muonbp") and step == 1:
+        calls = get_entry(name).periodic_calls
+        if calls is None and step == 1:
             continue  # Dion and Muon communicate alike every step
         measured = sum(e[2] for r in results for e in r[i]["events"])
         analytic = sum(r[i]["analytic"] for r in results)
-        label = {
-            "dobb": "refresh" if step == 1 else "no refresh",
-            "muonbp": "full" if step == 1 else "block",
-        }.get(name, "any")
+        label = calls[step - 1] if calls else "any"
         kinds = summarize([(kind, size) for kind, size, _ in row["events"]])
-        lines.append(
-            f"| {name} | {row['layout']} | {label} | {kinds} | {measured // world:,} "
-            f"| {analytic // world:,} | {FORMULAS[name]} |"
-        )
-    return "\n".join(lines) + "\n"
+        formula = cost_model(name).COMM_FORMULA
+        rows.append(
+            [name, row["layout"], label, kinds, f"{measured // world:,}",
+             f"{analytic // world:,}", formula]
+        )  # fmt: skip
+    headers = [
+        "optimizer", "layout", "step", "collectives / step (kind(group size))",
+        "bytes / step measured", "analytic", "formula",
+    ]  # fmt: skip
+    table = markdown_table(headers, rows, align="llllrrl", pad=False)
+    return "\n".join([*lines, table]) + "\n"
 
 
 def main(argv=None) -> int:

@@ -113,7 +113,7 @@ GPU_LAUNCH_S = 6e-6
 # eigh per s x s fp32 block through torch.linalg.eigh on CUDA: for n > 32 PyTorch loops
 # cuSOLVER syevd over the batch; pytorch/pytorch#174674 measured 914 ms for 500 blocks of
 # 100 x 100 (1.8 ms a block; GPU not named). The s³ term (10 ms at s = 400) is an
-# assumption. Dobb's batched Jacobi refresh is modeled op by op (costmodel.jacobi_kernels).
+# assumption. Dobb's batched Jacobi refresh is modeled op by op (costs.dobb.jacobi_kernels).
 EIGH_TORCH_CUDA_S = (1.7e-3, 1.3e-10)
 # cuSOLVER QR / Cholesky / triangular solve of small matrices: latency-bound; assumption.
 GPU_FACTOR_LATENCY_S = {"qr": 150e-6, "small": 30e-6}

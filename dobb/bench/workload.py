@@ -3,18 +3,18 @@
 A ``Matrix`` is one hidden weight (``d_out x d_in``, the ``nn.Linear`` layout);
 ``hidden_matrices`` lists those of a GPT config, ``WIDTHS`` the models of the width sweep.
 A ``Layout`` says how many ranks split each matrix's rows and columns (FSDP, HSDP, DDP,
-Megatron TP) and so what a rank holds; ``dion_rank`` and ``sketch_rows`` are Dion's sizes.
+Megatron TP) and so what a rank holds; ``dion_rank`` is Dion's rank.
 """
 
 import math
 from dataclasses import dataclass
 
+from dobb.optim.dion import Dion
 from dobb.train.model import GPT_CONFIGS, gpt_config
 from dobb.train.parallel import ROW_PARALLEL
 
 # Randomized Cholesky QR sketch rows: ceil(1.25 r) rounded up to a multiple of 128, as
 # dobb.optim.dion (microsoft/dion's values).
-SKETCH_OVERSAMPLE, SKETCH_ROW_MULTIPLE = 1.25, 128
 
 
 @dataclass(frozen=True)
@@ -77,13 +77,8 @@ WIDTHS: dict[str, tuple[int, int]] = {
 
 
 def dion_rank(matrix: Matrix, rank_fraction: float) -> int:
-    """``r = ceil(rank_fraction * min(d_out, d_in))``, as ``Dion.rank_of``."""
-    smaller = min(matrix.d_out, matrix.d_in)
-    return min(smaller, math.ceil(round(rank_fraction * smaller, 9)))
-
-
-def sketch_rows(r: int) -> int:
-    return SKETCH_ROW_MULTIPLE * math.ceil(SKETCH_OVERSAMPLE * r / SKETCH_ROW_MULTIPLE)
+    """Dion's rank ``r`` for ``matrix`` at ``rank_fraction`` (``Dion.rank_of``)."""
+    return Dion.rank_of((matrix.d_out, matrix.d_in), {"rank": None, "rank_fraction": rank_fraction})
 
 
 def local_rows(rows: int, world: int) -> int:

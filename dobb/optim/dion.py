@@ -77,11 +77,16 @@ def dion_update(
     param.addmm_(P.to(param.dtype), Q.mT.to(param.dtype), alpha=-lr * scale)
 
 
+def sketch_rows(r: int) -> int:
+    """Rows ``k`` of the sketch for rank ``r``: ``ceil(1.25 r)`` rounded up to 128."""
+    return SKETCH_ROW_MULTIPLE * math.ceil(SKETCH_OVERSAMPLE * r / SKETCH_ROW_MULTIPLE)
+
+
 def sketch(
     m: int, r: int, *, generator: torch.Generator | None, device, dtype: torch.dtype
 ) -> Tensor:
-    """The Gaussian sketch ``S`` (``k x m``, ``k = ceil(1.25 r)`` rounded up to 128)."""
-    k = SKETCH_ROW_MULTIPLE * math.ceil(SKETCH_OVERSAMPLE * r / SKETCH_ROW_MULTIPLE)
+    """The Gaussian sketch ``S`` (``k x m``, ``k = sketch_rows(r)``)."""
+    k = sketch_rows(r)
     # S ~ N(0, 1/k), so that E[Sᵀ S] = I
     return torch.randn(k, m, generator=generator, device=device, dtype=dtype).div_(math.sqrt(k))
 

@@ -231,6 +231,7 @@ class MuonBP(Muon):
     """
 
     algorithm = "muonbp"
+    period_option, periodic_calls = "period", ("full", "block")
 
     def __init__(
         self,

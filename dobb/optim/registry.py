@@ -76,6 +76,9 @@ class OptimizerEntry:
     """Invalid constructor overrides and the error each must raise."""
     splits_columns: bool = True
     """Runs on matrices split along their columns (row-parallel TP); False: rows only."""
+    cost_model: str | None = None
+    """Module of its cost model (``dobb.bench.costs``: state, work, bytes sent in
+    ``step()``); None: measured only."""
 
     @property
     def is_matrix(self) -> bool:
@@ -86,6 +89,21 @@ class OptimizerEntry:
     def needs_statistics(self) -> bool:
         """True if each step needs activation statistics from forward passes (Dobb)."""
         return issubclass(self.cls, Dobb)
+
+    @property
+    def period_option(self) -> str | None:
+        """The constructor argument setting the period of the optimizer's periodic work
+        (Dobb's ``basis_interval``, MuonBP's ``period``); None: every call alike."""
+        option = getattr(self.cls, "period_option", None)
+        if option is not None and option in self.hyperparameters:
+            return option if self.hyperparameters[option] is not None else None
+        return option
+
+    @property
+    def periodic_calls(self) -> tuple[str, str] | None:
+        """Names of the periodic call and of the others (``("refresh", "steady")``);
+        None where every call does the same work (BlockMuon: ``period=None``)."""
+        return getattr(self.cls, "periodic_calls", None) if self.period_option else None
 
     def distributed_options(self, data_parallel) -> dict[str, Any]:
         """Constructor arguments for a job whose DDP or FSDP averages the gradients over the
@@ -111,6 +129,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
     for entry in (
         OptimizerEntry(
             name="dobb",
+            cost_model="dobb.bench.costs.dobb",
             cls=Dobb,
             lr=1e-3,
             scalar_lr=1e-3,
@@ -131,6 +150,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="dobb2s",
+            cost_model="dobb.bench.costs.dobb",
             cls=Dobb,
             lr=1e-3,
             scalar_lr=1e-3,
@@ -149,6 +169,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="muon",
+            cost_model="dobb.bench.costs.muon",
             cls=Muon,
             lr=0.02,
             scalar_lr=1e-3,
@@ -167,6 +188,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="muonbp",
+            cost_model="dobb.bench.costs.muonbp",
             cls=MuonBP,
             lr=5e-3,
             scalar_lr=1e-3,
@@ -187,6 +209,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="blockmuon",
+            cost_model="dobb.bench.costs.muonbp",
             cls=MuonBP,
             lr=5e-3,
             scalar_lr=1e-3,
@@ -197,6 +220,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="dion",
+            cost_model="dobb.bench.costs.dion",
             cls=Dion,
             lr=0.02,
             scalar_lr=1e-3,
@@ -216,6 +240,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="normuon",
+            cost_model="dobb.bench.costs.normuon",
             splits_columns=False,  # normalizes or selects whole rows
             cls=NorMuon,
             lr=5e-3,
@@ -236,6 +261,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="dion2",
+            cost_model="dobb.bench.costs.dion2",
             splits_columns=False,  # normalizes or selects whole rows
             cls=Dion2,
             lr=0.02,
@@ -255,6 +281,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="adamw",
+            cost_model="dobb.bench.costs.adamw",
             cls=torch.optim.AdamW,
             lr=1e-3,
             hyperparameters={"betas": (0.9, 0.95)},

@@ -142,16 +142,23 @@ def test_results_tables_take_dobb2s_without_a_cost_model(record):
 
 
 def test_results_tables_tolerate_any_optimizer_without_a_model(record):
-    """A measured optimizer unknown to the cost model and to ``state_bytes`` (here
-    BlockMuon) gets a measured-only row, not a KeyError or ValueError."""
+    """A measured optimizer unknown to the cost model and to the registry (a record from
+    elsewhere) gets a measured-only row, not a KeyError or ValueError; BlockMuon, which the
+    cost model does not time, still has its state formula (its registry entry's model)."""
     other = {**record, "optimizers": {**record["optimizers"]}}
+    other["optimizers"]["signum"] = record["optimizers"]["muonbp"]
     other["optimizers"]["blockmuon"] = record["optimizers"]["muonbp"]
     rows, _ = results.check_rows(other, H100)
+    assert any(r.startswith("| signum (signum: measured only, no cost model yet)") for r in rows)
     assert any(
         r.startswith("| blockmuon (blockmuon: measured only, no cost model yet)") for r in rows
     )
-    (state,) = [x for x in results.state_section(other).splitlines() if "| blockmuon |" in x]
+    lines = results.state_section(other).splitlines()
+    (state,) = [x for x in lines if "| signum |" in x]
     assert state.endswith("| – | – |")
+    (state,) = [x for x in lines if "| blockmuon |" in x]
+    measured, expected = (float(cell) for cell in state.split("|")[2:4])
+    assert measured == pytest.approx(expected, abs=1e-4)  # MuonBP's state: BlockMuon's too
 
 
 def test_linear_stack_gradients_are_cotangent_times_input():

@@ -4,20 +4,26 @@ formulas, monotonicity in world size, state bytes, and the results command."""
 import json
 import math
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dobb.bench import calibrate, calltime, hardware, results, workload
+from dobb.bench import calibrate, calltime, costs, hardware, results, workload
 from dobb.bench import costmodel as cm
+from dobb.bench.costs import adamw as adamw_cost
+from dobb.bench.costs import dion as dion_cost
+from dobb.bench.costs import dobb as dobb_cost
+from dobb.bench.costs import muon as muon_cost
+from dobb.bench.costs import muonbp as muonbp_cost
 from dobb.blocks import block_stacks
 from dobb.eigensolve import OpCounter, jacobi_basis
-from dobb.optim.dion import dion_update
+from dobb.optim.dion import dion_update, sketch_rows
 from dobb.optim.dobb import dobb_update
 from dobb.optim.muon import newton_schulz
 from dobb.optim.muonbp import block_muon_update, block_tiles
-from dobb.optim.registry import build_optimizer
+from dobb.optim.registry import OPTIMIZERS, build_optimizer
 
 M = workload.Matrix("w", 8, 16)  # d_out = 8 rows, d_in = 16
 XL = workload.hidden_matrices("gpt2-xl")
@@ -32,7 +38,7 @@ def counted(fn) -> int:
 # ------------------------------------------------------------------------ FLOPs
 def test_dobb_flops_are_4_m_n_s_and_match_the_implementation():
     # B = 4 blocks of s = 4: two bmm of (4, 8, 4) @ (4, 4, 4) -> 4 m n s
-    assert cm.dobb_work([M], num_blocks=4).flops() == 4 * 8 * 16 * 4 == 2048
+    assert dobb_cost.work([M], num_blocks=4).flops() == 4 * 8 * 16 * 4 == 2048
     stacks = block_stacks(16, 4)
     bases = [torch.eye(4).repeat(4, 1, 1)]
 
@@ -48,7 +54,7 @@ def test_dobb_flops_are_4_m_n_s_and_match_the_implementation():
 def test_dion_flops_are_8_m_n_r_plus_householder_qr():
     r = 2
     qr = 4 * 8 * r**2 - 4 / 3 * r**3
-    work = cm.dion_work([M], rank_fraction=r / 8, orthogonalize="qr")
+    work = dion_cost.work([M], rank_fraction=r / 8, orthogonalize="qr")
     assert workload.dion_rank(M, r / 8) == r
     assert work.flops() == pytest.approx(8 * 8 * 16 * r + qr)
 
@@ -63,15 +69,15 @@ def test_dion_flops_are_8_m_n_r_plus_householder_qr():
 
 def test_muon_flops_are_newton_schulz_and_match_the_implementation():
     # a = 8, b = 16: 5 x (4 a² b + 2 a³) = 5 x (4096 + 1024)
-    assert cm.newton_schulz_flops(8, 16) == 25600 == cm.newton_schulz_flops(16, 8)
-    assert cm.muon_work([M]).flops() == 25600
+    assert muon_cost.newton_schulz_flops(8, 16) == 25600 == muon_cost.newton_schulz_flops(16, 8)
+    assert muon_cost.work([M]).flops() == 25600
     assert counted(lambda: newton_schulz(torch.randn(8, 16))) == 25600
 
 
 def test_muonbp_block_flops_are_newton_schulz_per_tile_and_match_the_implementation():
     # 2 row tiles of (4, 16): 5 x (4 x 4² x 16 + 2 x 4³) each
-    tile = cm.newton_schulz_flops(4, 16)
-    block = cm.muonbp_work([M], period=None, row_blocks=2)
+    tile = muon_cost.newton_schulz_flops(4, 16)
+    block = muonbp_cost.work([M], period=None, row_blocks=2)
     assert block.flops() == 2 * tile == 2 * 5 * (4 * 16 * 16 + 2 * 64)
 
     def step():
@@ -81,22 +87,22 @@ def test_muonbp_block_flops_are_newton_schulz_per_tile_and_match_the_implementat
         block_muon_update(W, G, Mom, tiles, **kw)
 
     assert counted(step) == 2 * tile
-    full = cm.newton_schulz_flops(8, 16)  # period P: one full step in P calls
-    every_fifth = cm.muonbp_work([M], period=5, row_blocks=2).flops()
+    full = muon_cost.newton_schulz_flops(8, 16)  # period P: one full step in P calls
+    every_fifth = muonbp_cost.work([M], period=5, row_blocks=2).flops()
     assert every_fifth == pytest.approx(0.8 * 2 * tile + 0.2 * full)
-    assert cm.muonbp_work([M], period=1, row_blocks=2).flops() == full
+    assert muonbp_cost.work([M], period=1, row_blocks=2).flops() == full
     # under FSDP only full steps communicate (Muon's two all-to-alls), amortized by P
-    sharded = cm.muonbp_work(XL[:6], layout=workload.Layout(shard=8), period=5)
+    sharded = muonbp_cost.work(XL[:6], layout=workload.Layout(shard=8), period=5)
     assert sharded.step_comm == [] and len(sharded.refresh_comm) == 2
     assert sharded.comm_bytes() == pytest.approx(
-        cm.muon_work(XL[:6], layout=workload.Layout(shard=8)).comm_bytes() / 5
+        muon_cost.work(XL[:6], layout=workload.Layout(shard=8)).comm_bytes() / 5
     )
 
 
 def test_dobb_refresh_is_sharded_over_ranks_by_default():
     mats = XL[:6]  # 16 blocks per matrix: 80 of size 100, 16 of size 400
     sharded, replicated = (
-        cm.dobb_work(mats, layout=workload.Layout(shard=32), refresh=r)
+        dobb_cost.work(mats, layout=workload.Layout(shard=32), refresh=r)
         for r in ("sharded", "replicated")
     )
 
@@ -107,7 +113,7 @@ def test_dobb_refresh_is_sharded_over_ranks_by_default():
     assert (
         eighs(sharded)
         == {100: 3, 400: 1}
-        == eighs(cm.dobb_work(mats, layout=workload.Layout(shard=32)))
+        == eighs(dobb_cost.work(mats, layout=workload.Layout(shard=32)))
     )
     kinds = [(c.kind, c.bytes) for c in sharded.refresh_comm]
     stats = 4 * (80 * 100**2 + 16 * 400**2)  # one all-reduce of every C_b
@@ -133,14 +139,14 @@ def test_layouts_split_rows_and_columns_as_torchtitan_meshes_do():
 
 def test_dobb_under_tp_updates_its_columns_blocks_and_never_communicates():
     tp = workload.Layout(tensor=4)
-    work = cm.dobb_work([XL[5]], layout=tp)  # 16 blocks of 400, 4 on each rank
+    work = dobb_cost.work([XL[5]], layout=tp)  # 16 blocks of 400, 4 on each rank
     assert [k.count for k in work.refresh if k.kind == "eigh"] == [4]
     assert work.step_comm == work.refresh_comm == []  # TP ranks see the same tokens
     assert work.flops() == 4 * 1600 * 1600 * 400
 
 
 def test_dobb_under_hsdp_averages_over_all_data_ranks_and_shares_the_refresh_in_a_replica():
-    work = cm.dobb_work(XL[:6], layout=workload.layout_of("hsdp", 32))
+    work = dobb_cost.work(XL[:6], layout=workload.layout_of("hsdp", 32))
     assert [(c.kind, c.group) for c in work.refresh_comm] == [
         ("all_reduce", 32),
         ("all_gather", 8),
@@ -152,10 +158,10 @@ def test_dion_under_tp_reduces_b_q_over_column_shards_and_r_over_row_shards():
     tp = workload.Layout(tensor=4)
     q, proj = XL[0], XL[5]
     r = workload.dion_rank(q, 1 / 16)
-    row_parallel = cm.dion_work([proj], layout=tp, collectives="per_matrix").step_comm
+    row_parallel = dion_cost.work([proj], layout=tp, collectives="per_matrix").step_comm
     assert [c.bytes for c in row_parallel] == [(1600 * r + 1) * 4, r * 4]  # P and R's norms
-    col_parallel = cm.dion_work([q], layout=tp, collectives="per_matrix").step_comm
-    k = workload.sketch_rows(r)
+    col_parallel = dion_cost.work([q], layout=tp, collectives="per_matrix").step_comm
+    k = sketch_rows(r)
     assert [c.bytes for c in col_parallel] == [(k * r + 1) * 4, r * r * 4, 1600 * r * 4]
     assert {c.group for c in row_parallel + col_parallel} == {4}
 
@@ -163,27 +169,27 @@ def test_dion_under_tp_reduces_b_q_over_column_shards_and_r_over_row_shards():
 def test_distributed_dion_all_reduces_sketch_gram_and_r():
     mats = XL[:6]
     r = workload.dion_rank(XL[0], 1 / 16)
-    k = workload.sketch_rows(r)
-    per_matrix = cm.dion_work(
+    k = sketch_rows(r)
+    per_matrix = dion_cost.work(
         mats, layout=workload.Layout(shard=32), collectives="per_matrix"
     ).step_comm
     assert len(per_matrix) == 3 * 6
     expected = {(k * r + 1) * 4, r * r * 4, XL[0].d_in * r * 4}
     assert {c.bytes for c in per_matrix[:3]} == expected
-    batched = cm.dion_work(
+    batched = dion_cost.work(
         mats, layout=workload.Layout(shard=32)
     ).step_comm  # ours: one buffer per round
     assert len(batched) == 3
     assert sum(c.bytes for c in batched) == sum(c.bytes for c in per_matrix)
-    assert cm.dion_work(mats, layout=workload.Layout(shard=1)).step_comm == []
+    assert dion_cost.work(mats, layout=workload.Layout(shard=1)).step_comm == []
 
 
 def test_adamw_moves_80_bytes_per_parameter():
-    assert cm.adamw_work([M]).bytes() == 80 * M.numel
+    assert adamw_cost.work([M]).bytes() == 80 * M.numel
 
 
 def test_hook_flops_are_2_n_n_s():
-    kernels = cm.hook_work([M], tokens=32, num_blocks=4)
+    kernels = dobb_cost.hook_work([M], tokens=32, num_blocks=4)
     assert sum(k.flops for k in kernels) == 2 * 32 * 16 * 4
 
 
@@ -223,6 +229,34 @@ def test_dobb2s_state_bytes_add_the_row_blocks(row_blocks, rows):
     opt.step()
     assert calltime.state_bytes_measured(opt, list(stack.parameters())) == got
     assert "dobb2s" not in cm.OPTIMIZERS  # measured only: no work model yet
+
+
+def test_every_registry_entry_names_its_cost_model():
+    for name, entry in OPTIMIZERS.items():
+        model = costs.cost_model(name)
+        assert model.__name__ == entry.cost_model
+        assert cm.state_bytes(name, M) >= M.numel * 4  # at least a momentum or the weights
+        if name == "dobb2s":  # measured only: the model refuses instead of guessing
+            with pytest.raises(ValueError, match="measured only"):
+                cm.build_work(name, [M])
+        else:
+            assert cm.build_work(name, [M]).bytes() > 0
+    # an entry's hyperparameters reach its model: BlockMuon is MuonBP without full steps
+    fsdp = workload.Layout(shard=8)
+    block = cm.build_work("blockmuon", XL[:6], layout=fsdp)
+    assert block.comm_bytes() == 0
+    assert block.flops() == cm.build_work("muonbp", XL[:6], layout=fsdp, period=None).flops()
+    assert cm.build_work("muonbp", XL[:6], layout=fsdp).comm_bytes() > 0
+
+
+def test_registry_says_which_calls_are_periodic():
+    assert OPTIMIZERS["dobb"].period_option == "basis_interval"
+    assert OPTIMIZERS["dobb2s"].periodic_calls == ("refresh", "steady")
+    assert OPTIMIZERS["muonbp"].periodic_calls == ("full", "block")
+    assert OPTIMIZERS["blockmuon"].period_option is None  # period=None: block steps only
+    assert OPTIMIZERS["blockmuon"].periodic_calls is None
+    assert OPTIMIZERS["muon"].periodic_calls is None
+    assert OPTIMIZERS["adamw"].period_option is None
 
 
 # ------------------------------------------------------------------- collectives
@@ -275,7 +309,7 @@ def test_prediction_total_is_the_sum_of_its_terms_and_refresh_is_amortized():
 
 
 def test_hardware_round_trips_through_json():
-    hw = cm.replace(hardware.H100, bmm_rates={64: 1e12, 256: 4e12}, matrix_s={"dobb": 1e-5})
+    hw = replace(hardware.H100, bmm_rates={64: 1e12, 256: 4e12}, matrix_s={"dobb": 1e-5})
     again = hardware.Hardware.from_json(json.loads(json.dumps(hw.to_json())))
     assert again == hw
     assert again.bmm_rate(128) == pytest.approx(2e12)  # log-linear between 64 and 256
@@ -352,6 +386,6 @@ def test_jacobi_model_has_the_solvers_rounds(size):
     cov = torch.eye(size).expand(3, size, size) * torch.linspace(1, 2, size)
     with OpCounter() as counter:
         jacobi_basis(cov, torch.eye(size).expand(3, size, size).clone())
-    rounds = [k for k in cm.jacobi_kernels(size, 3) if k.kind == "small" and k.flops > 0]
+    rounds = [k for k in dobb_cost.jacobi_kernels(size, 3) if k.kind == "small" and k.flops > 0]
     cholesky_qr_passes = 2  # the warm start's and the final one's (Cholesky + solve each)
     assert len(rounds) == counter.ops["aten::_linalg_eigh"] + 2 * cholesky_qr_passes
