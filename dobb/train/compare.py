@@ -24,28 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from dobb.markdown import markdown_table
+from dobb.optim.registry import OPTIMIZERS as REGISTRY
 from dobb.optim.registry import get_entry, tuned_lrs
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
 
-OPTIMIZERS = (
-    "dobb", "dobb2s", "dion", "muon", "muonbp", "blockmuon", "normuon", "dion2", "adamw",
-)  # fmt: skip
-# The settings compared in the Dobb paper's abstract (DESIGN.md §1); others are defaults.
-# MuonBP and BlockMuon in one process tile each matrix's rows as FSDP over 4 ranks would
-# shard them; Dion2 selects its rows per such block, as FSDP's shards would. Two-sided Dobb
-# keeps one row basis per such block, and input blocks of 32 columns, which tile the column
-# shards of row-parallel TP over 4 ranks at every width the study runs (>= 128).
+OPTIMIZERS = tuple(REGISTRY)  # the main job runs every registry entry, in its order
+# each one's settings (the paper's, and 4 row blocks standing for 4 FSDP shards)
 OPTIONS: dict[str, dict[str, Any]] = {
-    "dobb": {"num_blocks": 16},
-    "dobb2s": {"row_blocks": 4, "block_size": 32},
-    "dion": {"rank_fraction": 1 / 16},
-    "muon": {},
-    "muonbp": {"row_blocks": 4},
-    "blockmuon": {"row_blocks": 4},
-    "normuon": {},
-    "dion2": {"row_blocks": 4},
-    "adamw": {},
+    name: dict(entry.harness_options) for name, entry in REGISTRY.items()
 }
 # Default budget: the mini GPT (4 layers, d=256, 3.3M parameters, byte tokens) at 16 x 256
 # tokens per step. Measured on the 2-core CPU machine (torch 2.13, 2 threads, another job
