@@ -25,9 +25,15 @@ dion2       0.02    1e-3       selected rows get Muon's spectral-norm step (sqrt
 adamw       1e-3    -          betas (0.9, 0.95), as the scalar groups of the others
 ==========  ======  =========  ===========================================================
 
-Every other hyperparameter is the class default (see each class). Each entry also lists
-small valid constructor inputs and invalid ones with the expected error, in the spirit of
-PyTorch's ``optim_db``, so tests can run over the whole registry.
+Every other hyperparameter is the class default (see each class). Each entry is the one
+place for what the rest of the tree needs to know about its optimizer: the settings the
+comparisons run it with (``harness_options``), its tuned learning rate (``tuned_lrs``,
+read from the study's committed results), what a parallel job hands it
+(``distributed_options``), its periodic work (``period_option``, ``periodic_calls``) and
+its cost model (``cost_model``: a module of ``dobb.bench.costs``, named rather than
+imported because the benchmarks sit above the library). It also lists small valid
+constructor inputs and invalid ones with the expected error, in the spirit of PyTorch's
+``optim_db``, so tests can run over the whole registry.
 """
 
 import json
