@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from dobb.bench.calltime import device_name, write_json
+from dobb.markdown import markdown_table
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.train.compare import OPTIONS
 from dobb.train.data import (
@@ -423,25 +424,22 @@ def table(record: dict) -> str:
     """Markdown: per optimizer its lr, steps, throughput, call times and the val losses."""
     meta = record["meta"]
     columns = max([len(e.get("points", [])) for e in record["optimizers"].values()] + [1])
-    lines = [
-        "| optimizer | lr | steps | tokens/s | opt ms/call (mean, median) | fwd+bwd ms | "
-        + " | ".join(f"val loss @ s ({i + 1})" for i in range(columns))
-        + " |",
-        "|---|---:|---:|---:|---:|---:|" + "---:|" * columns,
-    ]
+    headers = ["optimizer", "lr", "steps", "tokens/s", "opt ms/call (mean, median)", "fwd+bwd ms"]
+    headers += [f"val loss @ s ({i + 1})" for i in range(columns)]
+    rows = []
     for name, e in record["optimizers"].items():
         label = name + (" (diverged)" if e.get("diverged") else "")
         if "error" in e:
             label += " (FAILED: " + e["error"][:120].replace("|", "/").replace("\n", " ") + ")"
         if "tokens_per_s" not in e:  # failed before its first evaluation
-            lines.append(f"| {label} | " + " | ".join(["-"] * (5 + columns)) + " |")
+            rows.append([label] + ["-"] * (len(headers) - 1))
             continue
         vals = [f"{p['val_loss']:.3f} @ {p['time_s']:.0f}" for p in e["points"]]
         vals += ["-"] * (columns - len(vals))
-        lines.append(
-            f"| {label} | {e['lr']:.3g} | {e['steps']} | "
-            f"{e['tokens_per_s']:,.0f} | {e['opt_ms']['mean']:.1f}, {e['opt_ms']['median']:.1f} | "
-            f"{e['fwd_bwd_ms']['median']:.1f} | " + " | ".join(vals) + " |"
+        opt_ms = f"{e['opt_ms']['mean']:.1f}, {e['opt_ms']['median']:.1f}"
+        rows.append(
+            [label, f"{e['lr']:.3g}", e["steps"], f"{e['tokens_per_s']:,.0f}", opt_ms]
+            + [f"{e['fwd_bwd_ms']['median']:.1f}", *vals]
         )
     state = "" if meta["complete"] else " INCOMPLETE (partial results)."
     schedule = meta["schedule"]
@@ -457,7 +455,8 @@ def table(record: dict) -> str:
         f"({meta['data']['train_tokens']:,} train / {meta['data']['val_tokens']:,} val tokens)."
     )
     command = f"\n\n`{meta['command']}`" if meta.get("command") else ""
-    return head + command + "\n\n" + "\n".join(lines)
+    body = markdown_table(headers, rows, align="l" + "r" * (len(headers) - 1), pad=False)
+    return head + command + "\n\n" + body
 
 
 def plot(record: dict, path: Path) -> None:
