@@ -22,8 +22,9 @@ kill finishes the study):
 (d) MuonBP's period P (1: Muon with MuonBP's lr scaling, 2, 20, None: BlockMuon), each with a
     small lr sweep around MuonBP's tuned lr, against its seed-0 run (P=5) as in (b).
 
-``dobb.bench.study_runs`` plans and runs the training runs; ``dobb.bench.study_report``
-analyses them and writes the document.
+``dobb.bench.study_runs`` plans and runs the training runs (``study_gap``: those of (e));
+``study_analysis`` turns them into numbers, ``study_findings`` into statements and
+``study_report`` (with ``study_plots``, ``study_format``) into the document.
 """
 
 import json
@@ -33,8 +34,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from dobb.bench.study_analysis import analyse
 from dobb.bench.study_gap import run_gap
-from dobb.bench.study_report import analyse, write_document
+from dobb.bench.study_report import write_document
 from dobb.bench.study_runs import Runner, base_config, load_spec, run_study
 
 

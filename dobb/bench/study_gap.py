@@ -21,18 +21,20 @@ tile the column shards of row-parallel TP over 4 ranks when its block count at e
 ``d_in`` (the width and 4 x the width) is a multiple of 4.
 """
 
-import math
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from dobb.bench.study_format import fmt_loss, in_words, times
 from dobb.bench.study_runs import Sweep, best_run, loss_of, run_config, tune, width_of
 from dobb.bench.study_stats import compare_seeds, seed_stats
 from dobb.train.compare import OPTIONS
 
 TP_DEGREE = 4  # the row-parallel TP degree the "shard-local under TP" column checks
+ROW_SHARDS = OPTIONS["dobb2s"]["row_blocks"]  # the FSDP degree "shard-local" is judged at
 REFERENCE_OPTIMIZERS = ("muon", "blockmuon")  # each variant's seeds are set against these
+GOAL_GAP, GOAL_WIDTHS = 0.02, 2  # the goal: within GOAL_GAP of Muon at GOAL_WIDTHS widths
 
 
 @dataclass(frozen=True)
@@ -313,11 +315,11 @@ def gap_findings(report: dict) -> list[str]:
             f"{losses[entry['best_local']]:.4f} vs Muon {losses['muon']:.4f} "
             f"(gap {entry['gap']:+.3f})"
         )
-    close = [e["n_embd"] for e in report["widths"] if e["gap"] <= 0.02]
-    goal = "met" if len(close) >= 2 else "not met"
+    close = [e["n_embd"] for e in report["widths"] if e["gap"] <= GOAL_GAP]
+    goal = "met" if len(close) >= GOAL_WIDTHS else "not met"
     lines.append(
-        f"Goal (a shard-local update within 0.02 of Muon at two widths, or better): {goal}; "
-        f"within 0.02 at n_embd {close or 'none'}."
+        f"Goal (a shard-local update within {GOAL_GAP:g} of Muon at {in_words(GOAL_WIDTHS)} "
+        f"widths, or better): {goal}; within {GOAL_GAP:g} at n_embd {close or 'none'}."
     )
     flat = report["flat"]["dobb"]
     for name, n in report["crossings"].items():
@@ -351,10 +353,6 @@ def plot_shards(out: Path, report: dict) -> str:
     return "row_shards.png"
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4f}" if math.isfinite(x) else "diverged"
-
-
 def _settings(row: dict) -> str:
     items = {**row["settings"], **row["train"]}
     if items.get("block_size"):  # it overrides num_blocks
@@ -368,13 +366,13 @@ def _seed_text(row: dict) -> tuple[str, str, str]:
         return "-", "-", "-"
     pairs = stats["pairs"]
     return (
-        f"{_fmt(stats['mean'])} ± {stats['std']:.4f} ({stats['n']})",
+        f"{fmt_loss(stats['mean'])} ± {stats['std']:.4f} ({stats['n']})",
         *(f"{pairs[n]['diff']:+.4f} (t {pairs[n]['welch_t']:.1f})" for n in REFERENCE_OPTIMIZERS),
     )
 
 
-def gap_section(report: dict, out: Path, link, table) -> list[str]:
-    """The Markdown of (e)."""
+def gap_section(report: dict, spec: dict, out: Path, link, table) -> list[str]:
+    """The Markdown of (e); ``spec``: the study's budget (its mini-sweeps)."""
     plot = plot_shards(out, report)
     rows = []
     for r in report["rows"]:
@@ -382,22 +380,22 @@ def gap_section(report: dict, out: Path, link, table) -> list[str]:
         lrs = ", ".join(f"{lr:.4g}" for lr in r["lrs"]) or "(a)"
         best_lr = f"{r['best_lr']:.4g}" if r["best_lr"] else "(a)"
         rows.append(
-            f"{r['label']}|{_settings(r)}|{local}|{lrs}|{best_lr}|{_fmt(r['loss'])}|"
+            f"{r['label']}|{_settings(r)}|{local}|{lrs}|{best_lr}|{fmt_loss(r['loss'])}|"
             + "|".join(_seed_text(r))
         )
     widths = report["widths"]
     keys = ["dobb", "dobb2s", "top", "blockmuon", "muon"]
     width_rows = [
         f"{e['n_embd']}|"
-        + "|".join(_fmt(e["losses"].get(k)) for k in keys)
+        + "|".join(fmt_loss(e["losses"].get(k)) for k in keys)
         + f"|{_name(report, e['best_local'])}|{e['gap']:+.4f}"
         for e in widths
     ]
     counts = report["counts"]
     shard_rows = [
         f"{n}|"
-        + "|".join(_fmt(report["shards"][name][i]) for name in report["shards"])
-        + f"|{_fmt(report['flat']['dobb'])}|{_fmt(report['flat']['muon'])}"
+        + "|".join(fmt_loss(report["shards"][name][i]) for name in report["shards"])
+        + f"|{fmt_loss(report['flat']['dobb'])}|{fmt_loss(report['flat']['muon'])}"
         for i, n in enumerate(counts)
     ]
     return [
@@ -407,12 +405,14 @@ def gap_section(report: dict, out: Path, link, table) -> list[str]:
         "row blocks with eigenbases of their own moments (Shampoo's `G Gᵀ` of the rank's rows "
         "by default) and Dobb's input blocks. In (a) it uses "
         f"{', '.join(f'{k}={v}' for k, v in OPTIONS['dobb2s'].items())}. Each variant below "
-        "changes the listed settings, runs at 0.5/1/2 x its optimizer's tuned lr of (a) "
-        "(extended once at an edge), and the best shard-local ones get more seeds, set "
-        "against Muon's and BlockMuon's seeds of (a) (difference of means, Welch t). "
+        "changes the listed settings, runs at "
+        f"{'/'.join(f'{f:g}' for f in spec['ablation_lr_factors'])} x its optimizer's tuned lr "
+        f"of (a) (extended {times(spec['ablation_max_extensions'])} at an edge), and the best "
+        "shard-local ones get more seeds, set against Muon's and BlockMuon's seeds of (a) "
+        "(difference of means, Welch t). "
         "Shard-local: no collective inside `step()` besides the statistics average on "
-        "refresh steps at 4 row shards (FSDP, column-parallel TP); 'FSDP, TP': the input "
-        f"blocks also tile row-parallel TP's column shards over {TP_DEGREE} ranks.",
+        f"refresh steps at {ROW_SHARDS} row shards (FSDP, column-parallel TP); 'FSDP, TP': the "
+        f"input blocks also tile row-parallel TP's column shards over {TP_DEGREE} ranks.",
         "",
         table(
             "variant|settings|shard-local|lrs tried|best lr|final val loss (seed 0)|"

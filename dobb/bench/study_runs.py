@@ -313,14 +313,14 @@ class Ablation:
 
 
 def ablations(width: int) -> list[Ablation]:
-    """The ablations of (b) and (d) for a model of width `width` (the MLP's input is 4 x width)."""
+    """The ablations of (b) and (d) for a model of width `width`."""
     # MuonBP's period: the share of full steps moves the best lr, so every period is swept
     period = partial(Ablation, "period", sweep=True, optimizer="muonbp")
     return [
         Ablation("num_blocks", 1, sweep=True),
         Ablation("num_blocks", 4, sweep=True),
         Ablation("num_blocks", 64, sweep=True),
-        Ablation("num_blocks", 4 * width, sweep=True, note="block size 1: Signum"),
+        Ablation("num_blocks", one_column_blocks(width), sweep=True, note="block size 1: Signum"),
         Ablation("basis_interval", 1),
         Ablation("basis_interval", 100),
         Ablation("basis_method", "power_qr"),
@@ -337,6 +337,17 @@ def ablations(width: int) -> list[Ablation]:
         period(20),
         period(None, note="block steps only: BlockMuon"),
     ]
+
+
+def one_column_blocks(width: int) -> int:
+    """The num_blocks that leaves one column per block in every hidden matrix of a GPT of
+    width `width` (Dobb is then Signum): the widest input is the MLP's, 4 x width."""
+    return 4 * width
+
+
+def is_one_column(row: dict[str, Any], width: int) -> bool:
+    """Whether an ablation row (option, value) is Dobb with blocks of one column."""
+    return row["option"] == "num_blocks" and row["value"] == one_column_blocks(width)
 
 
 def defaults(name: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dobb import cli
-from dobb.bench import study, study_report, study_runs
+from dobb.bench import study, study_runs, study_stats
 from dobb.optim.base import NonFiniteGradientError
 from dobb.train import compare
 from dobb.train.config import ConfigError, TrainConfig
@@ -88,12 +88,12 @@ def test_sweeps_run_side_by_side_and_shared_runs_once():
 
 # ------------------------------------------------------------------ statistics
 def test_seed_comparison_uses_pooled_std_and_welch_t():
-    a = study_report.seed_stats(
+    a = study_stats.seed_stats(
         [{"run": str(i), "final_val_loss": x} for i, x in enumerate([1, 2, 3])]
     )
-    b = study_report.seed_stats([{"run": "x", "final_val_loss": x} for x in (5, 7)])
+    b = study_stats.seed_stats([{"run": "x", "final_val_loss": x} for x in (5, 7)])
     assert (a["mean"], a["std"], b["mean"], b["std"]) == (2, 1, 6, pytest.approx(math.sqrt(2)))
-    p = study_report.compare_seeds(a, b)
+    p = study_stats.compare_seeds(a, b)
     pooled = math.sqrt((2 * 1 + 1 * 2) / 3)
     assert p["diff"] == -4 and p["pooled_std"] == pytest.approx(pooled)
     assert p["welch_t"] == pytest.approx(-4 / math.sqrt(1 / 3 + 2 / 2))
