@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dobb.bench import calltime, results
+from dobb.bench import calltime, results_sections
 from dobb.bench.costmodel import OPTIMIZERS, state_bytes
 from dobb.bench.hardware import H100
 from dobb.bench.workload import Matrix, hidden_matrices
@@ -124,16 +124,17 @@ def test_json_is_written_complete(record):
 
 
 def test_results_tables_take_dobb2s_without_a_cost_model(record):
-    rows, ratios = results.check_rows(record, H100)
+    table, ratios = results_sections.check_table(record, H100)
+    rows = table.splitlines()[2:]  # below the header and the rule
     (row,) = [r for r in rows if r.startswith("| dobb2s ")]
     assert "(two-sided Dobb: measured only, no cost model yet) |" in row
     assert row.endswith("| – | – |")
     assert len(ratios) == len(rows) - 1  # every other row has a prediction
-    assert "two-sided Dobb: measured only, no cost model yet" in results.check_section(
+    assert "two-sided Dobb: measured only, no cost model yet" in results_sections.check_section(
         record, H100, "check"
     )
-    assert "dobb2s" in results.calltime_section(record)
-    lines = results.state_section(record).splitlines()
+    assert "dobb2s" in results_sections.calltime_section(record)
+    lines = results_sections.state_section(record).splitlines()
     (state,) = [line for line in lines if line.startswith("| dobb2s |")]
     measured, expected, formula = (cell.strip() for cell in state.split("|")[2:5])
     assert float(measured) == pytest.approx(float(expected), abs=1e-4)
@@ -148,12 +149,12 @@ def test_results_tables_tolerate_any_optimizer_without_a_model(record):
     other = {**record, "optimizers": {**record["optimizers"]}}
     other["optimizers"]["signum"] = record["optimizers"]["muonbp"]
     other["optimizers"]["blockmuon"] = record["optimizers"]["muonbp"]
-    rows, _ = results.check_rows(other, H100)
+    rows = results_sections.check_table(other, H100)[0].splitlines()[2:]
     assert any(r.startswith("| signum (signum: measured only, no cost model yet)") for r in rows)
     assert any(
         r.startswith("| blockmuon (blockmuon: measured only, no cost model yet)") for r in rows
     )
-    lines = results.state_section(other).splitlines()
+    lines = results_sections.state_section(other).splitlines()
     (state,) = [x for x in lines if "| signum |" in x]
     assert state.endswith("| – | – |")
     (state,) = [x for x in lines if "| blockmuon |" in x]
