@@ -58,8 +58,10 @@ from torch import Tensor, nn
 from dobb.bench.costmodel import OPTIMIZERS
 from dobb.bench.workload import Matrix, hidden_matrices
 from dobb.blocks import block_stacks
+from dobb.markdown import markdown_table
 from dobb.optim.batching import batches_kernels
 from dobb.optim.dobb import Dobb
+from dobb.optim.registry import OPTIMIZERS as REGISTRY
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.stats import BlockStatistics, GramCache, statistics_hook
 
@@ -514,41 +516,40 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-# how format_table's notes name the optimizers with a refresh call
-REFRESH_LABELS = {"dobb": "Dobb", "dobb2s": "Two-sided Dobb"}
-
-
 def format_table(record: dict) -> str:
-    """A Markdown table of the call times (ms), their spread, ratios and state bytes."""
-    lines = [
-        "| optimizer | calls / period | median ms | IQR ms | min–max ms | × Dobb | state B/param |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    """A Markdown table of the call times (ms), their spread, ratios and state bytes; below
+    it, the periodic and other calls of each optimizer with periodic work (its registry
+    entry's ``periodic_calls``)."""
+    rows = []
     for name, e in record["optimizers"].items():
         c = {k: v * 1e3 for k, v in e["call_s"].items()}
-        calls = len(e["period_calls"][0])
-        lines.append(
-            f"| {name} | {calls} | {c['median']:.1f} | {c['q1']:.1f}–{c['q3']:.1f} | "
-            f"{c['min']:.1f}–{c['max']:.1f} | {e.get('ratio_vs_dobb', float('nan')):.2f} | "
-            f"{e['state_bytes_per_param']:.3f} |"
-        )
-    lines.append("")  # notes below the table
+        rows.append(
+            [name, len(e["period_calls"][0]), f"{c['median']:.1f}",
+             f"{c['q1']:.1f}–{c['q3']:.1f}", f"{c['min']:.1f}–{c['max']:.1f}",
+             f"{e.get('ratio_vs_dobb', float('nan')):.2f}", f"{e['state_bytes_per_param']:.3f}"]
+        )  # fmt: skip
+    headers = [
+        "optimizer", "calls / period", "median ms", "IQR ms", "min–max ms", "× Dobb",
+        "state B/param",
+    ]  # fmt: skip
+    lines = [markdown_table(headers, rows, align="lrrrrrr", pad=False), ""]
     for name, e in record["optimizers"].items():
-        if "steady_call_s" in e:  # Dobb-class: one refresh call per period
-            lines.append(
-                f"{REFRESH_LABELS.get(name, name)}: refresh call "
-                f"{e['refresh_call_s']['median'] * 1e3:.1f} ms, other calls "
-                f"{e['steady_call_s']['median'] * 1e3:.1f} ms (medians); forward with hooks "
-                f"before each call {e['forward_with_hooks_s']['median'] * 1e3:.1f} ms (not in "
-                "the call time)."
-            )
-    muonbp = record["optimizers"].get("muonbp")
-    if muonbp and "block_call_s" in muonbp:
-        lines.append(
-            f"MuonBP: full-step call {muonbp['full_call_s']['median'] * 1e3:.1f} ms, block-step "
-            f"calls {muonbp['block_call_s']['median'] * 1e3:.1f} ms (medians; a BlockMuon call "
-            "is a block-step call)."
+        entry = REGISTRY.get(name)
+        keys = periodic_calls(name) if entry else None
+        if not keys or keys[0] not in e:
+            continue
+        periodic, other = entry.periodic_calls
+        note = (
+            f"{entry.label[0].upper()}{entry.label[1:]}: {periodic} call "
+            f"{e[keys[0]]['median'] * 1e3:.1f} ms, {other} calls "
+            f"{e[keys[1]]['median'] * 1e3:.1f} ms (medians)"
         )
+        if "forward_with_hooks_s" in e:  # Dobb-class: statistics from a forward pass
+            note += (
+                f"; forward with hooks before each call "
+                f"{e['forward_with_hooks_s']['median'] * 1e3:.1f} ms (not in the call time)"
+            )
+        lines.append(note + ".")
     h = record.get("hooks")
     if h:
         lines.append(

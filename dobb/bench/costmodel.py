@@ -76,6 +76,11 @@ def state_bytes(name: str, matrix: Matrix, **options: Any) -> float:
     return with_options(cost_model(name).state_bytes, matrix, **entry_options(name, **options))
 
 
+def state_formula(name: str, **options: Any) -> str:
+    """``state_bytes`` of optimizer ``name`` per parameter, in words."""
+    return with_options(cost_model(name).state_formula, **entry_options(name, **options))
+
+
 def build_work(
     name: str, matrices: list[Matrix], *, layout: Layout = ONE_DEVICE, **options: Any
 ) -> Work:

@@ -12,35 +12,24 @@ from dataclasses import replace
 from pathlib import Path
 
 from dobb.bench import calltime, calltime_sharded
-from dobb.bench.costmodel import OPTIMIZERS, predict, predict_hooks, state_bytes
+from dobb.bench.costmodel import OPTIMIZERS, predict, predict_hooks, state_bytes, state_formula
 from dobb.bench.hardware import H100, H200, Hardware
 from dobb.bench.results_model import XL_WORLD, ms, paper_section
 from dobb.bench.workload import hidden_matrices
 from dobb.eigensolve import AUTO_CUDA
 from dobb.markdown import markdown_table
+from dobb.optim.registry import OPTIMIZERS as REGISTRY
 
 # optimizers a call-time record may hold that the cost model cannot predict (not in
 # costmodel.OPTIMIZERS): how the check tables name them; others go by their registry name
-MEASURED_ONLY = {"dobb2s": "two-sided Dobb"}
 # the bounds a check table's rows are reported within (predicted / measured)
 CHECK_BOUNDS = (1.25, 1.5, 2.0)
-# the state formula of each optimizer, in bytes per parameter (``state_bytes`` computes it)
-STATE_FORMULAS = {
-    "dobb": "4 (momentum) + 8 s / d_out (C_b, Q_b) + 8 / (m n) (step counters)",
-    "dobb2s": "4 (momentum) + 8 s / d_out (C_b, Q_b) + 8 m / d_in (P_r and its moments) "
-    "+ 8 / (m n)",
-    "dion": "4 (momentum) + 4 r / d_out (Q) + 4 / (m n) (step)",
-    "muon": "4 (momentum)",
-    "muonbp": "4 (momentum) + 4 / (m n) (step)",
-    "normuon": "4 (momentum) + 4 / d_in (row second moment)",
-    "dion2": "4 (momentum)",
-    "adamw": "8 (two moments) + 4 / (m n) (step)",
-}
 
 
 def measured_only_note(name: str) -> str:
     """The check tables' words for an optimizer measured without a cost-model prediction."""
-    return f"{MEASURED_ONLY.get(name, name)}: measured only, no cost model yet"
+    label = REGISTRY[name].label if name in REGISTRY else name
+    return f"{label}: measured only, no cost model yet"
 
 
 def machine_section(run: dict, rendered_by: str | None = None) -> str:
@@ -120,7 +109,8 @@ def state_section(record: dict) -> str:
         except ValueError:  # an optimizer without a state formula (e.g. blockmuon)
             expected = "–"
         measured = f"{entry['state_bytes_per_param']:.4f}"
-        rows.append([name, measured, expected, STATE_FORMULAS.get(name, "–")])
+        formula = state_formula(name) if name in REGISTRY else "–"
+        rows.append([name, measured, expected, formula])
     headers = ["optimizer", "measured B/param", "formula B/param", "formula"]
     lines = [
         markdown_table(headers, rows, "lrrl", pad=False),

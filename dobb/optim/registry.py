@@ -69,6 +69,8 @@ class OptimizerEntry:
     """How to build one optimizer, with its starting hyperparameters and test inputs."""
 
     name: str
+    label: str
+    """How reports name it in prose (``"two-sided Dobb"``)."""
     cls: type[torch.optim.Optimizer]
     lr: float
     """Starting learning rate for a small GPT (hidden matrices, or all params for AdamW)."""
@@ -143,6 +145,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
     for entry in (
         OptimizerEntry(
             name="dobb",
+            label="Dobb",
             harness_options={"num_blocks": 16},
             cost_model="dobb.bench.costs.dobb",
             cls=Dobb,
@@ -165,6 +168,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="dobb2s",
+            label="two-sided Dobb",
             harness_options={"row_blocks": 4, "block_size": 32},
             cost_model="dobb.bench.costs.dobb",
             cls=Dobb,
@@ -185,6 +189,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="dion",
+            label="Dion",
             harness_options={"rank_fraction": 1 / 16},
             cost_model="dobb.bench.costs.dion",
             cls=Dion,
@@ -206,6 +211,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="muon",
+            label="Muon",
             cost_model="dobb.bench.costs.muon",
             cls=Muon,
             lr=0.02,
@@ -225,6 +231,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="muonbp",
+            label="MuonBP",
             harness_options={"row_blocks": 4},
             cost_model="dobb.bench.costs.muonbp",
             cls=MuonBP,
@@ -247,6 +254,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="blockmuon",
+            label="BlockMuon",
             harness_options={"row_blocks": 4},
             cost_model="dobb.bench.costs.muonbp",
             cls=MuonBP,
@@ -259,6 +267,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="normuon",
+            label="NorMuon",
             cost_model="dobb.bench.costs.normuon",
             splits_columns=False,  # normalizes or selects whole rows
             cls=NorMuon,
@@ -280,6 +289,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="dion2",
+            label="Dion2",
             harness_options={"row_blocks": 4},
             cost_model="dobb.bench.costs.dion2",
             splits_columns=False,  # normalizes or selects whole rows
@@ -301,6 +311,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             name="adamw",
+            label="AdamW",
             cost_model="dobb.bench.costs.adamw",
             cls=torch.optim.AdamW,
             lr=1e-3,

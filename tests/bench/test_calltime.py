@@ -85,7 +85,7 @@ def test_muonbp_period_is_one_full_step_plus_block_steps(record):
     assert record["meta"]["period"] == 5 and record["meta"]["row_blocks"] == 4
     assert [len(p) for p in muonbp["period_calls"]] == [5, 5]
     assert {"full_call_s", "block_call_s"} <= set(muonbp)
-    assert "MuonBP: full-step call" in calltime.format_table(record)
+    assert "MuonBP: full call" in calltime.format_table(record)
 
 
 def test_state_bytes_per_param_match_the_formulas(record):
@@ -152,7 +152,7 @@ def test_results_tables_tolerate_any_optimizer_without_a_model(record):
     rows = results_sections.check_table(other, H100)[0].splitlines()[2:]
     assert any(r.startswith("| signum (signum: measured only, no cost model yet)") for r in rows)
     assert any(
-        r.startswith("| blockmuon (blockmuon: measured only, no cost model yet)") for r in rows
+        r.startswith("| blockmuon (BlockMuon: measured only, no cost model yet)") for r in rows
     )
     lines = results_sections.state_section(other).splitlines()
     (state,) = [x for x in lines if "| signum |" in x]

@@ -3,7 +3,8 @@
 A registry entry names its module in ``OptimizerEntry.cost_model`` (None: measured only).
 Each module defines
 
-- ``state_bytes(matrix, **options)``: bytes of optimizer state for one fp32 ``Matrix``;
+- ``state_bytes(matrix, **options)``: bytes of optimizer state for one fp32 ``Matrix``,
+  and ``state_formula(**options)``: the same per parameter, in words;
 - ``work(matrices, *, layout, **options)``: the kernels and collectives of one call
   (``kernels.Work``), priced by ``dobb.bench.costmodel``;
 - ``comm_bytes(opt, matrices, layout, world, step)`` and ``COMM_FORMULA`` (optimizers that

@@ -6,6 +6,11 @@ from dobb.bench.costs.kernels import FP32, Kernel, Work, elementwise, no_launch
 from dobb.bench.workload import ONE_DEVICE, Layout, Matrix
 
 
+def state_formula() -> str:
+    """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words."""
+    return "8 (two moments) + 4 / (m n) (step)"
+
+
 def state_bytes(matrix: Matrix) -> float:
     """Bytes of state for one fp32 matrix: ``exp_avg``, ``exp_avg_sq`` and a ``step``."""
     return (2 * matrix.numel + 1) * FP32

@@ -19,6 +19,11 @@ from dobb.optim.dion import Dion, sketch_rows
 COMM_FORMULA = "per row axis (k r + 1 + r² + n r), per col axis (m r + 1 + r) fp32"
 
 
+def state_formula() -> str:
+    """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words."""
+    return "4 (momentum) + 4 r / d_out (Q) + 4 / (m n) (step)"
+
+
 def state_bytes(matrix: Matrix, *, rank_fraction: float = 1 / 16) -> float:
     """Bytes of state for one fp32 matrix: momentum, ``Q`` (``d_in x r``) and ``step``."""
     return (matrix.numel + matrix.d_in * dion_rank(matrix, rank_fraction) + 1) * FP32

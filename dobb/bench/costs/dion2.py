@@ -22,6 +22,11 @@ from dobb.optim.dion2 import Dion2, selected_count
 COMM_FORMULA = "as Muon on the K x n selected rows, K = Σ_shards ceil(f m_shard)"
 
 
+def state_formula() -> str:
+    """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words."""
+    return "4 (momentum)"
+
+
 def state_bytes(matrix: Matrix) -> float:
     """Bytes of state for one fp32 matrix: the error-feedback momentum."""
     return matrix.numel * FP32

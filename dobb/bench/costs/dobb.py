@@ -25,6 +25,16 @@ from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
 COMM_FORMULA = "refresh: Σ d_in²/B fp32 per data axis + bases all-gather Σ_s P⌈n_s/P⌉ s²; else 0"
 
 
+def state_formula(two_sided: bool = False) -> str:
+    """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words (``s``: block size;
+    two-sided: ``m`` the row-block size)."""
+    if two_sided:
+        return (
+            "4 (momentum) + 8 s / d_out (C_b, Q_b) + 8 m / d_in (P_r and its moments) + 8 / (m n)"
+        )
+    return "4 (momentum) + 8 s / d_out (C_b, Q_b) + 8 / (m n) (step counters)"
+
+
 def state_bytes(
     matrix: Matrix, *, num_blocks: int = 16, two_sided: bool = False, row_blocks: int = 32
 ) -> float:

@@ -20,6 +20,11 @@ from dobb.optim.muon import NS_STEPS
 COMM_FORMULA = "m n (W-1)/W fp32 to owner + m n (W-1)/W bf16 back (DDP: m n (W-1) bf16)"
 
 
+def state_formula() -> str:
+    """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words."""
+    return "4 (momentum)"
+
+
 def state_bytes(matrix: Matrix) -> float:
     """Bytes of state for one fp32 matrix: the momentum."""
     return matrix.numel * FP32

@@ -19,6 +19,11 @@ from dobb.optim.muonbp import chunk_sizes
 COMM_FORMULA = "full step (step 1, then every period): as Muon; block step: 0"
 
 
+def state_formula() -> str:
+    """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words."""
+    return "4 (momentum) + 4 / (m n) (step)"
+
+
 def state_bytes(matrix: Matrix) -> float:
     """Bytes of state for one fp32 matrix: the momentum and the step count."""
     return (matrix.numel + 1) * FP32

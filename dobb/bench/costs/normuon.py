@@ -9,6 +9,11 @@ from dobb.bench.workload import ONE_DEVICE, Layout, Matrix
 COMM_FORMULA = "as Muon + 1 fp64 per matrix all-reduced (DDP: as Muon)"
 
 
+def state_formula() -> str:
+    """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words."""
+    return "4 (momentum) + 4 / d_in (row second moment)"
+
+
 def state_bytes(matrix: Matrix) -> float:
     """Bytes of state for one fp32 matrix: the momentum and one second moment per row."""
     return (matrix.numel + matrix.d_out) * FP32
