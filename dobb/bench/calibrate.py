@@ -24,18 +24,12 @@ from pathlib import Path
 
 import torch
 
-from dobb.bench.calltime import (
-    LinearStack,
-    Progress,
-    device_name,
-    forward_backward,
-    optimizer_overrides,
-    timed,
-    write_json,
-)
+from dobb.bench.calltime import device_name, optimizer_overrides, write_json
 from dobb.bench.costmodel import OPTIMIZERS, predict, predict_hooks
 from dobb.bench.costs.kernels import FP32
 from dobb.bench.hardware import Hardware
+from dobb.bench.linear_stack import LinearStack, Progress, forward_backward
+from dobb.bench.timing import timed
 from dobb.bench.workload import Matrix, dion_rank, hidden_matrices
 from dobb.blocks import block_stacks
 from dobb.optim.batching import batches_kernels

@@ -44,28 +44,24 @@ import inspect
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dobb.bench.costmodel import OPTIMIZERS
-from dobb.bench.workload import Matrix, hidden_matrices
-from dobb.blocks import block_stacks
+from dobb.bench.linear_stack import LinearStack, Progress, autocast_context, hook_overhead
+from dobb.bench.timing import spread, timed
+from dobb.bench.workload import hidden_matrices
 from dobb.markdown import markdown_table
 from dobb.optim.batching import batches_kernels
 from dobb.optim.dobb import Dobb
 from dobb.optim.registry import OPTIMIZERS as REGISTRY
 from dobb.optim.registry import build_optimizer, get_entry
-from dobb.stats import BlockStatistics, GramCache, statistics_hook
-
-Progress = Callable[[str], None]
 
 # Two-sided Dobb's row blocks per matrix: the rows one rank holds under FSDP over 32 ranks
 # (the paper's call-time setting: GPT-2 XL on 32 GPUs), emulated here on one device.
@@ -76,166 +72,9 @@ _AFTER_DOBB = OPTIMIZERS.index("dobb") + 1
 MEASURED_OPTIMIZERS = (*OPTIMIZERS[:_AFTER_DOBB], "dobb2s", *OPTIMIZERS[_AFTER_DOBB:])
 
 
-class LinearStack(nn.Module):
-    """Every matrix as a bias-free ``nn.Linear`` fed a fixed input of its width.
-
-    ``forward()`` returns ``sum_l <layer_l(X), C>``: ``X`` is a token batch of the layer's
-    input width, one per ``Matrix.input`` (q, k and v share theirs, as in a GPT), and ``C``
-    a fixed cotangent of its output width, so ``W.grad = Cᵀ X``. The inputs require grad,
-    so the backward pass also computes input gradients, as a real network's does.
-    """
-
-    def __init__(self, matrices: list[Matrix], tokens: int, *, device=None, seed: int = 0):
-        super().__init__()
-        gen = torch.Generator().manual_seed(seed)
-        self.matrices = matrices
-        # "blocks.0.attn.q" -> "blocks_0_attn_q": ModuleDict keys may not contain dots
-        self.layers = nn.ModuleDict(
-            {
-                m.name.replace(".", "_"): nn.Linear(m.d_in, m.d_out, bias=False, device=device)
-                for m in matrices
-            }
-        )
-        self.sources = {m.name.replace(".", "_"): m.input for m in matrices}
-        widths = {m.input: m.d_in for m in matrices}
-        self.inputs = {
-            src: correlated_tokens(tokens, d, gen).to(device) for src, d in widths.items()
-        }
-        for x in self.inputs.values():
-            x.requires_grad_(True)
-        outs = sorted({m.d_out for m in matrices})
-        self.cotangents = {d: torch.randn(tokens, d, generator=gen).to(device) for d in outs}
-
-    def forward(self) -> Tensor:
-        loss = 0.0
-        for key, layer in self.layers.items():
-            y = layer(self.inputs[self.sources[key]])  # (N, d_out)
-            loss = loss + (y * self.cotangents[layer.out_features]).sum()
-        return loss
-
-    def clear_input_grads(self) -> None:
-        for x in self.inputs.values():
-            x.grad = None
-
-
 def default_basis_method() -> str:
     """Dobb's ``basis_method`` default (how its refresh runs when the option is not given)."""
     return inspect.signature(Dobb).parameters["basis_method"].default
-
-
-def correlated_tokens(tokens: int, width: int, gen: torch.Generator) -> Tensor:
-    """``(tokens, width)`` activations with unequal feature scales and a shared low-rank
-    part, so that the second moment has a spread spectrum (as real activations do)."""
-    scales = torch.randn(width, generator=gen).mul_(0.5).exp_()
-    shared = torch.randn(tokens, 16, generator=gen) @ torch.randn(16, width, generator=gen)
-    return torch.randn(tokens, width, generator=gen) * scales + 0.5 * shared
-
-
-# --------------------------------------------------------------------------- timing
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of ``fn()``, with the device synchronized before and after."""
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, quartiles, min and max of ``values``."""
-    if len(values) >= 2:
-        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    else:
-        q1 = q3 = values[0]
-    return {
-        "median": statistics.median(values),
-        "q1": q1,
-        "q3": q3,
-        "min": min(values),
-        "max": max(values),
-    }
-
-
-def autocast_context(device: torch.device, autocast: bool):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
-
-
-def forward_backward(stack: LinearStack, autocast: bool) -> None:
-    stack.zero_grad(set_to_none=True)
-    stack.clear_input_grads()
-    device = next(stack.parameters()).device
-    with torch.enable_grad(), autocast_context(device, autocast):
-        loss = stack()
-    loss.backward()
-
-
-def hook_overhead(
-    stack: LinearStack,
-    *,
-    num_blocks: int,
-    repeats: int,
-    autocast: bool = False,
-    progress: Progress = lambda _: None,
-) -> dict:
-    """Forward+backward of ``stack`` with and without statistics hooks, alternated, and
-    the hooks alone. Leaves the gradients of the last pass in ``.grad``."""
-    device = next(stack.parameters()).device
-    cache = GramCache()  # as Dobb.track: layers fed one input (q, k, v) share X_bᵀ X_b
-    stats = {
-        key: BlockStatistics(
-            block_stacks(layer.in_features, num_blocks), torch.float32, device, cache=cache
-        )
-        for key, layer in stack.layers.items()
-    }
-
-    def with_hooks():
-        handles = [
-            stack.layers[key].register_forward_pre_hook(statistics_hook(s))
-            for key, s in stats.items()
-        ]
-        try:
-            forward_backward(stack, autocast)
-        finally:
-            for h in handles:
-                h.remove()
-            for s in stats.values():
-                s.reset()
-
-    def hooks_alone():
-        with autocast_context(device, autocast):
-            for key, s in stats.items():
-                s.add(stack.inputs[stack.sources[key]])
-        for s in stats.values():
-            s.reset()
-
-    plain, hooked, alone = [], [], []
-    stack.train()
-    for i in range(repeats + 1):  # the first round warms up
-        t_plain = timed(lambda: forward_backward(stack, autocast), device)
-        t_hooked = timed(with_hooks, device)
-        t_alone = timed(hooks_alone, device)
-        if i:
-            plain.append(t_plain)
-            hooked.append(t_hooked)
-            alone.append(t_alone)
-            progress(
-                f"hooks {i}/{repeats}: fwd+bwd {t_plain * 1e3:.1f} ms, with hooks "
-                f"{t_hooked * 1e3:.1f} ms, hooks alone {t_alone * 1e3:.1f} ms"
-            )
-    forward_backward(stack, autocast)  # gradients for the optimizers
-    plain_s, hooked_s, alone_s = spread(plain), spread(hooked), spread(alone)
-    return {
-        "forward_backward_s": plain_s,
-        "forward_backward_hooks_s": hooked_s,
-        "hooks_alone_s": alone_s,
-        "share_difference": (hooked_s["median"] - plain_s["median"]) / hooked_s["median"],
-        "share_hooks_alone": alone_s["median"] / (plain_s["median"] + alone_s["median"]),
-    }
 
 
 def optimizer_overrides(

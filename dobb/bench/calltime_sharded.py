@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from dobb.bench.calltime import LinearStack, forward_backward, time_optimizers
+from dobb.bench.calltime import time_optimizers
 from dobb.bench.costmodel import OPTIMIZERS
+from dobb.bench.linear_stack import LinearStack, forward_backward
 from dobb.bench.workload import hidden_matrices
 from dobb.optim.registry import get_entry
 from dobb.train.parallel import ROW_PARALLEL

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dobb.bench import calltime, results_sections
+from dobb.bench import calltime, linear_stack, results_sections
 from dobb.bench.costmodel import OPTIMIZERS, state_bytes
 from dobb.bench.hardware import H100
 from dobb.bench.workload import Matrix, hidden_matrices
@@ -164,8 +164,8 @@ def test_results_tables_tolerate_any_optimizer_without_a_model(record):
 
 def test_linear_stack_gradients_are_cotangent_times_input():
     mats = [Matrix("a.q", 6, 4, "a.ln"), Matrix("a.k", 6, 4, "a.ln"), Matrix("a.fc", 8, 4)]
-    stack = calltime.LinearStack(mats, tokens=5)
-    calltime.forward_backward(stack, autocast=False)
+    stack = linear_stack.LinearStack(mats, tokens=5)
+    linear_stack.forward_backward(stack, autocast=False)
     for m, layer in zip(mats, stack.layers.values()):
         expected = stack.cotangents[m.d_out].T @ stack.inputs[m.input].detach()
         torch.testing.assert_close(layer.weight.grad, expected)

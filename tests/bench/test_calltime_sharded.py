@@ -6,8 +6,8 @@ import pytest
 from torch.distributed.tensor import Shard
 
 from dobb.bench import calltime_sharded
-from dobb.bench.calltime import LinearStack
 from dobb.bench.costmodel import OPTIMIZERS
+from dobb.bench.linear_stack import LinearStack
 from dobb.bench.workload import hidden_matrices
 from dobb.distributed.launch import run_ranks
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dobb.bench import calibrate, calltime, costs, hardware, results, workload
+from dobb.bench import calibrate, calltime, costs, hardware, linear_stack, results, workload
 from dobb.bench import costmodel as cm
 from dobb.bench.costs import adamw as adamw_cost
 from dobb.bench.costs import dion as dion_cost
@@ -221,8 +221,8 @@ def test_dobb2s_state_bytes_add_the_row_blocks(row_blocks, rows):
     got = cm.state_bytes("dobb2s", M, num_blocks=4, row_blocks=row_blocks)
     assert got == dobb + 2 * 4 * rows
     # and what two-sided Dobb keeps (one matrix, sign coefficients, gradient row moments)
-    stack = calltime.LinearStack([M], tokens=8)
-    calltime.forward_backward(stack, autocast=False)
+    stack = linear_stack.LinearStack([M], tokens=8)
+    linear_stack.forward_backward(stack, autocast=False)
     opt = build_optimizer("dobb2s", stack, num_blocks=4, row_blocks=row_blocks)
     with torch.enable_grad():
         stack()  # statistics for the step
