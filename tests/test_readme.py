@@ -1,8 +1,11 @@
 """The README links only to files in the repository, and each figure on its front page
-("Where it stands") is quoted from a file that the same bullet links to."""
+("Where it stands") and in its list of reports ("Speed, communication, evidence") is
+quoted from a file that the same bullet links to."""
 
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -38,9 +41,12 @@ def test_relative_links_point_at_files_in_the_repository():
     assert not ignored, f"README links into runs/, which git ignores: {ignored}"
 
 
-def test_front_page_figures_are_quoted_from_the_linked_files():
-    items = bullets(section(README.read_text(), "Where it stands"))
-    assert len(items) >= 6
+@pytest.mark.parametrize(
+    "title, least", [("Where it stands", 6), ("Speed, communication, evidence", 4)]
+)
+def test_figures_are_quoted_from_the_linked_files(title, least):
+    items = bullets(section(README.read_text(), title))
+    assert len(items) >= least
     for item in items:
         links = LINK.findall(item)
         prose = LINK.sub("]", item)  # link targets are not figures
