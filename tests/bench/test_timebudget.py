@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from dobb.bench import timebudget
+from dobb.bench import timebudget, timebudget_report, timebudget_train
 from dobb.train.data import write_bin_shard
 
 
@@ -23,7 +23,7 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def record(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "timebudget.json"
-    timebudget.run(
+    timebudget_train.run(
         data_dir,
         ("dobb", "adamw"),
         config="tiny",
@@ -68,22 +68,22 @@ def test_each_optimizer_trained_for_the_budget(record):
 def test_render_writes_table_and_plot(record, tmp_path):
     path = tmp_path / "timebudget.json"
     path.write_text(json.dumps(record))
-    md, png = timebudget.render(path, tmp_path / "rendered")
+    md, png = timebudget_report.render(path, tmp_path / "rendered")
     text = md.read_text()
     assert "| dobb | 0.001 |" in text and "| adamw | 0.003 |" in text and "`test`" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
-    factor = [timebudget.lr_factor(f, 0.1, 0.2) for f in (0.0, 0.05, 0.1, 0.55, 1.0, 1.5)]
+    factor = [timebudget_train.lr_factor(f, 0.1, 0.2) for f in (0.0, 0.05, 0.1, 0.55, 1.0, 1.5)]
     assert factor == pytest.approx([0.0, 0.5, 1.0, 0.6, 0.2, 0.2])
 
 
 def test_bad_inputs_name_the_fix(data_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="timebudget prepare"):
-        timebudget.run(tmp_path, ("adamw",), config="tiny", device="cpu")
+        timebudget_train.run(tmp_path, ("adamw",), config="tiny", device="cpu")
     with pytest.raises(ValueError, match="unknown optimizer"):
-        timebudget.run(data_dir, ("sgd",), config="tiny", device="cpu")
+        timebudget_train.run(data_dir, ("sgd",), config="tiny", device="cpu")
     with pytest.raises(ValueError, match="NAME=VALUE"):
         timebudget.parse_lrs(["dobb:1e-3"])
     assert timebudget.parse_lrs(["dobb=2e-3"]) == {"dobb": 2e-3}
@@ -91,7 +91,7 @@ def test_bad_inputs_name_the_fix(data_dir, tmp_path):
 
 def test_a_failing_optimizer_is_recorded_and_the_others_still_run(data_dir, tmp_path):
     out = tmp_path / "timebudget.json"
-    record = timebudget.run(
+    record = timebudget_train.run(
         data_dir,
         ("dobb", "adamw"),
         config="tiny",
@@ -106,5 +106,13 @@ def test_a_failing_optimizer_is_recorded_and_the_others_still_run(data_dir, tmp_
     assert record["meta"]["complete"]
     assert "invalid learning rate" in record["optimizers"]["dobb"]["error"]
     assert record["optimizers"]["adamw"]["steps"] >= 1
-    md, _ = timebudget.render(out, tmp_path)
+    md, _ = timebudget_report.render(out, tmp_path)
     assert "| dobb (FAILED: ValueError: invalid learning rate" in md.read_text()
+
+
+def test_cli_render_writes_the_table_from_the_json(record, tmp_path, capsys):
+    path = tmp_path / "timebudget.json"
+    path.write_text(json.dumps(record))
+    timebudget.main(["render", str(path), "--out-dir", str(tmp_path / "cli")])
+    text = (tmp_path / "cli" / "timebudget.md").read_text()
+    assert text == timebudget_report.table(record) + "\n" and text in capsys.readouterr().out
