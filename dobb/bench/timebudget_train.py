@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dobb.bench.calltime import device_name, write_json
+from dobb.bench.timing import synchronize
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.train.compare import OPTIONS
 from dobb.train.data import TokenStream
@@ -31,11 +32,6 @@ def lr_factor(fraction: float, warmup_frac: float, min_lr_ratio: float) -> float
         return fraction / warmup_frac
     decay = min(1.0, (fraction - warmup_frac) / (1.0 - warmup_frac))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * decay))
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def ms_spread(seconds: list[float]) -> dict[str, float]:
