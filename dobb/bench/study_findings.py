@@ -4,9 +4,9 @@ numbers of `dobb.bench.study_analysis`."""
 import math
 from typing import Any
 
-from dobb.bench import study_gap
 from dobb.bench.study_analysis import BASELINES, check_key
 from dobb.bench.study_format import NOISE, fmt_loss, label, title
+from dobb.bench.study_gap_report import gap_findings
 from dobb.bench.study_runs import base_alpha, is_one_column
 from dobb.bench.study_stats import NOISE_FACTOR
 from dobb.optim.registry import get_entry
@@ -23,7 +23,7 @@ def findings(report: dict[str, Any]) -> list[str]:
         *_check_findings(report),
         *_width_findings(report),
         *_ablation_findings(report, "muonbp"),
-        *(study_gap.gap_findings(report["gap"]) if "gap" in report else []),
+        *(gap_findings(report["gap"]) if "gap" in report else []),
         *_scope_findings(report),
     ]
 

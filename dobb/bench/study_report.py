@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dobb.bench import study_gap
 from dobb.bench.study_findings import findings
 from dobb.bench.study_format import NOISE, fmt_loss, options_text, table, title
+from dobb.bench.study_gap_report import gap_section
 from dobb.bench.study_plots import plot_ablations, plot_widths
 from dobb.bench.study_runs import defaults
 from dobb.bench.study_stats import NOISE_FACTOR
@@ -141,7 +141,7 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         "",
         f"![MuonBP's period]({link(period_plot)})",
         "",
-        *(study_gap.gap_section(report["gap"], spec, out, link, table) if "gap" in report else []),
+        *(gap_section(report["gap"], spec, out, link, table) if "gap" in report else []),
     ]
     doc.write_text("\n".join(lines))
 
