@@ -4,7 +4,7 @@ trend, MuonBP's period -> STUDY.md.
     dobb study                          # 1-2 h on 2 CPU cores (configs/study/budget.yaml)
     dobb study --tiny --out /tmp/study  # the whole pipeline on a tiny GPT, seconds
 
-Four parts, every run trained by `dobb.train.compare.run` (so a finished run is never
+Five parts, every run trained by `dobb.train.compare.run` (so a finished run is never
 repeated and an interrupted one resumes from its checkpoint: re-running the command after a
 kill finishes the study):
 
@@ -21,10 +21,14 @@ kill finishes the study):
     lr from a small sweep around the tuned lr of (a).
 (d) MuonBP's period P (1: Muon with MuonBP's lr scaling, 2, 20, None: BlockMuon), each with a
     small lr sweep around MuonBP's tuned lr, against its seed-0 run (P=5) as in (b).
+(e) Closing the gap to Muon without leaving the shard: two-sided Dobb and Dobb's variants
+    (block sizes, Adam coefficients, slower statistics, a weights EMA), the row-shard trend
+    and the width trend of the best variants.
 
-``dobb.bench.study_runs`` plans and runs the training runs (``study_gap``: those of (e));
-``study_analysis`` turns them into numbers, ``study_findings`` into statements and
-``study_report`` (with ``study_plots``, ``study_format``) into the document.
+``dobb.bench.study_runs`` plans and runs the training runs (``study_gap``: those of (e),
+and their analysis); ``study_analysis`` turns them into numbers, ``study_findings`` into
+statements and ``study_report`` (with ``study_plots``, ``study_format`` and
+``study_gap_report``) into the document.
 """
 
 import json
