@@ -22,15 +22,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dobb._dtensor import DTensor, local
+from dobb._dtensor import local
 from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.groups import group_argument
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
-from dobb.optim.base import MatrixOptimizer, state_dtype
+from dobb.optim.base import state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, solo
-from dobb.optim.muon import NS_DTYPES, NS_STEPS, newton_schulz
+from dobb.optim.muon import NS_STEPS, newton_schulz, validate_newton_schulz
 from dobb.optim.muonbp import chunk_sizes
-from dobb.optim.owner_groups import shared_buckets
+from dobb.optim.owner_groups import OwnerExchangeOptimizer, shared_buckets
 
 
 def selected_count(rows: int, fraction: float) -> int:
@@ -168,7 +168,7 @@ def row_scale(shape: tuple[int, int]) -> float:
     return math.sqrt(shape[0] / shape[1])
 
 
-class Dion2(MatrixOptimizer):
+class Dion2(OwnerExchangeOptimizer):
     r"""Dion2 (arXiv 2512.16928) for hidden weight matrices, selecting rows.
 
     .. code-block:: text
@@ -216,8 +216,6 @@ class Dion2(MatrixOptimizer):
     """
 
     algorithm = "dion2"
-    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
-    data_parallel_option = "replica_group"
 
     def __init__(
         self,
@@ -234,8 +232,7 @@ class Dion2(MatrixOptimizer):
         data_parallel=None,
         nonfinite: str = "raise",
     ):
-        self._replica_group = group_argument("Dion2", "replica_group", replica_group, data_parallel)
-        self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None
+        replica_group = group_argument("Dion2", "replica_group", replica_group, data_parallel)
         defaults = dict(
             lr=lr,
             fraction=fraction,
@@ -245,13 +242,7 @@ class Dion2(MatrixOptimizer):
             ns_dtype=ns_dtype,
             row_blocks=row_blocks,
         )
-        super().__init__(params, defaults, nonfinite=nonfinite)
-        self._plan_exchanges()
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        if self._exchanges is not None:  # a group added after construction: plan again
-            self._plan_exchanges()
+        super().__init__(params, defaults, replica_group=replica_group, nonfinite=nonfinite)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -266,17 +257,8 @@ class Dion2(MatrixOptimizer):
             raise ValueError(
                 f"invalid row_blocks: {group['row_blocks']!r} (an integer >= 1 or a tuple of them)"
             )
-        if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
-            raise ValueError(f"invalid ns_steps: {group['ns_steps']!r} (must be an integer >= 1)")
-        if group["ns_dtype"] not in NS_DTYPES:
-            raise ValueError(f"invalid ns_dtype: {group['ns_dtype']!r} (one of {NS_DTYPES})")
-        for p in group["params"]:
-            if isinstance(p, DTensor) and len(matrix_placement(p).cols) != p.shape[1]:
-                raise NotImplementedError(
-                    f"{self.name_of(p)} is split along its columns ({tuple(p.placements)}); "
-                    "Dion2 selects whole rows, so shard its rows only (FSDP Shard(0)) or "
-                    "give it to Muon"
-                )
+        validate_newton_schulz(group)
+        self._require_whole_rows(group, "Dion2 selects whole rows")
 
     @staticmethod
     def blocks(rows: int, group: dict[str, Any]) -> list[int]:
@@ -290,7 +272,7 @@ class Dion2(MatrixOptimizer):
         are a fixed range (its piece's count, after the pieces that start above it), so
         the exchange is planned once (collective: two ``all_gather_object`` calls).
         """
-        groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
+        groups = self._own_groups()
         group_of = {p: g for g in groups for p in g["params"]}
         self._exchanges = []
         for owners, params in shared_buckets(groups, self._replica_group):
@@ -318,7 +300,7 @@ class Dion2(MatrixOptimizer):
         return {"momentum": torch.zeros_like(param, dtype=state_dtype(param))}
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        shared = {p for _, params in self._exchanges for p in params}
+        shared = self._shared()
         entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
         # matrices no other rank shares: one dion2_updates per set of hyperparameters
         for _, indices in group_by(entries, lambda e: _hyperparameters(e[2])).items():

@@ -24,9 +24,9 @@ from dobb._dtensor import DTensor, local
 from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.groups import group_argument
 from dobb.distributed.placement import matrix_placement
-from dobb.optim.base import MatrixOptimizer, state_dtype
+from dobb.optim.base import state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
-from dobb.optim.owner_groups import shared_buckets
+from dobb.optim.owner_groups import OwnerExchangeOptimizer
 
 # Quintic Newton-Schulz coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, chosen to
 # maximize the slope at zero: https://github.com/KellerJordan/Muon/blob/00ba60d3a0d188993831f86e4d62597bb0e9b21c/muon.py#L21
@@ -193,7 +193,15 @@ def muon_updates(
     apply_updates(params, updates, lr=lr, weight_decay=weight_decay, scales=scales)
 
 
-class Muon(MatrixOptimizer):
+def validate_newton_schulz(group: dict[str, Any]) -> None:
+    """A group's ``ns_steps`` (an integer >= 1) and ``ns_dtype`` (one of ``NS_DTYPES``)."""
+    if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
+        raise ValueError(f"invalid ns_steps: {group['ns_steps']!r} (must be an integer >= 1)")
+    if group["ns_dtype"] not in NS_DTYPES:
+        raise ValueError(f"invalid ns_dtype: {group['ns_dtype']!r} (one of {NS_DTYPES})")
+
+
+class Muon(OwnerExchangeOptimizer):
     r"""Muon, as in KellerJordan/Muon, for hidden weight matrices.
 
     .. code-block:: text
@@ -254,8 +262,6 @@ class Muon(MatrixOptimizer):
     """
 
     algorithm = "muon"
-    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
-    data_parallel_option = "replica_group"
 
     def __init__(
         self,
@@ -282,20 +288,7 @@ class Muon(MatrixOptimizer):
             ns_dtype=ns_dtype,
             adjust_lr=adjust_lr,
         )
-        self._construct(params, defaults, replica_group, nonfinite)
-
-    def _construct(self, params, defaults: dict[str, Any], replica_group, nonfinite: str) -> None:
-        """Build the optimizer from the group ``defaults`` its ``__init__`` lists (MuonBP's
-        adds its own keys) and plan the exchanges of shared matrices (a collective)."""
-        self._replica_group = replica_group
-        self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None  # set below
-        super().__init__(params, defaults, nonfinite=nonfinite)
-        self._plan_exchanges()
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        if self._exchanges is not None:  # a group added after construction: plan again
-            self._plan_exchanges()
+        super().__init__(params, defaults, replica_group=replica_group, nonfinite=nonfinite)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -303,10 +296,7 @@ class Muon(MatrixOptimizer):
             return
         if not 0.0 <= group["momentum"] < 1.0:
             raise ValueError(f"invalid momentum: {group['momentum']} (must be in [0, 1))")
-        if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
-            raise ValueError(f"invalid ns_steps: {group['ns_steps']!r} (must be an integer >= 1)")
-        if group["ns_dtype"] not in NS_DTYPES:
-            raise ValueError(f"invalid ns_dtype: {group['ns_dtype']!r} (one of {NS_DTYPES})")
+        validate_newton_schulz(group)
         if group["adjust_lr"] not in ADJUST_LR_MODES:
             raise ValueError(
                 f"invalid adjust_lr: {group['adjust_lr']!r} (one of {ADJUST_LR_MODES})"
@@ -315,22 +305,12 @@ class Muon(MatrixOptimizer):
             if isinstance(p, DTensor):
                 matrix_placement(p)  # rejects Partial placements
 
-    # ------------------------------------------------------------ placement
-    def _plan_exchanges(self) -> None:
-        """One ``OwnerExchange`` per process group of shared matrices (collective: every
-        rank builds the optimizer, so every rank gets here with the same parameters)."""
-        groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
-        self._exchanges = [
-            (OwnerExchange([matrix_placement(p) for p in params], holders), params)
-            for holders, params in shared_buckets(groups, self._replica_group)
-        ]
-
     # ------------------------------------------------------------------ step
     def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         return {"momentum": torch.zeros_like(param, dtype=state_dtype(param))}
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        shared = {p for _, params in self._exchanges for p in params}
+        shared = self._shared()
         entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
         if entries:
             self._local_step(entries)

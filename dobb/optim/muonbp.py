@@ -40,6 +40,7 @@ from dobb.optim.muon import (
     newton_schulz,
     update_dtype,
 )
+from dobb.optim.owner_groups import OwnerExchangeOptimizer
 
 Tile = tuple[slice, slice]
 
@@ -267,7 +268,10 @@ class MuonBP(Muon):
             row_blocks=row_blocks,
             col_blocks=col_blocks,
         )
-        self._construct(params, defaults, replica_group, nonfinite)
+        # Muon's scaffolding with MuonBP's defaults (Muon.__init__ would set Muon's)
+        OwnerExchangeOptimizer.__init__(
+            self, params, defaults, replica_group=replica_group, nonfinite=nonfinite
+        )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)

@@ -20,22 +20,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dobb._dtensor import DTensor, local
+from dobb._dtensor import local
 from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.groups import group_argument
-from dobb.distributed.placement import matrix_placement
-from dobb.optim.base import MatrixOptimizer, state_dtype
+from dobb.optim.base import state_dtype
 from dobb.optim.batching import group_by, solo
 from dobb.optim.muon import (
-    NS_DTYPES,
     NS_STEPS,
     apply_update,
     apply_updates,
     nesterov_direction,
     nesterov_directions,
     newton_schulz,
+    validate_newton_schulz,
 )
-from dobb.optim.owner_groups import shared_buckets
+from dobb.optim.owner_groups import OwnerExchangeOptimizer
 
 TARGET_RMS = 0.2  # the paper's 0.2 sqrt(m n) / ||Ô||_F: AdamW's typical update RMS
 NORM_FLOOR = 1e-12  # ||Ô||_F below this (a zero update) is not divided by
@@ -124,7 +123,7 @@ def normuon_updates(
     apply_updates(params, updates, lr=lr, weight_decay=weight_decay, scales=[1.0] * len(params))
 
 
-class NorMuon(MatrixOptimizer):
+class NorMuon(OwnerExchangeOptimizer):
     r"""NorMuon (arXiv 2510.05491, Algorithm 1) for hidden weight matrices.
 
     .. code-block:: text
@@ -167,8 +166,6 @@ class NorMuon(MatrixOptimizer):
     """
 
     algorithm = "normuon"
-    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
-    data_parallel_option = "replica_group"
 
     def __init__(
         self,
@@ -186,10 +183,7 @@ class NorMuon(MatrixOptimizer):
         data_parallel=None,
         nonfinite: str = "raise",
     ):
-        self._replica_group = group_argument(
-            "NorMuon", "replica_group", replica_group, data_parallel
-        )
-        self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None
+        replica_group = group_argument("NorMuon", "replica_group", replica_group, data_parallel)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -200,13 +194,7 @@ class NorMuon(MatrixOptimizer):
             eps=eps,
             ns_dtype=ns_dtype,
         )
-        super().__init__(params, defaults, nonfinite=nonfinite)
-        self._plan_exchanges()
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        if self._exchanges is not None:  # a group added after construction: plan again
-            self._plan_exchanges()
+        super().__init__(params, defaults, replica_group=replica_group, nonfinite=nonfinite)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -217,25 +205,8 @@ class NorMuon(MatrixOptimizer):
                 raise ValueError(f"invalid {key}: {group[key]} (must be in [0, 1))")
         if not group["eps"] > 0:
             raise ValueError(f"invalid eps: {group['eps']} (must be > 0)")
-        if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
-            raise ValueError(f"invalid ns_steps: {group['ns_steps']!r} (must be an integer >= 1)")
-        if group["ns_dtype"] not in NS_DTYPES:
-            raise ValueError(f"invalid ns_dtype: {group['ns_dtype']!r} (one of {NS_DTYPES})")
-        for p in group["params"]:
-            if isinstance(p, DTensor) and len(matrix_placement(p).cols) != p.shape[1]:
-                raise NotImplementedError(
-                    f"{self.name_of(p)} is split along its columns ({tuple(p.placements)}); "
-                    "NorMuon normalizes whole rows, so shard its rows only (FSDP Shard(0)) "
-                    "or give it to Muon"
-                )
-
-    def _plan_exchanges(self) -> None:
-        """One ``OwnerExchange`` per process group of shared matrices (collective)."""
-        groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
-        self._exchanges = [
-            (OwnerExchange([matrix_placement(p) for p in params], owners), params)
-            for owners, params in shared_buckets(groups, self._replica_group)
-        ]
+        validate_newton_schulz(group)
+        self._require_whole_rows(group, "NorMuon normalizes whole rows")
 
     # ------------------------------------------------------------------ step
     def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -247,7 +218,7 @@ class NorMuon(MatrixOptimizer):
         }
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        shared = {p for _, params in self._exchanges for p in params}
+        shared = self._shared()
         entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
         # matrices no other rank shares: one normuon_updates per set of hyperparameters
         for hp, indices in group_by(entries, lambda e: tuple(e[2][k] for k in UPDATE_KEYS)).items():
