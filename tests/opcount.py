@@ -19,12 +19,16 @@ def tiny_gpt(n_layer: int, seed: int = 0) -> GPT:
     return GPT(gpt_config("tiny", n_layer=n_layer, n_embd=32, n_head=2, block_size=16))
 
 
-def count_step(name: str, n_layer: int, *, warmup_steps: int = 2, **overrides) -> OpCounter:
-    """Ops of the step after ``warmup_steps`` steps of optimizer ``name`` on a tiny GPT."""
+def count_steps(
+    name: str, n_layer: int, *, steps: int = 1, warmup_steps: int = 2, **overrides
+) -> list[OpCounter]:
+    """Ops of each of ``steps`` steps after ``warmup_steps`` steps of optimizer ``name`` on a
+    tiny GPT (``overrides``: constructor arguments, e.g. ``scalar_algorithm="lion"``)."""
     model = tiny_gpt(n_layer)
     opt = build_optimizer(name, model, **overrides)
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
-    for step in range(warmup_steps + 1):
+    counters = []
+    for step in range(warmup_steps + steps):
         opt.zero_grad(set_to_none=True)
         _, loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
@@ -33,4 +37,10 @@ def count_step(name: str, n_layer: int, *, warmup_steps: int = 2, **overrides) -
             continue
         with OpCounter() as counter:
             opt.step()
-    return counter
+        counters.append(counter)
+    return counters
+
+
+def count_step(name: str, n_layer: int, *, warmup_steps: int = 2, **overrides) -> OpCounter:
+    """Ops of the step after ``warmup_steps`` steps of optimizer ``name`` on a tiny GPT."""
+    return count_steps(name, n_layer, warmup_steps=warmup_steps, **overrides)[0]

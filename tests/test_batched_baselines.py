@@ -9,15 +9,13 @@ kernels for the elementwise steps, one Newton-Schulz per stack of same-shape mat
 
 import pytest
 import torch
+from opcount import count_steps
 from torch import nn
 
-from dobb.eigensolve import OpCounter
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
 from dobb.optim.muon import Muon, lr_scale, muon_update, muon_updates
 from dobb.optim.muonbp import MuonBP, block_muon_update, block_muon_updates, block_tiles
-from dobb.optim.registry import build_optimizer
 from dobb.optim.scalar import adamw_update, adamw_updates, lion_update, lion_updates
-from dobb.train.model import GPT, gpt_config
 
 # three of one shape, one of another (batched), a lone tall and a lone wide matrix
 SHAPES = [(12, 8), (12, 8), (12, 8), (6, 10), (6, 10), (16, 4), (3, 9)]
@@ -196,31 +194,14 @@ def test_adamw_group_of_muon_matches_torch_adamw_bit_for_bit(foreach):
         assert opt.state[a]["step"].dtype == ref.state[b]["step"].dtype
 
 
-def steady_step_ops(name, n_layer, scalar_algorithm, steps=5):
-    """Ops dispatched by each of ``steps`` steps after the first (state built) of ``name``
-    on a narrow tiny GPT with ``n_layer`` blocks."""
-    torch.manual_seed(0)
-    cfg = gpt_config("tiny", n_layer=n_layer, n_embd=16, n_head=2, block_size=8, vocab_size=32)
-    model = GPT(cfg)
-    opt = build_optimizer(name, model, scalar_algorithm=scalar_algorithm)
-    counts = []
-    for _ in range(1 + steps):
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        with OpCounter() as counter:
-            opt.step()
-        counts.append(counter)
-    return counts[1:]
-
-
 @pytest.mark.parametrize("scalar_algorithm", ["adamw", "lion"])
 @pytest.mark.parametrize("name", ["muon", "muonbp", "blockmuon"])
 def test_ops_per_step_do_not_grow_with_depth(name, scalar_algorithm):
     # 4 blocks: 24 matrices, 11 scalar tensors; 16 blocks: 96 and 35. Before batching a
     # steady Muon step dispatched 800 ops at 4 blocks and 3,080 at 16 (3.85x).
     # muonbp's 5 steps hold a full step (its period) and block steps.
-    shallow = steady_step_ops(name, 4, scalar_algorithm)
-    deep = steady_step_ops(name, 16, scalar_algorithm)
+    shallow = count_steps(name, 4, steps=5, warmup_steps=1, scalar_algorithm=scalar_algorithm)
+    deep = count_steps(name, 16, steps=5, warmup_steps=1, scalar_algorithm=scalar_algorithm)
     for a, b in zip(shallow, deep):
         assert b.total <= 1.15 * a.total, (a.total, b.total)
         # the only host read: the non-finite check (AdamW's per-tensor .item() is gone)
