@@ -24,7 +24,7 @@
 # plus log.txt: 7 files (the lent machine returns at most 8, 16 MB each). Then, here:
 #   cp <files_at>/*.json <files_at>/env.txt <files_at>/log.txt benchmarks/gpu/
 #   python -m dobb.bench.results gpu-table benchmarks/gpu/*.json > benchmarks/gpu/gpu_calltime.md
-#   python -m dobb.bench.results        # RESULTS.md quotes benchmarks/gpu/
+#   python -m dobb.bench.results --render   # RESULTS.md quotes benchmarks/gpu/
 # (or copy gpu_calltime.md as it came back; solvers.json is printed in log.txt by its phase).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,16 +42,7 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 : >"$LOG"
 
-log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
-
-# phase NAME SECONDS COMMAND...: run under a timeout, log everything, never stop the script
-phase() {
-  local name=$1 limit=$2 start=$SECONDS rc=0
-  shift 2
-  log "phase $name: start (timeout ${limit} s)"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" || rc=$?
-  log "phase $name: exit $rc after $((SECONDS - start)) s"
-}
+source benchmarks/gpu_common.sh
 
 log "repository $(pwd), output $OUT"
 {
@@ -61,19 +52,8 @@ log "repository $(pwd), output $OUT"
 torch.cuda.get_device_name() if torch.cuda.is_available() else "")'
 } >"$OUT/env.txt" 2>&1 || true
 cat "$OUT/env.txt" | tee -a "$LOG"
-if [ "$DEVICE" = cuda ] && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
-  log "no CUDA device visible to torch: stopping"
-  exit 1
-fi
-
-# Dobb's basis_method: the requested one if Dobb accepts it, else eigh (say which)
-if ! "$PY" -c 'import sys, torch, dobb
-dobb.Dobb([torch.nn.Parameter(torch.zeros(4, 4))], lr=1e-3, basis_method=sys.argv[1])' \
-  "$BASIS_METHOD" 2>/dev/null; then
-  log "Dobb does not accept basis_method=$BASIS_METHOD: using eigh"
-  BASIS_METHOD=eigh
-fi
-log "Dobb basis_method=$BASIS_METHOD"
+require_cuda
+pick_basis_method
 
 phase calibrate 70 "$PY" -m dobb.bench.calibrate calibrate --device "$DEVICE" --config "$CONFIG" \
   --layers 1 --out "$OUT/calibration.json"

@@ -40,7 +40,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEND=A
 mkdir -p "$OUT"
 LOG="$OUT/scale_log.txt"
 : >"$LOG"
-log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
+source benchmarks/gpu_common.sh
 
 log "repository $(pwd), output $OUT, data $DATA"
 "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
@@ -50,18 +50,8 @@ if [ ! -f "$DATA/train.bin" ]; then
   log "no $DATA/train.bin: prepare it (see this script's header) and carry benchmarks/gpu/data"
   exit 1
 fi
-if [ "$DEVICE" = cuda ] && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
-  log "no CUDA device visible to torch: stopping"
-  exit 1
-fi
-# Dobb's basis_method: the requested one if Dobb accepts it, else eigh (say which)
-if ! "$PY" -c 'import sys, torch, dobb
-dobb.Dobb([torch.nn.Parameter(torch.zeros(4, 4))], lr=1e-3, basis_method=sys.argv[1])' \
-  "$BASIS_METHOD" 2>/dev/null; then
-  log "Dobb does not accept basis_method=$BASIS_METHOD: using eigh"
-  BASIS_METHOD=eigh
-fi
-log "Dobb basis_method=$BASIS_METHOD"
+require_cuda
+pick_basis_method
 
 start=$SECONDS rc=0
 timeout --kill-after=10 "$LIMIT" "$PY" -m dobb.bench.timebudget run --data "$DATA" \
