@@ -259,11 +259,9 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
                 if name == "top" and gap["top"] is not None:
                     top_row = rows[gap["top"] + 2]
                     loss = (top_row["seeds"] or {}).get("mean", top_row["loss"])
-            elif name == "dobb":
-                run = _width_run(gap, results, "dobb", w)
-                loss = loss_of(run) if run else None
             else:
-                loss = loss_of(gap["widths"][(name, w)]) if (name, w) in gap["widths"] else None
+                run = _width_run(gap, results, name, w)
+                loss = loss_of(run) if run else None
             entry["losses"][name] = loss
         local = {n: x for n, x in entry["losses"].items() if n != "muon" and x is not None}
         best = min(local, key=local.get)
@@ -285,6 +283,7 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
 
 
 def _width_run(gap: dict, results: dict, name: str, w: int) -> dict:
-    """One-sided Dobb at width ``w``: (c)'s best run there, else (e)'s run."""
+    """Optimizer ``name`` at width ``w``: the width trend's (c) best run there (Dobb's),
+    else (e)'s run, None if neither ran."""
     runs = results["widths"].get((name, w))
     return best_run(runs) if runs else gap["widths"].get((name, w))
