@@ -94,11 +94,10 @@ def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dic
 
 
 def _options(name: str, data_parallel) -> dict:
-    """The main job's options (``compare.OPTIONS``) and what the trainer hands the optimizer
-    for this layout (its registry entry's ``distributed_options``)."""
-    from dobb.train.compare import OPTIONS
-
-    return OPTIONS[name] | get_entry(name).distributed_options(data_parallel)
+    """The comparisons' settings and what the trainer hands the optimizer for this layout
+    (its registry entry's ``harness_options`` and ``distributed_options``)."""
+    entry = get_entry(name)
+    return entry.harness_options | entry.distributed_options(data_parallel)
 
 
 def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
