@@ -28,8 +28,8 @@ What is measured:
   without hooks (alternated), and the hooks alone (``BlockStatistics.add`` on each input).
 - **Optimizer-state bytes per parameter** of the hidden matrices.
 
-Two-sided Dobb is measured beside the others but has no cost-model prediction yet
-(``costmodel.OPTIMIZERS`` lacks it); its row blocks are ``DOBB2S_ROW_BLOCKS`` per matrix.
+Two-sided Dobb's row blocks are ``DOBB2S_ROW_BLOCKS`` per matrix (the rows of one rank
+under FSDP over 32 ranks).
 
 The cost model's ``Hardware`` profile of a machine is ``dobb.bench.calibrate``'s job.
 
@@ -66,10 +66,6 @@ from dobb.optim.registry import build_optimizer, get_entry
 # Two-sided Dobb's row blocks per matrix: the rows one rank holds under FSDP over 32 ranks
 # (the paper's call-time setting: GPT-2 XL on 32 GPUs), emulated here on one device.
 DOBB2S_ROW_BLOCKS = 32
-# What ``run`` measures by default: the cost model's optimizers, and two-sided Dobb right
-# after Dobb (measured only: the cost model has no work function for it yet).
-_AFTER_DOBB = OPTIMIZERS.index("dobb") + 1
-MEASURED_OPTIMIZERS = (*OPTIMIZERS[:_AFTER_DOBB], "dobb2s", *OPTIMIZERS[_AFTER_DOBB:])
 
 
 def default_basis_method() -> str:
@@ -130,7 +126,7 @@ def state_bytes_measured(optimizer: torch.optim.Optimizer, params: list[Tensor])
 
 def time_optimizers(
     stack: LinearStack,
-    names: tuple[str, ...] = MEASURED_OPTIMIZERS,
+    names: tuple[str, ...] = OPTIMIZERS,
     *,
     repeats: int = 5,
     warmup: int = 1,
@@ -256,7 +252,7 @@ def run(
     config: str = "gpt2-xl",
     layers: int | None = 1,
     *,
-    names: tuple[str, ...] = MEASURED_OPTIMIZERS,
+    names: tuple[str, ...] = OPTIMIZERS,
     tokens: int = 512,
     repeats: int = 5,
     warmup: int = 1,
@@ -408,7 +404,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--config", default="gpt2-xl", help="GPT config (dobb.train.model)")
     parser.add_argument("--layers", type=int, default=1, help="transformer blocks to include")
     parser.add_argument(
-        "--optimizers", default=",".join(MEASURED_OPTIMIZERS), help="comma-separated"
+        "--optimizers", default=",".join(OPTIMIZERS), help="comma-separated"
     )
     parser.add_argument("--tokens", type=int, default=512, help="rows of the token batch")
     parser.add_argument("--repeats", type=int, default=5)

@@ -161,21 +161,24 @@ def calibration_section(hw: Hardware) -> str:
     )
 
 
+# a period no measured run reaches: the calls between periodic ones, predicted alone
+NEVER = 10**9
+
+
 def check_table(record: dict, hw: Hardware) -> tuple[str, list[float]]:
     """Predicted vs measured per-call time of the calltime workload on ``hw``: a Markdown
     table and the ratios predicted / measured of its rows."""
     m = record["meta"]
     matrices = hidden_matrices(m["config"], m["layers"])
     batched = m.get("batched", False)  # CPU records, and all from before batching: per matrix
-    kw = dict(
+    knobs = dict(
         num_blocks=m["num_blocks"],
         basis_interval=m["basis_interval"],
         rank_fraction=m["rank_fraction"],
         period=m.get("period", 5),
         row_blocks=m.get("row_blocks", 1),
-        launches="per_shape" if batched else "per_matrix",
-        solver=refresh_solver(m),
     )
+    model = dict(launches="per_shape" if batched else "per_matrix", solver=refresh_solver(m))
     rows, ratios = [], []
 
     def row(label, predicted, measured):
@@ -187,19 +190,15 @@ def check_table(record: dict, hw: Hardware) -> tuple[str, list[float]]:
             measured = ms(entry["call_s"]["median"])
             rows.append([f"{name} ({measured_only_note(name)})", measured, "–", "–"])
             continue
-        row(name, predict(name, matrices, hw, **kw)["total"], entry["call_s"]["median"])
-    dobb = record["optimizers"].get("dobb")
-    if dobb and "steady_call_s" in dobb:
-        steady = predict("dobb", matrices, hw, **{**kw, "basis_interval": 10**9})["total"]
-        row("dobb, call without refresh", steady, dobb["steady_call_s"]["median"])
-        refresh = predict("dobb", matrices, hw, **{**kw, "basis_interval": 1})["total"]
-        row("dobb, refresh call", refresh, dobb["refresh_call_s"]["median"])
-    muonbp = record["optimizers"].get("muonbp")
-    if muonbp and "block_call_s" in muonbp:
-        block = predict("muonbp", matrices, hw, **{**kw, "period": None})["total"]
-        row("muonbp, block-step call", block, muonbp["block_call_s"]["median"])
-        full = predict("muonbp", matrices, hw, **{**kw, "period": 1})["total"]
-        row("muonbp, full-step call", full, muonbp["full_call_s"]["median"])
+        options = model | calltime.optimizer_overrides(name, **knobs)  # as it was timed
+        row(name, predict(name, matrices, hw, **options)["total"], entry["call_s"]["median"])
+        keys = calltime.periodic_calls(name)
+        if keys and keys[0] in entry:  # the periodic call (period 1) and the others apart
+            option = REGISTRY[name].period_option
+            periodic, other = REGISTRY[name].periodic_calls
+            for label, key, period in ((other, keys[1], NEVER), (periodic, keys[0], 1)):
+                predicted = predict(name, matrices, hw, **(options | {option: period}))
+                row(f"{name}, {label} call", predicted["total"], entry[key]["median"])
     kind = "gemm_bf16" if m.get("autocast") == "bf16" else "gemm_fp32"
     hooks = predict_hooks(
         matrices,

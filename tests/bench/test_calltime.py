@@ -30,10 +30,8 @@ def record(tmp_path_factory):
 
 
 def test_every_optimizer_has_positive_finite_call_times(record):
-    assert tuple(record["optimizers"]) == calltime.MEASURED_OPTIMIZERS
-    # the cost model's optimizers, and two-sided Dobb right after Dobb (measured only)
-    assert calltime.MEASURED_OPTIMIZERS[:2] == ("dobb", "dobb2s")
-    assert set(calltime.MEASURED_OPTIMIZERS) - set(OPTIMIZERS) == {"dobb2s"}
+    assert tuple(record["optimizers"]) == OPTIMIZERS  # the cost model's optimizers
+    assert OPTIMIZERS[:2] == ("dobb", "dobb2s")
     for name, entry in record["optimizers"].items():
         spread = entry["call_s"]
         assert 0 < spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"]
@@ -123,16 +121,20 @@ def test_json_is_written_complete(record):
     assert "\nDobb: refresh call" in table and "\nTwo-sided Dobb: refresh call" in table
 
 
-def test_results_tables_take_dobb2s_without_a_cost_model(record):
+def test_results_tables_predict_dobb2s_and_every_periodic_call(record):
     table, ratios = results_sections.check_table(record, H100)
     rows = table.splitlines()[2:]  # below the header and the rule
-    (row,) = [r for r in rows if r.startswith("| dobb2s ")]
-    assert "(two-sided Dobb: measured only, no cost model yet) |" in row
-    assert row.endswith("| – | – |")
-    assert len(ratios) == len(rows) - 1  # every other row has a prediction
-    assert "two-sided Dobb: measured only, no cost model yet" in results_sections.check_section(
-        record, H100, "check"
-    )
+    assert len(ratios) == len(rows)  # every row has a prediction
+    labels = [r.split("|")[1].strip() for r in rows]
+    for name, (periodic, other) in (
+        ("dobb", ("refresh", "steady")),
+        ("dobb2s", ("refresh", "steady")),
+        ("muonbp", ("full", "block")),
+    ):
+        assert labels.index(name) + 1 == labels.index(f"{name}, {other} call")
+        assert labels.index(name) + 2 == labels.index(f"{name}, {periodic} call")
+    (row,) = [r for r in rows if r.startswith("| dobb2s |")]
+    assert row.split("|")[3].strip() != "–"
     assert "dobb2s" in results_sections.calltime_section(record)
     lines = results_sections.state_section(record).splitlines()
     (state,) = [line for line in lines if line.startswith("| dobb2s |")]

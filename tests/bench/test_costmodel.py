@@ -21,6 +21,7 @@ from dobb.blocks import block_stacks
 from dobb.eigensolve import OpCounter, jacobi_basis
 from dobb.optim.dion import dion_update, sketch_rows
 from dobb.optim.dobb import dobb_update
+from dobb.optim.dobb_variants import dobb_variant_update
 from dobb.optim.muon import newton_schulz
 from dobb.optim.muonbp import block_muon_update, block_tiles
 from dobb.optim.registry import OPTIMIZERS, build_optimizer
@@ -49,6 +50,35 @@ def test_dobb_flops_are_4_m_n_s_and_match_the_implementation():
         )
 
     assert counted(step) == 2048
+
+
+def test_two_sided_dobb_flops_match_the_implementation():
+    # 2 row blocks of m = 4 by 4 input blocks of s = 4, on an (8, 16) matrix: the row
+    # moments G_r G_rᵀ take 2 m n per row (1024); each rotation, into the bases and back,
+    # 2 m n s (N_b Q_b) + 2 m n m (P_rᵀ .) = 2048
+    rows, stacks = block_stacks(8, 2), block_stacks(16, 4)
+    assert dobb_cost.work([M], num_blocks=4, two_sided=True, row_blocks=2).flops() == 5120
+
+    def step():
+        W, G, Mom = torch.zeros(8, 16), torch.randn(8, 16), torch.zeros(8, 16)
+        dobb_variant_update(
+            [W], [G], [Mom], [torch.eye(4).repeat(1, 4, 1, 1)], stacks,
+            [torch.eye(4).repeat(1, 2, 1, 1)], rows,
+            lr=1e-3, beta=0.9, nesterov=True, weight_decay=0.0, scale=0.2,
+        )  # fmt: skip
+
+    assert counted(step) == 2 * 2048
+    G = torch.randn(2, 16, 4)  # the row moments' bmm, per row block: (n, m)ᵀ (n, m)
+    assert counted(lambda: G.mT @ G) == 1024
+    # one block of the rank's rows by default, and none of the row refresh is shared out
+    fsdp = dobb_cost.work(XL[:6], layout=workload.Layout(shard=32), two_sided=True)
+    solved = {}
+    for k in fsdp.refresh:
+        if k.kind == "eigh":
+            solved[k.block] = solved.get(k.block, 0) + k.count
+    # input blocks of 100 and 400 (16 per matrix), a 32nd of them per rank; row blocks
+    # of the rank's 1600 / 32 = 50 rows (6400 / 32 = 200 for the MLP's up projection)
+    assert solved == {100: -(-80 // 32), 400: -(-16 // 32), 50: 5, 200: 1}
 
 
 def test_dion_flops_are_8_m_n_r_plus_householder_qr():
@@ -228,7 +258,6 @@ def test_dobb2s_state_bytes_add_the_row_blocks(row_blocks, rows):
         stack()  # statistics for the step
     opt.step()
     assert calltime.state_bytes_measured(opt, list(stack.parameters())) == got
-    assert "dobb2s" not in cm.OPTIMIZERS  # measured only: no work model yet
 
 
 def test_every_registry_entry_names_its_cost_model():
@@ -236,12 +265,10 @@ def test_every_registry_entry_names_its_cost_model():
         model = costs.cost_model(name)
         assert model.__name__ == entry.cost_model
         assert cm.state_bytes(name, M) >= M.numel * 4  # at least a momentum or the weights
-        if name == "dobb2s":  # measured only: the model refuses instead of guessing
-            with pytest.raises(ValueError, match="measured only"):
-                cm.build_work(name, [M])
-        else:
-            assert cm.build_work(name, [M]).bytes() > 0
-    # an entry's hyperparameters reach its model: BlockMuon is MuonBP without full steps
+        assert cm.build_work(name, [M]).bytes() > 0
+    # an entry's hyperparameters reach its model: two-sided Dobb rotates rows too, and
+    # BlockMuon is MuonBP without full steps
+    assert cm.build_work("dobb2s", [M]).flops() > cm.build_work("dobb", [M]).flops()
     fsdp = workload.Layout(shard=8)
     block = cm.build_work("blockmuon", XL[:6], layout=fsdp)
     assert block.comm_bytes() == 0
@@ -343,7 +370,7 @@ def test_results_command_quick(tmp_path, one_thread):
         sharded = json.loads((tmp_path / "sharded" / f"calltime_{layout}{world}.json").read_text())
         assert len(sharded["per_rank_ms"]) == world
         assert f"| muonbp | {layout} | {world} |" in text
-    assert "| muonbp, block-step call |" in text
+    assert "| muonbp, block call |" in text and "| dobb2s, refresh call |" in text
     record = json.loads((tmp_path / "calltime_cpu.json").read_text())
     assert record["meta"]["complete"]
     if _has_matplotlib():

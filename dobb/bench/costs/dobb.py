@@ -62,6 +62,7 @@ def work(
     launches: str = "per_shape",
     solver: str = "eigh",
     two_sided: bool = False,
+    row_blocks: int | None = None,
 ) -> Work:
     """Dobb's call: the statistics fold, ``dobb_update_batched`` per batch of same-shape
     matrices, and a refresh every ``k`` calls.
@@ -77,25 +78,28 @@ def work(
     (``shard_refresh=False``): every rank refreshes every block it holds. ``solver``:
     ``"eigh"`` (``torch.linalg.eigh``: one fitted cost per block) or ``"jacobi"``
     (``dobb.eigensolve.jacobi_basis``: batched kernels, ``jacobi_kernels``).
-    Two-sided Dobb (``two_sided=True``) is not modelled: ``ValueError``.
+    Two-sided Dobb (``two_sided=True``, ``row_blocks``: None for one block of each rank's
+    rows) runs ``two_sided_ops`` instead of the one-sided rotations; its row bases are
+    refreshed where they live (never shared out), and under row-parallel TP its row
+    moments are all-reduced over the ranks splitting the columns at a refresh.
     """
-    if two_sided:
-        raise ValueError(
-            "two-sided Dobb has no cost model; it is measured only (python -m dobb.bench.calltime)"
-        )
     work = Work(period=basis_interval)
-    eigh_blocks: dict[int, int] = {}
+    eigh_blocks: dict[int, int] = {}  # input blocks: shared out over the data ranks
+    row_eigh_blocks: dict[int, int] = {}  # row blocks: refreshed where they live
     cov_bytes = checked = 0
     shapes: set[tuple[int, int]] = set()
+    batched = launches == "per_shape"
     for i, m in enumerate(matrices):
         rows, n = layout.local(m)
         e = rows * n
         stacks = local_block_stacks(block_stacks(m.d_in, num_blocks), 0, n, m.name)
-        batched = launches == "per_shape"
         first = not batched or (rows, n) not in shapes
         shapes.add((rows, n))
         cov = sum(s.count * s.size**2 for s in stacks)
         checked += e + cov  # gradients and the statistics sums
+        cov_bytes += cov * FP32
+        for s in stacks:
+            eigh_blocks[s.size] = eigh_blocks.get(s.size, 0) + s.count
         fold = [  # foreach over every matrix: launched with the first one
             elementwise(cov, 2, new=True),  # S_b = A_b / n
             elementwise(cov, 1),  # A_b.zero_()
@@ -105,35 +109,25 @@ def work(
             elementwise(e, 3),  # M.lerp_(G)
             elementwise(e, 3, new=True),  # N = G.lerp(M)
         ]
-        if batched:
-            ops.append(elementwise(e, 2, new=True))  # stack the directions
-        for s in stacks:
-            x = rows * s.count * s.size * FP32  # bytes of this stack's columns
-            bmm = 2.0 * rows * s.count * s.size * s.size  # (count, rows, s) @ (count, s, s)
-            blocks = s.count * s.size**2
-            if batched:
-                ops += [
-                    elementwise(x / FP32, 2, new=True),  # N_b in block order
-                    elementwise(blocks, 2, new=True),  # stack the bases
-                ]
-            ops += [
-                matmul("bmm_fp32", bmm, x, x, block=s.size),  # K_b = N_b Q_b
-                elementwise(x / FP32, 2),  # sign_
-                matmul("bmm_fp32", bmm, x, x, block=s.size),  # U_b = S_b Q_bᵀ
-            ]
-            if batched:
-                ops.append(elementwise(x / FP32, 2))  # U_b into the update's columns
-            eigh_blocks[s.size] = eigh_blocks.get(s.size, 0) + s.count
-            cov_bytes += blocks * FP32
-        if not batched:
-            ops.append(elementwise(e, 2))  # W.mul_(1 - lr wd), skipped when batched and wd = 0
+        if two_sided:
+            rstacks = row_stacks(m, rows, row_blocks)
+            ops += two_sided_ops(rows, n, stacks, rstacks)
+            for r in rstacks:
+                row_eigh_blocks[r.size] = row_eigh_blocks.get(r.size, 0) + r.count
+            row_cov = sum(r.count * r.size**2 for r in rstacks)
+            fold.append(elementwise(row_cov, 3))  # P_r's moments .lerp_
+            if layout.splits(m)[1] > 1:  # row-parallel TP: partial row moments
+                ranks = layout.splits(m)[1]
+                work.refresh_comm.append(Collective("all_reduce", row_cov * FP32, ranks))
+        else:
+            ops += one_sided_ops(rows, n, stacks, batched)
         ops.append(elementwise(e, 3))  # W.add_(U)
         work.step += fold if i == 0 or not batched else [no_launch(k) for k in fold]
         # batched per shape: the same FLOPs and bytes, launched with the first of its shape
         work.step += ops if first else [no_launch(k) for k in ops]
         if not batched:
             work.step += [Kernel("elementwise", count=2)]  # step += 1, stats_steps += 1
-    if launches == "per_shape":
+    if batched:
         work.step += [Kernel("elementwise", count=4)]  # step counters: add, stack (twice)
     work.step += finite_check(checked)
     group = layout.refresh_split if refresh == "sharded" else 1
@@ -141,22 +135,112 @@ def work(
         work.refresh_comm.append(Collective("all_reduce", cov_bytes, layout.data))
     for size, count in sorted(eigh_blocks.items()):
         blocks = math.ceil(count / group)
-        elements = blocks * size * size
-        work.refresh += [elementwise(count * size * size, 2, new=True)]  # cat of the stacks
-        if solver == "jacobi":
-            work.refresh += jacobi_kernels(size, blocks)
-        else:
-            work.refresh += [
-                elementwise(elements, 3, new=True),  # C + jitter I
-                Kernel("eigh", block=size, count=blocks),
-                elementwise(elements, 2, new=True),  # flip
-            ]
-        work.refresh.append(elementwise(count * size * size, 2))  # copy into the state
+        work.refresh += refresh_kernels(size, count, blocks, solver)
         if group > 1:  # this rank's padded chunk, then the all-gather of all chunks
-            work.refresh.append(elementwise(elements, 2, new=True))
+            work.refresh.append(elementwise(blocks * size * size, 2, new=True))
             gathered = blocks * group * size * size * FP32
             work.refresh_comm.append(Collective("all_gather", gathered, group))
+    for size, count in sorted(row_eigh_blocks.items()):
+        work.refresh += refresh_kernels(size, count, count, solver)
     return work
+
+
+def refresh_kernels(size: int, count: int, blocks: int, solver: str) -> list[Kernel]:
+    """Refreshing ``blocks`` of the ``count`` bases of one ``size`` that a rank holds: cat
+    the stacks, solve (``eigh``: jitter, one fitted call, flip; or ``jacobi_kernels``),
+    copy all ``count`` into the state."""
+    elements = blocks * size * size
+    if solver == "jacobi":
+        solve = jacobi_kernels(size, blocks)
+    else:
+        solve = [
+            elementwise(elements, 3, new=True),  # C + jitter I
+            Kernel("eigh", block=size, count=blocks),
+            elementwise(elements, 2, new=True),  # flip
+        ]
+    cat = elementwise(count * size * size, 2, new=True)
+    return [cat, *solve, elementwise(count * size * size, 2)]
+
+
+def one_sided_ops(rows: int, n: int, stacks, batched: bool) -> list[Kernel]:
+    """``dobb_update`` (or, ``batched``, ``dobb_update_batched``) after the momentum, up to
+    the final ``W.add_``: per block stack ``K_b = N_b Q_b``, ``sign_``, ``U_b = S_b Q_bᵀ``
+    (``2 m n s`` FLOPs each); batching stacks the direction and the bases and copies each
+    stack's columns into block order and back."""
+    ops = [elementwise(rows * n, 2, new=True)] if batched else []  # stack the directions
+    for s in stacks:
+        x = rows * s.count * s.size * FP32  # bytes of this stack's columns
+        bmm = 2.0 * rows * s.count * s.size * s.size  # (count, rows, s) @ (count, s, s)
+        if batched:
+            ops += [
+                elementwise(x / FP32, 2, new=True),  # N_b in block order
+                elementwise(s.count * s.size**2, 2, new=True),  # stack the bases
+            ]
+        ops += [
+            matmul("bmm_fp32", bmm, x, x, block=s.size),  # K_b = N_b Q_b
+            elementwise(x / FP32, 2),  # sign_
+            matmul("bmm_fp32", bmm, x, x, block=s.size),  # U_b = S_b Q_bᵀ
+        ]
+        if batched:
+            ops.append(elementwise(x / FP32, 2))  # U_b into the update's columns
+    if not batched:
+        ops.append(elementwise(rows * n, 2))  # W.mul_(1 - lr wd), skipped when batched, wd 0
+    return ops
+
+
+def row_stacks(matrix: Matrix, rows: int, row_blocks: int | None) -> tuple:
+    """Two-sided Dobb's row blocks of a rank holding ``rows`` rows of ``matrix``: one block
+    of them (``row_blocks=None``), or ``row_blocks`` blocks of all ``d_out`` rows, which
+    must tile the rank's rows (``Dobb``'s rule)."""
+    if row_blocks is None:
+        return block_stacks(rows, 1) if rows else ()
+    return local_block_stacks(block_stacks(matrix.d_out, row_blocks), 0, rows, matrix.name)
+
+
+def two_sided_ops(rows: int, n: int, stacks, rstacks) -> list[Kernel]:
+    """``dobb_variant_update`` with sign coefficients and ``_gradient_moments``'s row
+    moments on one ``(rows, n)`` piece (the momentum's two ops come before these).
+
+    Row moments ``G_r G_rᵀ / n``: ``2 m n`` FLOPs per row. ``rotate`` on every tile of a
+    row block (``m`` rows) and an input block (``s`` columns), into the bases and back:
+    ``N_b Q_b`` (``2 m s²``) then ``P_rᵀ (.)`` (``2 m² s``) and a copy into place, each way;
+    ``matmul`` first copies the strided tiles and each basis broadcast over the other
+    side's blocks (``torch.matmul`` expands, then clones, its batch dimensions).
+    """
+    e = rows * n
+    ops = [
+        elementwise(e, 2, new=True),  # stack the gradients (row moments)
+        elementwise(e, 2, new=True),  # stack the direction
+    ]
+    for r in rstacks:
+        moments = r.count * r.size**2
+        read = r.count * r.size * n * FP32
+        flops = 2.0 * r.count * r.size**2 * n
+        ops += [
+            matmul("bmm_fp32", flops, 2 * read, moments * FP32, block=r.size),  # G_r G_rᵀ
+            elementwise(moments, 2, new=True),  # / d_in
+            elementwise(moments, 2, new=True),  # stack P_r
+        ]
+    ops += [elementwise(s.count * s.size**2, 2, new=True) for s in stacks]  # stack Q_b
+    for way in ("into", "back"):
+        ops.append(Kernel("elementwise", alloc=e * FP32))  # empty_like
+        for r in rstacks:
+            for s in stacks:
+                tile = r.count * r.size * s.count * s.size  # elements of these tiles
+                pairs = r.count * s.count  # matmul broadcasts each basis over the other side
+                ops += [
+                    elementwise(tile, 2, new=True),  # the strided tiles, made contiguous
+                    elementwise(pairs * s.size**2, 2, new=True),  # Q_b for every row block
+                    matmul("bmm_fp32", 2.0 * tile * s.size, 2 * tile * FP32, tile * FP32,
+                           block=s.size),  # N_b Q_b (or S Q_bᵀ)
+                    elementwise(pairs * r.size**2, 2, new=True),  # P_r for every input block
+                    matmul("bmm_fp32", 2.0 * tile * r.size, 2 * tile * FP32, tile * FP32,
+                           block=r.size),  # P_rᵀ (.) (or P_r (.))
+                    elementwise(tile, 2),  # into place
+                ]  # fmt: skip
+        if way == "into":
+            ops.append(elementwise(e, 2))  # sign_
+    return ops
 
 
 def jacobi_kernels(size: int, count: int) -> list[Kernel]:
