@@ -403,9 +403,7 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--config", default="gpt2-xl", help="GPT config (dobb.train.model)")
     parser.add_argument("--layers", type=int, default=1, help="transformer blocks to include")
-    parser.add_argument(
-        "--optimizers", default=",".join(OPTIMIZERS), help="comma-separated"
-    )
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated")
     parser.add_argument("--tokens", type=int, default=512, help="rows of the token batch")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1, help="warm-up periods per optimizer")
