@@ -13,23 +13,18 @@ from dobb.bench.costs.kernels import (
     local_elements,
     no_launch,
 )
-from dobb.bench.costs.muon import newton_schulz_kernels, owner_exchange_bytes
+from dobb.bench.costs.muon import (
+    newton_schulz_kernels,
+    owner_exchange_bytes,
+    state_bytes,  # noqa: F401  its state: one momentum (error feedback), as Muon's
+    state_formula,  # noqa: F401
+)
 from dobb.bench.hardware import Collective
 from dobb.bench.workload import ONE_DEVICE, Layout, Matrix
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.dion2 import Dion2, selected_count
 
 COMM_FORMULA = "as Muon on the K x n selected rows, K = Σ_shards ceil(f m_shard)"
-
-
-def state_formula() -> str:
-    """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words."""
-    return "4 (momentum)"
-
-
-def state_bytes(matrix: Matrix) -> float:
-    """Bytes of state for one fp32 matrix: the error-feedback momentum."""
-    return matrix.numel * FP32
 
 
 def work(
