@@ -42,7 +42,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     Args (shared by all subclasses):
         nonfinite: ``"raise"`` (default) raises ``NonFiniteGradientError`` naming the first
-            bad parameter; ``"skip"`` skips the whole step. Either way no state changes.
+            bad parameter; ``"skip"`` skips the whole step. Either way no state changes and
+            the batch's pending statistics are dropped: the next clean batch steps normally.
             The check reads only this rank's shards and communicates nothing, so under
             FSDP or TP ranks can disagree; to skip consistently, decide on every rank from a
             global quantity (``torch.nn.utils.clip_grad_norm_`` returns the all-reduced
@@ -167,6 +168,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         bad = self.name_of(tensors[int((~finite).nonzero()[0])][0])
         if self.nonfinite == "skip":
             return False
+        # the failed batch's inputs are dropped, so the next clean batch steps normally
+        self._discard_step_inputs()
         raise NonFiniteGradientError(
             f"non-finite values (NaN or Inf) in the gradient or statistics of {bad}; no state "
             "was changed. Lower the learning rate, clip gradients, or construct the optimizer "
@@ -229,11 +232,20 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load state, keeping each saved tensor's dtype.
+        """Load state, keeping each saved tensor's dtype; ``ValueError`` if another
+        optimizer saved it (its groups' algorithms differ from this optimizer's).
 
         ``torch.optim.Optimizer`` casts floating state to the parameter's dtype, which would
         turn fp32 state of bf16 parameters (and Dobb's bases) into bf16; we undo that.
         """
+        saved_algorithms = [g.get("algorithm") for g in state_dict["param_groups"]]
+        algorithms = [g["algorithm"] for g in self.param_groups]
+        if saved_algorithms != algorithms:
+            raise ValueError(
+                f"{type(self).__name__} cannot load this state: it was saved by an optimizer "
+                f"with parameter groups {saved_algorithms}, this one has {algorithms}; load "
+                "it into the optimizer (and scalar algorithm) that saved it, or start afresh"
+            )
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
