@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from dobb.optim.base import NonFiniteGradientError
 from dobb.optim.dobb import Dobb
@@ -159,6 +160,25 @@ def test_zero_gradient_zero_lr_step_changes_nothing(name, scalar):
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 assert torch.isfinite(value).all()
+
+
+@pytest.mark.parametrize("name, scalar", CASES)
+def test_dcp_state_init_before_the_first_step_leaves_the_trajectory_bit_identical(name, scalar):
+    # get_optimizer_state_dict on empty state takes a zero-gradient, lr-0 step (DCP's
+    # _init_optim_state); a run checkpointed before its first step must train the same
+    reference, reference_opt = make(name, scalar)
+    train(reference, reference_opt, 7)
+    model, opt = make(name, scalar)
+    saved = get_optimizer_state_dict(model, opt)
+    assert saved["state"], "DCP should have built the optimizer state"
+    for state in saved["state"].values():
+        for key in ("step", "stats_steps"):
+            if key in state:
+                assert float(state[key]) == 0.0, f"{key} moved to {float(state[key])}"
+    assert all(p.grad is None for p in model.parameters())
+    train(model, opt, 7)
+    assert_same_params(params(model), params(reference))
+    assert_same_state(state_snapshot(opt), state_snapshot(reference_opt))
 
 
 @pytest.mark.parametrize("name", MATRIX_NAMES)

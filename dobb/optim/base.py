@@ -20,6 +20,7 @@ from dobb.optim.scalar import (
     init_scalar_state,
     lion_updates,
 )
+from dobb.optim.state_init import is_state_init_step
 
 GROUP_KEYS = {"params", "algorithm", "param_names", "initial_lr"}
 NONFINITE_MODES = ("raise", "skip")
@@ -138,6 +139,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 "param_groups after construction (e.g. by a wrapper that re-creates parameters, "
                 "such as accelerate's FSDP); build the optimizer after wrapping the model"
             )
+        if is_state_init_step(self):
+            self._init_state()  # DCP's state initialisation: no counter or schedule moves
+            return loss
         if not self._inputs_finite(matrix_groups):
             self.skipped_steps += 1
             self._discard_step_inputs()
@@ -149,6 +153,18 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if matrix_groups:
             self._matrix_step(matrix_groups)
         return loss
+
+    def _init_state(self) -> None:
+        """The lazy state of every parameter with a gradient, as its first step builds it."""
+        for group in self.param_groups:
+            scalar = group["algorithm"] in SCALAR_ALGORITHMS
+            for p in group["params"]:
+                if p.grad is None or self.state[p]:
+                    continue
+                if scalar:
+                    self.state[p].update(init_scalar_state(p, group["algorithm"]))
+                else:
+                    self.state[p].update(self._init_matrix_state(p, group))
 
     def _inputs_finite(self, matrix_groups) -> bool:
         """True if every gradient (and subclass input) is finite; raise or report otherwise."""

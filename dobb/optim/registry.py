@@ -3,7 +3,8 @@
 ``build_optimizer("dion", model)`` routes the model's hidden ``nn.Linear`` weights to the
 matrix optimizer and everything else (embeddings, LM head, norms, biases) to an AdamW (or
 Lion) group of the same optimizer object, through ``dobb.param_groups``; ``"adamw"`` is
-plain ``torch.optim.AdamW`` over every parameter. Dobb is also hooked to the model
+``torch.optim.AdamW`` over every parameter (``dobb.optim.state_init.AdamW``, which counts
+no step for DCP's state-initialising call). Dobb is also hooked to the model
 (``opt.track(model)``), so each step needs a forward pass in training mode before it.
 
 Starting learning rates for a small GPT; not tuned (a sweep will replace them):
@@ -53,6 +54,7 @@ from dobb.optim.muon import Muon
 from dobb.optim.muonbp import MuonBP
 from dobb.optim.normuon import NorMuon
 from dobb.optim.scalar import SCALAR_ALGORITHMS
+from dobb.optim.state_init import AdamW
 
 
 @dataclass(frozen=True)
@@ -313,7 +315,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
             name="adamw",
             label="AdamW",
             cost_model="dobb.bench.costs.adamw",
-            cls=torch.optim.AdamW,
+            cls=AdamW,
             lr=1e-3,
             hyperparameters={"betas": (0.9, 0.95)},
             small_inputs=({}, {"weight_decay": 0.1}),
