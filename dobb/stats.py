@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from dobb._dtensor import DTensor
@@ -245,11 +246,40 @@ class BlockStatistics:
             self.cache.clear()
 
 
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread.
+
+    A forward pass then is an activation-checkpoint recompute (``torch.utils.checkpoint``,
+    reentrant or not, and ``checkpoint_wrapper``, which calls it): the same tokens again.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+# Reentrant checkpointing runs the forward under no_grad inside this function, and the
+# recompute (with grad on) inside its backward.
+_REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+
+
+def in_reentrant_checkpoint_forward() -> bool:
+    """True inside the no-grad forward of ``checkpoint(..., use_reentrant=True)``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def statistics_hook(stats: BlockStatistics):
-    """A forward pre-hook feeding ``stats``; active only in training mode with grad on."""
+    """A forward pre-hook feeding ``stats`` each token once per forward pass: in training
+    mode with grad on, or in the no-grad forward of reentrant activation checkpointing; never
+    in a checkpoint's recompute during backward (the same tokens again, on backward's
+    critical path)."""
 
     def hook(module: nn.Module, args) -> None:
-        if module.training and torch.is_grad_enabled():
+        if not module.training or in_backward():
+            return
+        if torch.is_grad_enabled() or in_reentrant_checkpoint_forward():
             stats.add(args[0])
 
     return hook
@@ -258,7 +288,10 @@ def statistics_hook(stats: BlockStatistics):
 def output_gradient_hook(stats: BlockStatistics):
     """A forward hook that feeds ``stats`` the gradient ``δ = dL/dy`` of the layer's output
     when backward reaches it (K-FAC's output factor ``E[δᵀδ]`` per block of output
-    features); active only in training mode with grad on."""
+    features); active only in training mode with grad on. Under activation checkpointing
+    each ``δ`` still arrives once: a non-reentrant recompute's outputs get no gradient, and
+    a reentrant checkpoint's forward runs without grad, its recompute's outputs getting the
+    only ``δ``."""
 
     def hook(module: nn.Module, args, output: Tensor) -> None:
         if module.training and torch.is_grad_enabled() and output.requires_grad:

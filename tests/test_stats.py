@@ -104,15 +104,16 @@ def test_micro_batches_count_tokens_per_layer():
     assert stats["k"].tokens == 0 and stats["q"].tokens == tokens  # pops are per layer
 
 
-def test_activation_checkpointing_shares_like_the_plain_path():
-    """Recompute runs the hooks again (grad is on): shared and unshared still agree."""
+def test_activation_checkpointing_counts_each_token_once_like_the_plain_path():
+    """The recompute in backward adds nothing: shared, unshared and plain agree bit for bit."""
     xs = batches(sizes=((2, 5), (3, 4)))
     shared = run_micro_batches(GramCache(), xs, use_checkpoint=True)
     alone = run_micro_batches(None, xs, use_checkpoint=True)
+    plain = run_micro_batches(GramCache(), xs)
     for name in shared:
-        assert shared[name].tokens == alone[name].tokens == 2 * 22  # forward + recompute
-        for s, a in zip(shared[name].sums, alone[name].sums):
-            assert torch.equal(s, a)
+        assert shared[name].tokens == alone[name].tokens == plain[name].tokens == 22
+        for s, a, p in zip(shared[name].sums, alone[name].sums, plain[name].sums):
+            assert torch.equal(s, a) and torch.equal(s, p)
 
 
 def test_in_place_change_between_hooks_is_a_new_input():
