@@ -20,7 +20,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 demo: $(VENV)/.installed
-	$(PY) -m dobb compare
+	$(PY) -m bench compare
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -15,16 +15,16 @@
 # it goes (a phase that fails or times out leaves partial JSON and the script carries on):
 #   env          nvidia-smi, torch and CUDA versions                     -> env.txt
 #   calibrate    matmul/bmm/eigh/QR rates, bandwidth, per-op costs       -> calibration.json
-#   solvers      Dobb's refresh solvers on SIZES blocks (python -m dobb.eigensolve), or,
+#   solvers      Dobb's refresh solvers on SIZES blocks (python -m bench.results.eigensolve), or,
 #                where that module has no command line, eigh backends    -> solvers.json
-#                (torch CUDA vs CPU vs CuPy eigh, dobb.bench.calibrate)     or eigh.json
+#                (torch CUDA vs CPU vs CuPy eigh, bench.model.calibrate)     or eigh.json
 #   calltime-2   2 XL blocks, 5 repeats                                  -> calltime_xl2.json
 #   calltime-N   as many XL blocks (up to 48) as fit BUDGET_FULL seconds -> calltime_xl.json
 #   table        Markdown of the call-time runs, calibration, eigh       -> gpu_calltime.md
 # plus log.txt: 7 files (the lent machine returns at most 8, 16 MB each). Then, here:
 #   cp <files_at>/*.json <files_at>/env.txt <files_at>/log.txt benchmarks/gpu/
-#   python -m dobb.bench.results gpu-table benchmarks/gpu/*.json > benchmarks/gpu/gpu_calltime.md
-#   python -m dobb.bench.results --render   # RESULTS.md quotes benchmarks/gpu/
+#   python -m bench.results gpu-table benchmarks/gpu/*.json > benchmarks/gpu/gpu_calltime.md
+#   python -m bench.results --render   # RESULTS.md quotes benchmarks/gpu/
 # (or copy gpu_calltime.md as it came back; solvers.json is printed in log.txt by its phase).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,17 +55,17 @@ cat "$OUT/env.txt" | tee -a "$LOG"
 require_cuda
 pick_basis_method
 
-phase calibrate 70 "$PY" -m dobb.bench.calibrate calibrate --device "$DEVICE" --config "$CONFIG" \
+phase calibrate 70 "$PY" -m bench.model.calibrate calibrate --device "$DEVICE" --config "$CONFIG" \
   --layers 1 --out "$OUT/calibration.json"
 solver_help=$("$PY" -m dobb.eigensolve --help 2>/dev/null || true)
 if [[ $solver_help == *--sizes* ]]; then
   phase solvers 60 sh -c "'$PY' -m dobb.eigensolve --device '$DEVICE' --sizes '$SIZES' \
     --out '$OUT/solvers.json' && cat '$OUT/solvers.json'"
 else
-  log "python -m dobb.eigensolve has no command line here: eigh backends instead"
-  phase eigh 45 "$PY" -m dobb.bench.calibrate eigh --device "$DEVICE" --out "$OUT/eigh.json"
+  log "python -m bench.results.eigensolve has no command line here: eigh backends instead"
+  phase eigh 45 "$PY" -m bench.model.calibrate eigh --device "$DEVICE" --out "$OUT/eigh.json"
 fi
-phase calltime-2 90 "$PY" -m dobb.bench.calltime --device "$DEVICE" --autocast bf16 \
+phase calltime-2 90 "$PY" -m bench.results.calltime --device "$DEVICE" --autocast bf16 \
   --config "$CONFIG" --layers 2 --tokens "$TOKENS" --repeats 5 --basis-method "$BASIS_METHOD" \
   --out "$OUT/calltime_xl2.json"
 
@@ -83,14 +83,14 @@ print(max(0, min(gpt_config(sys.argv[3]).n_layer, int(0.7 * float(sys.argv[2]) /
 EOF
 )
 if [ "$LAYERS" -gt 2 ]; then
-  phase "calltime-$LAYERS" "$BUDGET_FULL" "$PY" -m dobb.bench.calltime --device "$DEVICE" \
+  phase "calltime-$LAYERS" "$BUDGET_FULL" "$PY" -m bench.results.calltime --device "$DEVICE" \
     --autocast bf16 --config "$CONFIG" --layers "$LAYERS" --tokens "$TOKENS" --repeats 5 \
     --basis-method "$BASIS_METHOD" --out "$OUT/calltime_xl.json"
 else
   log "no larger run (blocks=$LAYERS): the 2-block run was incomplete or too slow for BUDGET_FULL, or the model has no more blocks"
 fi
 
-phase table 30 sh -c "'$PY' -m dobb.bench.results gpu-table '$OUT'/*.json \
+phase table 30 sh -c "'$PY' -m bench.results gpu-table '$OUT'/*.json \
   >'$OUT/gpu_calltime.md'"
 cat "$OUT/gpu_calltime.md" 2>/dev/null || true
 log "done; files: $(ls "$OUT" | tr '\n' ' ')"

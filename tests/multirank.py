@@ -4,9 +4,9 @@
 rank after ``init_process_group``, so ``fn`` may build meshes directly, e.g.
 ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_shard", "tensor"))``.
 ``fn`` must be defined at module level (spawn pickles it by name) and return
-something picklable. The implementation is the library's ``dobb.distributed.launch``.
+something picklable. The implementation is the library's ``bench.tools.launch``.
 """
 
-from dobb.distributed.launch import COLLECTIVE_TIMEOUT, run_ranks
+from bench.tools.launch import COLLECTIVE_TIMEOUT, run_ranks
 
 __all__ = ["COLLECTIVE_TIMEOUT", "run_ranks"]

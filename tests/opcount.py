@@ -9,7 +9,7 @@ also stall a GPU.
 
 import torch
 
-from dobb.eigensolve import OpCounter
+from bench.tools.opcount import OpCounter
 from dobb.optim.registry import build_optimizer
 from dobb.train.model import GPT, gpt_config
 

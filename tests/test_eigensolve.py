@@ -8,22 +8,20 @@ import pytest
 import torch
 from multirank import run_ranks
 
+from bench.results.eigensolve import eigen_residual, main, refresh_problem
+from bench.tools.opcount import OpCounter
 from dobb.eigensolve import (
     BASIS_METHODS,
     ORTHO_TOL,
-    OpCounter,
     _orthonormal_start,
     basis_solver,
     cholqr_basis,
-    eigen_residual,
     eigenbasis,
     guarded,
     jacobi_basis,
-    main,
     orthogonality_error,
     power_qr_basis,
     refresh_bases,
-    refresh_problem,
 )
 
 
@@ -222,7 +220,7 @@ def test_benchmark_writes_json_rows(tmp_path, monkeypatch):
         row = rows[key]
         assert row["residual"] < 1e-5 and row["orthogonality"] < 1e-5
         assert row["seconds"] > 0 and len(row["all_seconds"]) == 2 and row["ops"] > 0
-    assert result["command"].startswith("python -m dobb.eigensolve --sizes 12:3,9:2")
+    assert result["command"].startswith("python -m bench.results.eigensolve --sizes 12:3,9:2")
 
 
 def test_solvers_run_in_fp32_with_ieee_matmuls_whatever_the_caller_chose():

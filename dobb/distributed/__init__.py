@@ -10,12 +10,6 @@
   back (Muon's family).
 - ``sharding``: Dobb's input blocks on a column shard, and per-block work shared out over
   ranks.
-- ``comm``: ``CommRecorder``, which records every collective issued inside a block.
-- ``launch``: ``run_ranks``, a function on N gloo ranks of one CPU machine.
 
 The DTensor types come from ``dobb._dtensor``; nothing here imports from ``dobb.optim``.
 """
-
-from dobb.distributed.comm import CommEvent, CommRecorder
-
-__all__ = ["CommEvent", "CommRecorder"]

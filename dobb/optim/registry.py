@@ -31,7 +31,7 @@ place for what the rest of the tree needs to know about its optimizer: the setti
 comparisons run it with (``harness_options``), its tuned learning rate (``tuned_lrs``,
 read from the study's committed results), what a parallel job hands it
 (``distributed_options``), its periodic work (``period_option``, ``periodic_calls``) and
-its cost model (``cost_model``: a module of ``dobb.bench.costs``, named rather than
+its cost model (``cost_model``: a module of ``bench.model.costs``, named rather than
 imported because the benchmarks sit above the library). It also lists small valid
 constructor inputs and invalid ones with the expected error, in the spirit of PyTorch's
 ``optim_db``, so tests can run over the whole registry.
@@ -87,7 +87,7 @@ class OptimizerEntry:
     splits_columns: bool = True
     """Runs on matrices split along their columns (row-parallel TP); False: rows only."""
     harness_options: dict[str, Any] = field(default_factory=dict)
-    """Constructor overrides of the comparisons (``dobb compare``, ``dobb study``, the
+    """Constructor overrides of the comparisons (``python -m bench compare``, ``python -m bench study``, the
     communication table): the settings compared in the Dobb paper's abstract (Dobb's 16
     blocks, Dion's rank 1/16). Row-blocked optimizers emulate FSDP over 4 ranks in one
     process: MuonBP and BlockMuon tile each matrix's rows as its shards would, Dion2 selects
@@ -95,7 +95,7 @@ class OptimizerEntry:
     32 columns (which tile row-parallel TP's column shards over 4 ranks at every width the
     study runs, >= 128)."""
     cost_model: str | None = None
-    """Module of its cost model (``dobb.bench.costs``: state, work, bytes sent in
+    """Module of its cost model (``bench.model.costs``: state, work, bytes sent in
     ``step()``); None: measured only."""
 
     @property
@@ -149,7 +149,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
             name="dobb",
             label="Dobb",
             harness_options={"num_blocks": 16},
-            cost_model="dobb.bench.costs.dobb",
+            cost_model="bench.model.costs.dobb",
             cls=Dobb,
             lr=1e-3,
             scalar_lr=1e-3,
@@ -172,7 +172,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
             name="dobb2s",
             label="two-sided Dobb",
             harness_options={"row_blocks": 4, "block_size": 32},
-            cost_model="dobb.bench.costs.dobb",
+            cost_model="bench.model.costs.dobb",
             cls=Dobb,
             lr=1e-3,
             scalar_lr=1e-3,
@@ -193,7 +193,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
             name="dion",
             label="Dion",
             harness_options={"rank_fraction": 1 / 16},
-            cost_model="dobb.bench.costs.dion",
+            cost_model="bench.model.costs.dion",
             cls=Dion,
             lr=0.02,
             scalar_lr=1e-3,
@@ -214,7 +214,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         OptimizerEntry(
             name="muon",
             label="Muon",
-            cost_model="dobb.bench.costs.muon",
+            cost_model="bench.model.costs.muon",
             cls=Muon,
             lr=0.02,
             scalar_lr=1e-3,
@@ -235,7 +235,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
             name="muonbp",
             label="MuonBP",
             harness_options={"row_blocks": 4},
-            cost_model="dobb.bench.costs.muonbp",
+            cost_model="bench.model.costs.muonbp",
             cls=MuonBP,
             lr=5e-3,
             scalar_lr=1e-3,
@@ -258,7 +258,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
             name="blockmuon",
             label="BlockMuon",
             harness_options={"row_blocks": 4},
-            cost_model="dobb.bench.costs.muonbp",
+            cost_model="bench.model.costs.muonbp",
             cls=MuonBP,
             lr=5e-3,
             scalar_lr=1e-3,
@@ -270,7 +270,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         OptimizerEntry(
             name="normuon",
             label="NorMuon",
-            cost_model="dobb.bench.costs.normuon",
+            cost_model="bench.model.costs.normuon",
             splits_columns=False,  # normalizes or selects whole rows
             cls=NorMuon,
             lr=5e-3,
@@ -293,7 +293,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
             name="dion2",
             label="Dion2",
             harness_options={"row_blocks": 4},
-            cost_model="dobb.bench.costs.dion2",
+            cost_model="bench.model.costs.dion2",
             splits_columns=False,  # normalizes or selects whole rows
             cls=Dion2,
             lr=0.02,
@@ -314,7 +314,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         OptimizerEntry(
             name="adamw",
             label="AdamW",
-            cost_model="dobb.bench.costs.adamw",
+            cost_model="bench.model.costs.adamw",
             cls=AdamW,
             lr=1e-3,
             hyperparameters={"betas": (0.9, 0.95)},
@@ -328,7 +328,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
 }
 
 
-# `dobb study` writes its tuned learning rates here (a source checkout; absent from a wheel).
+# `python -m bench study` writes its tuned learning rates here (a source checkout; absent from a wheel).
 STUDY_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "study" / "study.json"
 
 

@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-from dobb.bench import calltime, linear_stack, results_sections
-from dobb.bench.costmodel import OPTIMIZERS, state_bytes
-from dobb.bench.hardware import H100
-from dobb.bench.workload import Matrix, hidden_matrices
+from bench.model.costmodel import OPTIMIZERS, state_bytes
+from bench.model.hardware import H100
+from bench.model.workload import Matrix, hidden_matrices
+from bench.results import calltime, linear_stack
+from bench.results import sections as results_sections
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ import json
 import pytest
 from torch.distributed.tensor import Shard
 
-from dobb.bench import calltime_sharded
-from dobb.bench.costmodel import OPTIMIZERS
-from dobb.bench.linear_stack import LinearStack
-from dobb.bench.workload import hidden_matrices
-from dobb.distributed.launch import run_ranks
+from bench.model.costmodel import OPTIMIZERS
+from bench.model.workload import hidden_matrices
+from bench.results import calltime_sharded
+from bench.results.linear_stack import LinearStack
+from bench.tools.launch import run_ranks
 
 
 @pytest.mark.parametrize("layout, world", [("fsdp", 2), ("hsdp", 4), ("tp", 2)])

@@ -10,15 +10,18 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dobb.bench import calibrate, calltime, costs, hardware, linear_stack, results, workload
-from dobb.bench import costmodel as cm
-from dobb.bench.costs import adamw as adamw_cost
-from dobb.bench.costs import dion as dion_cost
-from dobb.bench.costs import dobb as dobb_cost
-from dobb.bench.costs import muon as muon_cost
-from dobb.bench.costs import muonbp as muonbp_cost
+from bench import results
+from bench.model import calibrate, costs, hardware, workload
+from bench.model import costmodel as cm
+from bench.model.costs import adamw as adamw_cost
+from bench.model.costs import dion as dion_cost
+from bench.model.costs import dobb as dobb_cost
+from bench.model.costs import muon as muon_cost
+from bench.model.costs import muonbp as muonbp_cost
+from bench.results import calltime, linear_stack
+from bench.tools.opcount import OpCounter
 from dobb.blocks import block_stacks
-from dobb.eigensolve import OpCounter, jacobi_basis
+from dobb.eigensolve import jacobi_basis
 from dobb.optim.dion import dion_update, sketch_rows
 from dobb.optim.dobb import dobb_update
 from dobb.optim.dobb_variants import dobb_variant_update
@@ -362,7 +365,7 @@ def test_results_command_quick(tmp_path, one_thread):
     (tmp_path / "COMM.md").write_text("| op | bytes |\n|---|---|\n| all_reduce | 1 |\n")
     results.main(["--quick", "--out-dir", str(tmp_path)])
     text = (tmp_path / "RESULTS.md").read_text()
-    assert "python -m dobb.bench.results --quick --out-dir" in text
+    assert "python -m bench.results --quick --out-dir" in text
     for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7.", "## 8."):
         assert heading in text
     assert "124.1" in text and "9.2" in text

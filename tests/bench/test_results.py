@@ -1,10 +1,12 @@
-"""``python -m dobb.bench.results --render``: RESULTS.md from a measuring run's JSON alone."""
+"""``python -m bench.results --render``: RESULTS.md from a measuring run's JSON alone."""
 
 import json
 import shutil
 
-from dobb.bench import calibrate, calltime, calltime_sharded, results
-from dobb.bench.results_report import CALIBRATION_FILE, CALLTIME_FILE, RUN_FILE
+from bench import results
+from bench.model import calibrate
+from bench.results import calltime, calltime_sharded
+from bench.results.report import CALIBRATION_FILE, CALLTIME_FILE, RUN_FILE
 
 
 def refuse(*args, **kwargs):
@@ -38,8 +40,8 @@ def test_render_writes_the_json_numbers_and_measures_nothing(tmp_path, monkeypat
     results.main(["--render", "--out-dir", str(tmp_path)])
 
     text = (tmp_path / "RESULTS.md").read_text()
-    assert "- Generated: 1999-12-31T23:59:59+00:00 by `python -m dobb.bench.results`" in text
-    assert f"by `python -m dobb.bench.results --render --out-dir {tmp_path}`" in text
+    assert "- Generated: 1999-12-31T23:59:59+00:00 by `python -m bench.results`" in text
+    assert f"by `python -m bench.results --render --out-dir {tmp_path}`" in text
     assert all(command in text for command in run["commands"])
     assert "- fp32 GEMM 98765.4 GFLOP/s (square)" in text
     assert "| dobb | 432.1 |" in text  # the cost-model check against the measured median

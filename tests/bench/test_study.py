@@ -1,5 +1,5 @@
-"""`dobb study`: the lr-grid edge extension, the seed statistics, and the tiny pipeline end to
-end (document, plots, numbers from the runs' own JSON, resumability)."""
+"""`python -m bench study`: the lr-grid edge extension, the seed statistics, and the tiny
+pipeline end to end (document, plots, numbers from the runs' own JSON, resumability)."""
 
 import fcntl
 import json
@@ -9,10 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from dobb import cli
-from dobb.bench import study, study_runs, study_stats
+from bench import cli as lab
+from bench import compare, study
+from bench.study import runs as study_runs
+from bench.study import stats as study_stats
 from dobb.optim.base import NonFiniteGradientError
-from dobb.train import compare
 from dobb.train.config import ConfigError, TrainConfig
 
 
@@ -139,12 +140,12 @@ def test_a_run_in_progress_elsewhere_is_refused(tmp_path):
 # ------------------------------------------------------------------ the tiny pipeline
 def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     out, doc = tmp_path / "study", tmp_path / "STUDY.md"
-    assert cli.main(["study", "--tiny", "--out", str(out)]) == 0
+    assert lab.main(["study", "--tiny", "--out", str(out)]) == 0
     text = doc.read_text()
     report = json.loads((out / "study.json").read_text())
     for heading in ("## What the data show", "## (a) Tuned comparison", "## (b) Dobb ablations"):
         assert heading in text
-    assert "## (c) Width trend" in text and f"dobb study --tiny --out {out}" in text
+    assert "## (c) Width trend" in text and f"python -m bench study --tiny --out {out}" in text
     assert "| optimizer | options " in text
     assert re.search(r"\| Dobb vs +\| difference of means", text)
     assert "| option " in text and "| n_embd | parameters |" in text

@@ -6,7 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from dobb.bench import timebudget, timebudget_report, timebudget_train
+from bench import timebudget
+from bench.timebudget import report as timebudget_report
+from bench.timebudget import train as timebudget_train
 from dobb.train.data import write_bin_shard
 
 

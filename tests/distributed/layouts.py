@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from dobb.distributed import CommRecorder
+from bench.tools.comm_recorder import CommRecorder
 
 D, BATCH = 16, 8
 # layout -> (mesh shape (None: 1-D over the world), mesh axis names, hidden, output width).

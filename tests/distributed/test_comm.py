@@ -9,7 +9,7 @@ from multirank import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dobb.distributed import CommRecorder
+from bench.tools.comm_recorder import CommRecorder
 
 
 def _all_reduce(mesh):
@@ -152,10 +152,10 @@ def test_run_ranks_times_out_on_a_hung_rank():
 
 @pytest.mark.timeout(300)
 def test_normuon_and_dion2_collectives_match_the_analytic_table():
-    """Measured bytes inside ``opt.step()`` equal the formula of ``dobb.bench.comm`` on the
+    """Measured bytes inside ``opt.step()`` equal the formula of ``bench.results.comm`` on the
     tiny GPT over 2 ranks: Muon's exchange (on the selected rows for Dion2), plus
     NorMuon's all-reduce of one float per matrix on sharded layouts."""
-    from dobb.bench.comm import measure
+    from bench.results.comm import measure
 
     results = run_ranks(measure, 2, "tiny", ("ddp", "fsdp"), ("normuon", "dion2"), timeout=280)
     expected = {
@@ -177,8 +177,8 @@ def test_normuon_and_dion2_collectives_match_the_analytic_table():
 @pytest.mark.timeout(300)
 def test_dobb_and_muon_collectives_match_the_analytic_table():
     """Dobb moves bytes only on its refresh step (step 1: the statistics average and the
-    bases' all-gather), Muon every step; both as ``dobb.bench.comm`` computes them."""
-    from dobb.bench.comm import measure
+    bases' all-gather), Muon every step; both as ``bench.results.comm`` computes them."""
+    from bench.results.comm import measure
 
     results = run_ranks(measure, 2, "tiny", ("ddp", "fsdp"), ("dobb", "muon"), timeout=280)
     for i, row in enumerate(results[0]):

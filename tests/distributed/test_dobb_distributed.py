@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dobb
-from dobb.distributed import CommRecorder
+from bench.tools.comm_recorder import CommRecorder
 
 STEPS = 4
 HYPER = dict(lr=0.02, basis_interval=2, weight_decay=0.1)

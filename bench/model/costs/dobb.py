@@ -1,0 +1,335 @@
+"""Dobb's cost model (``dobb.optim.dobb``): its state, one call's work, its statistics
+hooks, and the bytes its ``step()`` sends (registry entries ``dobb`` and ``dobb2s``)."""
+
+import math
+from collections import Counter
+
+import torch.distributed as dist
+
+from bench.model.costs.kernels import (
+    BF16,
+    FP32,
+    Kernel,
+    Work,
+    elementwise,
+    finite_check,
+    matmul,
+    no_launch,
+)
+from bench.model.hardware import Collective
+from bench.model.workload import ONE_DEVICE, Layout, Matrix
+from dobb.blocks import block_stacks
+from dobb.distributed.sharding import local_block_stacks
+from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
+
+COMM_FORMULA = "refresh: Σ d_in²/B fp32 per data axis + bases all-gather Σ_s P⌈n_s/P⌉ s²; else 0"
+
+
+def state_formula(two_sided: bool = False) -> str:
+    """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words (``s``: block size;
+    two-sided: ``m`` the row-block size)."""
+    if two_sided:
+        return (
+            "4 (momentum) + 8 s / d_out (C_b, Q_b) + 8 m / d_in (P_r and its moments) + 8 / (m n)"
+        )
+    return "4 (momentum) + 8 s / d_out (C_b, Q_b) + 8 / (m n) (step counters)"
+
+
+def state_bytes(
+    matrix: Matrix, *, num_blocks: int = 16, two_sided: bool = False, row_blocks: int = 32
+) -> float:
+    """Bytes of state for one fp32 matrix: momentum, per block ``C_b`` and ``Q_b``
+    (``s x s`` each), ``step`` and ``stats_steps``; the statistics accumulators (another
+    ``s x s`` per block) live outside the state and are not counted. Two-sided (sign
+    coefficients) adds, per row block (``row_blocks`` near-equal blocks of the whole
+    matrix's ``d_out`` rows), the moments ``row_cov`` and the basis ``P_r`` (``m x m``
+    each); its row moments come from the gradient in the step (``row_stats="gradients"``),
+    so no further accumulators. (``coefficients="adam"`` would add a ``variance`` the size
+    of the matrix; not modelled.)"""
+    blocks = sum(s.count * s.size**2 for s in block_stacks(matrix.d_in, num_blocks))
+    if two_sided:  # P_r and its moments, per row block
+        blocks += sum(s.count * s.size**2 for s in block_stacks(matrix.d_out, row_blocks))
+    return matrix.numel * FP32 + 2 * blocks * FP32 + 2 * FP32
+
+
+def work(
+    matrices: list[Matrix],
+    *,
+    layout: Layout = ONE_DEVICE,
+    num_blocks: int = 16,
+    basis_interval: int = 10,
+    refresh: str = "sharded",
+    launches: str = "per_shape",
+    solver: str = "eigh",
+    two_sided: bool = False,
+    row_blocks: int | None = None,
+) -> Work:
+    """Dobb's call: the statistics fold, ``dobb_update_batched`` per batch of same-shape
+    matrices, and a refresh every ``k`` calls.
+
+    Each rank updates its piece (its rows; under TP row-parallel, the blocks of its
+    columns). The fold is a few ``torch._foreach_*`` launches for all matrices; the update
+    launches once per shape (``launches="per_matrix"``: the unbatched implementation, one
+    launch per op and matrix). Batching stacks the direction and copies it into block order,
+    two passes more than the per-matrix ops. The statistics are all-reduced over the data
+    ranks at a refresh. ``refresh="sharded"`` is our default (``shard_refresh=True``): each
+    of the ``p`` ranks of the innermost data axis refreshes ``1/p`` of the blocks of each
+    size, then one all-gather per block size shares the bases; ``"replicated"``
+    (``shard_refresh=False``): every rank refreshes every block it holds. ``solver``:
+    ``"eigh"`` (``torch.linalg.eigh``: one fitted cost per block) or ``"jacobi"``
+    (``dobb.eigensolve.jacobi_basis``: batched kernels, ``jacobi_kernels``).
+    Two-sided Dobb (``two_sided=True``, ``row_blocks``: None for one block of each rank's
+    rows) runs ``two_sided_ops`` instead of the one-sided rotations; its row bases are
+    refreshed where they live (never shared out), and under row-parallel TP its row
+    moments are all-reduced over the ranks splitting the columns at a refresh.
+    """
+    work = Work(period=basis_interval)
+    eigh_blocks: dict[int, int] = {}  # input blocks: shared out over the data ranks
+    row_eigh_blocks: dict[int, int] = {}  # row blocks: refreshed where they live
+    cov_bytes = checked = 0
+    shapes: set[tuple[int, int]] = set()
+    batched = launches == "per_shape"
+    for i, m in enumerate(matrices):
+        rows, n = layout.local(m)
+        e = rows * n
+        stacks = local_block_stacks(block_stacks(m.d_in, num_blocks), 0, n, m.name)
+        first = not batched or (rows, n) not in shapes
+        shapes.add((rows, n))
+        cov = sum(s.count * s.size**2 for s in stacks)
+        checked += e + cov  # gradients and the statistics sums
+        cov_bytes += cov * FP32
+        for s in stacks:
+            eigh_blocks[s.size] = eigh_blocks.get(s.size, 0) + s.count
+        fold = [  # foreach over every matrix: launched with the first one
+            elementwise(cov, 2, new=True),  # S_b = A_b / n
+            elementwise(cov, 1),  # A_b.zero_()
+            elementwise(cov, 3),  # C_b.lerp_(S_b)
+        ]
+        ops: list[Kernel] = [
+            elementwise(e, 3),  # M.lerp_(G)
+            elementwise(e, 3, new=True),  # N = G.lerp(M)
+        ]
+        if two_sided:
+            rstacks = row_stacks(m, rows, row_blocks)
+            ops += two_sided_ops(rows, n, stacks, rstacks)
+            for r in rstacks:
+                row_eigh_blocks[r.size] = row_eigh_blocks.get(r.size, 0) + r.count
+            row_cov = sum(r.count * r.size**2 for r in rstacks)
+            fold.append(elementwise(row_cov, 3))  # P_r's moments .lerp_
+            if layout.splits(m)[1] > 1:  # row-parallel TP: partial row moments
+                ranks = layout.splits(m)[1]
+                work.refresh_comm.append(Collective("all_reduce", row_cov * FP32, ranks))
+        else:
+            ops += one_sided_ops(rows, n, stacks, batched)
+        ops.append(elementwise(e, 3))  # W.add_(U)
+        work.step += fold if i == 0 or not batched else [no_launch(k) for k in fold]
+        # batched per shape: the same FLOPs and bytes, launched with the first of its shape
+        work.step += ops if first else [no_launch(k) for k in ops]
+        if not batched:
+            work.step += [Kernel("elementwise", count=2)]  # step += 1, stats_steps += 1
+    if batched:
+        work.step += [Kernel("elementwise", count=4)]  # step counters: add, stack (twice)
+    work.step += finite_check(checked)
+    group = layout.refresh_split if refresh == "sharded" else 1
+    if layout.data > 1:
+        work.refresh_comm.append(Collective("all_reduce", cov_bytes, layout.data))
+    for size, count in sorted(eigh_blocks.items()):
+        blocks = math.ceil(count / group)
+        work.refresh += refresh_kernels(size, count, blocks, solver)
+        if group > 1:  # this rank's padded chunk, then the all-gather of all chunks
+            work.refresh.append(elementwise(blocks * size * size, 2, new=True))
+            gathered = blocks * group * size * size * FP32
+            work.refresh_comm.append(Collective("all_gather", gathered, group))
+    for size, count in sorted(row_eigh_blocks.items()):
+        work.refresh += refresh_kernels(size, count, count, solver)
+    return work
+
+
+def refresh_kernels(size: int, count: int, blocks: int, solver: str) -> list[Kernel]:
+    """Refreshing ``blocks`` of the ``count`` bases of one ``size`` that a rank holds: cat
+    the stacks, solve (``eigh``: jitter, one fitted call, flip; or ``jacobi_kernels``),
+    copy all ``count`` into the state."""
+    elements = blocks * size * size
+    if solver == "jacobi":
+        solve = jacobi_kernels(size, blocks)
+    else:
+        solve = [
+            elementwise(elements, 3, new=True),  # C + jitter I
+            Kernel("eigh", block=size, count=blocks),
+            elementwise(elements, 2, new=True),  # flip
+        ]
+    cat = elementwise(count * size * size, 2, new=True)
+    return [cat, *solve, elementwise(count * size * size, 2)]
+
+
+def one_sided_ops(rows: int, n: int, stacks, batched: bool) -> list[Kernel]:
+    """``dobb_update`` (or, ``batched``, ``dobb_update_batched``) after the momentum, up to
+    the final ``W.add_``: per block stack ``K_b = N_b Q_b``, ``sign_``, ``U_b = S_b Q_bᵀ``
+    (``2 m n s`` FLOPs each); batching stacks the direction and the bases and copies each
+    stack's columns into block order and back."""
+    ops = [elementwise(rows * n, 2, new=True)] if batched else []  # stack the directions
+    for s in stacks:
+        x = rows * s.count * s.size * FP32  # bytes of this stack's columns
+        bmm = 2.0 * rows * s.count * s.size * s.size  # (count, rows, s) @ (count, s, s)
+        if batched:
+            ops += [
+                elementwise(x / FP32, 2, new=True),  # N_b in block order
+                elementwise(s.count * s.size**2, 2, new=True),  # stack the bases
+            ]
+        ops += [
+            matmul("bmm_fp32", bmm, x, x, block=s.size),  # K_b = N_b Q_b
+            elementwise(x / FP32, 2),  # sign_
+            matmul("bmm_fp32", bmm, x, x, block=s.size),  # U_b = S_b Q_bᵀ
+        ]
+        if batched:
+            ops.append(elementwise(x / FP32, 2))  # U_b into the update's columns
+    if not batched:
+        ops.append(elementwise(rows * n, 2))  # W.mul_(1 - lr wd), skipped when batched, wd 0
+    return ops
+
+
+def row_stacks(matrix: Matrix, rows: int, row_blocks: int | None) -> tuple:
+    """Two-sided Dobb's row blocks of a rank holding ``rows`` rows of ``matrix``: one block
+    of them (``row_blocks=None``), or ``row_blocks`` blocks of all ``d_out`` rows, which
+    must tile the rank's rows (``Dobb``'s rule)."""
+    if row_blocks is None:
+        return block_stacks(rows, 1) if rows else ()
+    return local_block_stacks(block_stacks(matrix.d_out, row_blocks), 0, rows, matrix.name)
+
+
+def two_sided_ops(rows: int, n: int, stacks, rstacks) -> list[Kernel]:
+    """``dobb_variant_update`` with sign coefficients and ``_gradient_moments``'s row
+    moments on one ``(rows, n)`` piece (the momentum's two ops come before these).
+
+    Row moments ``G_r G_rᵀ / n``: ``2 m n`` FLOPs per row. ``rotate`` on every tile of a
+    row block (``m`` rows) and an input block (``s`` columns), into the bases and back:
+    ``N_b Q_b`` (``2 m s²``) then ``P_rᵀ (.)`` (``2 m² s``) and a copy into place, each way;
+    ``matmul`` first copies the strided tiles and each basis broadcast over the other
+    side's blocks (``torch.matmul`` expands, then clones, its batch dimensions).
+    """
+    e = rows * n
+    ops = [
+        elementwise(e, 2, new=True),  # stack the gradients (row moments)
+        elementwise(e, 2, new=True),  # stack the direction
+    ]
+    for r in rstacks:
+        moments = r.count * r.size**2
+        read = r.count * r.size * n * FP32
+        flops = 2.0 * r.count * r.size**2 * n
+        ops += [
+            matmul("bmm_fp32", flops, 2 * read, moments * FP32, block=r.size),  # G_r G_rᵀ
+            elementwise(moments, 2, new=True),  # / d_in
+            elementwise(moments, 2, new=True),  # stack P_r
+        ]
+    ops += [elementwise(s.count * s.size**2, 2, new=True) for s in stacks]  # stack Q_b
+    for way in ("into", "back"):
+        ops.append(Kernel("elementwise", alloc=e * FP32))  # empty_like
+        for r in rstacks:
+            for s in stacks:
+                tile = r.count * r.size * s.count * s.size  # elements of these tiles
+                pairs = r.count * s.count  # matmul broadcasts each basis over the other side
+                ops += [
+                    elementwise(tile, 2, new=True),  # the strided tiles, made contiguous
+                    elementwise(pairs * s.size**2, 2, new=True),  # Q_b for every row block
+                    matmul("bmm_fp32", 2.0 * tile * s.size, 2 * tile * FP32, tile * FP32,
+                           block=s.size),  # N_b Q_b (or S Q_bᵀ)
+                    elementwise(pairs * r.size**2, 2, new=True),  # P_r for every input block
+                    matmul("bmm_fp32", 2.0 * tile * r.size, 2 * tile * FP32, tile * FP32,
+                           block=r.size),  # P_rᵀ (.) (or P_r (.))
+                    elementwise(tile, 2),  # into place
+                ]  # fmt: skip
+        if way == "into":
+            ops.append(elementwise(e, 2))  # sign_
+    return ops
+
+
+def jacobi_kernels(size: int, count: int) -> list[Kernel]:
+    """``jacobi_basis`` on ``count`` blocks of ``size`` (``dobb.eigensolve``): ``A = Qᵀ C Q``,
+    then ``JACOBI_SWEEPS`` sweeps of ``slots - 1`` rounds; each round solves every slot
+    pair's ``(2w, 2w)`` block at once (one batched small ``eigh``, a factorization) and
+    rotates ``A`` and ``Qᵀ`` with three ``bmm`` (``4 w m²`` FLOPs a block each) and three
+    gathers; then sorting, one Cholesky-QR pass, the skip test and the guard's ``QᵀQ``."""
+    slots = 2 * -(-size // (2 * JACOBI_WIDTH))
+    w = -(-size // slots)
+    m = slots * w
+    rounds = (slots - 1) * (JACOBI_SWEEPS if slots > 2 else 1)
+    pairs = count * slots // 2
+    full, gram = count * m * m, 2.0 * count * size**3
+    start = [
+        matmul("bmm_fp32", gram, 2 * full * FP32, full * FP32, block=size),  # cholesky_qr Gram
+        Kernel("small", flops=count * size**3 / 3.0),  # Cholesky
+        Kernel("small", flops=count * size**3, alloc=full * FP32),  # triangular solve
+        matmul("bmm_fp32", 2 * gram, 3 * full * FP32, full * FP32, block=size),  # Qᵀ C Q
+        elementwise(full, 2, count=4, new=True),  # padding, layout gathers
+    ]
+    one_round = [
+        Kernel("small", flops=pairs * 9.0 * (2 * w) ** 3),  # batched eigh of the pairs
+        elementwise(pairs * 4 * w * w, 2, count=4, new=True),  # ranks, gather, transpose
+        *[matmul("bmm_fp32", 4.0 * w * m * m * count, 2 * full * FP32, full * FP32, block=2 * w)]
+        * 3,
+        elementwise(full, 2, count=3, new=True),  # the next round's layout (index_select)
+    ]
+    finish = [
+        elementwise(full, 2, count=3, new=True),  # sort and gather the columns
+        matmul("bmm_fp32", gram, 2 * full * FP32, full * FP32, block=size),  # Cholesky-QR
+        Kernel("small", flops=count * size**3 / 3.0),
+        Kernel("small", flops=count * size**3, alloc=full * FP32),
+        Kernel("reduction", bytes=full * FP32, count=2),  # skip test
+        matmul("bmm_fp32", gram, 2 * full * FP32, full * FP32, block=size),  # guard: QᵀQ - I
+        Kernel("elementwise", count=4),  # max, where, the guard's host read
+    ]
+    return start + one_round * rounds + finish
+
+
+def hook_work(
+    matrices: list[Matrix],
+    tokens: int,
+    *,
+    num_blocks: int = 16,
+    low_precision: bool = False,
+    share_inputs: bool = True,
+) -> list[Kernel]:
+    """Statistics hooks of one forward pass: ``A_b += X_bᵀ X_b``, ``2 N n s`` FLOPs a block
+    stack, once per input tensor (``Matrix.input``: q, k and v share theirs through
+    ``GramCache``), then one ``add`` into each layer's sums. ``low_precision``: under bf16
+    autocast on a GPU the products take 16-bit inputs (one cast of each input) and
+    accumulate in fp32. ``share_inputs=False``: every layer computes its own products (our
+    hooks before ``GramCache``)."""
+    ops, seen = [], set()
+    for m in matrices:
+        for s in block_stacks(m.d_in, num_blocks):
+            sums = s.count * s.size**2
+            source = m.input if share_inputs else m.name
+            if (source, s) not in seen:
+                seen.add((source, s))
+                x = tokens * s.count * s.size
+                if low_precision:
+                    ops.append(Kernel("elementwise", bytes=x * (FP32 + BF16), alloc=x * BF16))
+                    io = x * BF16 + sums * FP32
+                    kind = "gemm_bf16"
+                else:
+                    io, kind = x * FP32 + sums * FP32, "bmm_fp32"
+                flops = 2.0 * tokens * sums
+                ops.append(Kernel(kind, flops=flops, bytes=io, block=s.size, alloc=sums * FP32))
+            ops.append(elementwise(sums, 3))  # A_b += the (shared) product
+    return ops
+
+
+def comm_bytes(opt, matrices, layout: str, world: int, step: int) -> int:
+    """This rank's bytes in ``opt.step()`` (``matrices``: ``(param, group)`` pairs): on a
+    refresh step, the statistics of the blocks it holds, one all-reduce per data axis,
+    then one all-gather of the bases per block size, padded to a multiple of the group."""
+    total, gathered = 0, Counter()  # blocks per size, all matrices
+    for p, group in matrices:
+        refresh = (step - 1) % group["basis_interval"] == 0
+        blocks = sum(s.count * s.size**2 for s in opt.local_blocks(p))  # local C_b
+        axes = len(opt.stats_groups) if refresh else 0
+        total += FP32 * blocks * axes
+        if refresh and axes:
+            gathered.update({s.size: s.count for s in opt.local_blocks(p)})
+    if gathered:
+        ranks = dist.get_world_size(opt.stats_groups[-1])
+        total += sum(
+            FP32 * ranks * -(-count // ranks) * size**2 for size, count in gathered.items()
+        )
+    return total

@@ -1,0 +1,7 @@
+"""`python -m bench.results`: see ``bench.results``."""
+
+import sys
+
+from bench.results import main
+
+main(sys.argv[1:])

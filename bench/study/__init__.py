@@ -1,0 +1,93 @@
+"""The optimizer study, ``python -m bench study``: tuned comparison with seeds, Dobb
+ablations, width trend, MuonBP's period -> STUDY.md.
+
+    python -m bench study                          # 1-2 h on 2 CPU cores (budget.yaml)
+    python -m bench study --tiny --out /tmp/study  # the whole pipeline on a tiny GPT
+
+Five parts, every run trained by `bench.compare.run` (so a finished run is never
+repeated and an interrupted one resumes from its checkpoint: re-running the command after a
+kill finishes the study):
+
+(a) Tuned comparison. Per optimizer (Dobb with 16 blocks, Dion with rank fraction 1/16,
+    Muon, MuonBP over 4 row blocks, AdamW) a log-spaced lr grid around the registry's
+    starting lr, extended one point at a time while the best lr sits at an edge, then extra
+    seeds at each best lr (seed 0 is the sweep's own run). Dobb's difference to each
+    baseline is set against the seed noise: it "exceeds the noise" when |mean difference|
+    > 2 x pooled standard deviation of single runs; Welch's t is reported beside it.
+(b) Dobb ablations at Dobb's tuned lr (paired with its seed-0 run): num_blocks, basis
+    interval, eigh vs power-QR, statistics sync, basis source, update scale. Options whose
+    best lr moves (num_blocks, update_scale) get a small lr sweep of their own.
+(c) Width trend: the Dobb-Dion gap at several widths at fixed depth, each at its own best
+    lr from a small sweep around the tuned lr of (a).
+(d) MuonBP's period P (1: Muon with MuonBP's lr scaling, 2, 20, None: BlockMuon), each with a
+    small lr sweep around MuonBP's tuned lr, against its seed-0 run (P=5) as in (b).
+(e) Closing the gap to Muon without leaving the shard: two-sided Dobb and Dobb's variants
+    (block sizes, Adam coefficients, slower statistics, a weights EMA), the row-shard trend
+    and the width trend of the best variants.
+
+``bench.study.runs`` plans and runs the training runs (``study_gap``: those of (e),
+and their analysis); ``study_analysis`` turns them into numbers, ``study_findings`` into
+statements and ``study_report`` (with ``study_plots``, ``study_format`` and
+``study_gap_report``) into the document.
+"""
+
+import json
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.study.analysis import analyse
+from bench.study.gap import run_gap
+from bench.study.report import write_document
+from bench.study.runs import Runner, base_config, load_spec, run_study
+
+
+def study(
+    out: str | Path,
+    doc: str | Path | None = None,
+    *,
+    tiny: bool = False,
+    config: str | Path | None = None,
+    workers: int | None = None,
+    command: str | None = None,
+    log=print,
+) -> dict[str, Any]:
+    """Run (or finish) the study into `out` and write the report; return its numbers.
+
+    doc: the Markdown report (default: `STUDY.md` next to `out`); config: the budget
+    (default `configs/study/budget.yaml`; `tiny` applies its `tiny` section); workers: override
+    the config's number of parallel runs.
+    """
+    spec = load_spec(config, tiny)
+    if workers is not None:
+        spec.workers = workers
+    out = Path(out)
+    doc = Path(doc) if doc is not None else out.parent / "STUDY.md"
+    base = base_config(spec)
+    started, t0 = datetime.now(UTC), time.perf_counter()
+    with Runner(spec.workers, spec.threads) as runner:
+        results = run_study(spec, base, out, runner, log)
+        results["gap"] = run_gap(spec, base, out, runner, results["best_lr"], log)
+    command = command or " ".join(["dobb", *sys.argv[1:]])
+    invocation = {
+        "started": started.isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - t0,
+        "new_runs": runner.new_runs,
+        "command": command,
+    }
+    with open(out / "invocations.jsonl", "a") as f:
+        f.write(json.dumps(invocation) + "\n")
+    report = analyse(spec, base, out, results) | {
+        "command": command,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "invocations": [
+            json.loads(x) for x in (out / "invocations.jsonl").read_text().splitlines()
+        ],
+        "new_runs": runner.new_runs,
+    }
+    write_document(report, out, doc)
+    (out / "study.json").write_text(json.dumps(report, indent=1, default=str))
+    log(f"{runner.new_runs} new runs; report: {doc}")
+    return report

@@ -1,0 +1,102 @@
+"""`python -m bench compare --quick`: the table, the plots and summary.md, from the runs' logs."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from bench import cli as lab
+from bench import compare
+from dobb import cli
+from dobb.optim.registry import get_entry, tuned_lrs
+
+# each optimizer at its best lr from the study's committed JSON (registry lr if untuned)
+RUNS = sorted(
+    f"{name}-lr{tuned_lrs().get(name, get_entry(name).lr):.4g}" for name in compare.OPTIMIZERS
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_quick_compare_writes_table_plots_and_summary(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "report"
+    assert lab.main(["compare", "--quick", "--steps", "4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| optimizer | lr" in printed and "final val loss" in printed
+    for name in ("dobb", "dion", "muon", "adamw"):
+        assert f"| {name} " in printed
+
+    assert sorted(p.name for p in (out / "runs").iterdir()) == RUNS
+    for png in ("val_loss_vs_step.png", "val_loss_vs_time.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (out / "summary.md").read_text()
+    results = json.loads((out / "results.json").read_text())
+    sha = json.loads((out / "runs" / RUNS[0] / "run.json").read_text())["corpus"]["sha256"]
+    assert sha in summary and "stdlib-py" in summary and torch.__version__ in summary
+    assert f"python -m bench compare --quick --steps 4 --out {out}" in summary
+    assert "## Learning rates used" in summary and "rank_fraction=0.0625" in summary
+    assert "num_blocks=16" in summary and "](val_loss_vs_step.png)" in summary
+    for name, best in results["best"].items():  # the table holds the runs' own numbers
+        run = json.loads((out / "runs" / f"{name}-lr{best['lr']:.4g}" / "summary.json").read_text())
+        assert f"{run['final_val_loss']:.4f}" in summary
+
+    # finished runs are not repeated
+    monkeypatch.setattr(compare, "train", lambda cfg: pytest.fail("retrained a finished run"))
+    compare.compare(out, quick=True, steps=4, log=lambda *_: None)
+    # ... but a different budget in the same folder is refused
+    with pytest.raises(FileExistsError, match="different config .*steps"):
+        compare.compare(out, ["adamw"], quick=True, steps=5, log=lambda *_: None)
+
+
+def test_lr_sweep_plots_loss_against_lr_and_writes_the_best(tmp_path):
+    out = tmp_path / "sweep"
+    argv = ["compare", "--quick", "--steps", "3", "--out", str(out), "--optimizers", "adamw,dobb"]
+    argv += ["--lr-factors", "0.5,2", "--lrs", "dobb=1e-3,4e-3"]
+    assert lab.main(argv) == 0
+    names = sorted(p.name for p in (out / "runs").iterdir())
+    assert names == ["adamw-lr0.0005", "adamw-lr0.002", "dobb-lr0.001", "dobb-lr0.004"]
+    best = json.loads((out / "best_lrs.json").read_text())
+    results = json.loads((out / "results.json").read_text())["results"]
+    for name, runs in results.items():
+        assert best[name] == min(runs, key=lambda s: s["final_val_loss"])["lr"]
+    assert (out / "lr_sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert "## Learning-rate sweep" in (out / "summary.md").read_text()
+
+
+def test_compare_rejects_per_run_overrides(tmp_path, capsys):
+    assert lab.main(["compare", "--quick", "--out", str(tmp_path), "optimizer=adamw"]) == 2
+    assert "compare sets ['optimizer'] per run" in capsys.readouterr().err
+
+
+def test_train_command_reports_config_errors(capsys):
+    assert cli.main(["train", "stepz=3"]) == 2
+    assert "unknown config key 'stepz'" in capsys.readouterr().err
+
+
+def test_tuned_lrs_come_from_the_study_json(tmp_path):
+    """The registry reads tuned lrs from the study's JSON; none without the file."""
+    path = tmp_path / "study.json"
+    assert tuned_lrs(path) == {}
+    path.write_text(json.dumps({"best_lr": {"dobb": 0.003, "muon": 0.02}}))
+    assert tuned_lrs(path) == {"dobb": 0.003, "muon": 0.02}
+
+
+def test_a_run_logged_before_eval_ema_existed_is_the_same_config(tmp_path, monkeypatch):
+    """An old run.json without a later field (eval_ema) means its default (None): off."""
+    cfg = compare.run_config(compare.base_config(quick=True), "adamw", None, tmp_path)
+    out = tmp_path / "runs" / compare.run_name("adamw", cfg.lr)
+    out.mkdir(parents=True)
+    old = {k: v for k, v in cfg.to_dict().items() if k != "eval_ema"}
+    (out / "run.json").write_text(json.dumps({"config": old}))
+    (out / "summary.json").write_text(json.dumps({"final_val_loss": 1.5}))
+    monkeypatch.setattr(compare, "train", lambda cfg: pytest.fail("retrained a finished run"))
+    assert compare.run(cfg, log=lambda *_: None) == {"final_val_loss": 1.5}
+    with pytest.raises(FileExistsError, match=r"different config \(eval_ema\)"):
+        compare.run(replace(cfg, eval_ema=0.9), log=lambda *_: None)
