@@ -4,7 +4,8 @@ Layout of `<root>/step_000120/` (written as `step_000120.tmp/`, renamed when com
 
     .metadata, __*_*.distcp   DCP: the model and optimizer state and any `extra` tensors
                               (the trainer's EMA weights), sharded DTensors as shards
-    rng_rank<r>.pt            this rank's RNG states (torch, CUDA, numpy, python)
+    rng_rank<r>.pt            this rank's RNG states (torch, CUDA, numpy, python) as tensors
+                              and numbers only, read back with `weights_only=True`
     COMPLETE                  JSON metadata (step, scheduler state, config) and, under
                               "files", every other file's size in bytes and SHA-256; written last
 
@@ -14,6 +15,15 @@ interrupted and is ignored. `intact_checkpoint` checks each `step_*` directory, 
 first, against its marker (present, every file there with its size and checksum) and
 skips a damaged one with a `RunWarning` naming it and the fault. The data position needs
 no saving: batch `step` is a pure function of (seed, step, rank).
+
+Retention (`keep`) verifies before it deletes: the newest `keep` intact checkpoints are
+kept, damaged ones never count, and only checkpoints older than the oldest kept one are
+deleted. A save that fails (a full disk) removes its `.tmp` directory and raises
+`CheckpointError` with one line; earlier checkpoints are untouched.
+
+Checkpoints are trusted input: the RNG files load with `weights_only=True`, but DCP
+unpickles its own `.metadata` file, so resume only from checkpoints you (or a run you
+trust) wrote.
 """
 
 import hashlib
@@ -31,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -159,10 +170,20 @@ def _rank() -> int:
 
 
 def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors, numbers and strings only (no pickled objects),
+    so that `torch.load(..., weights_only=True)` reads them back."""
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, words, gauss_next = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
+        "numpy": {
+            "name": str(name),
+            "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),  # 624 uint32 words
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": {"version": version, "state": torch.tensor(words), "gauss_next": gauss_next},
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -171,10 +192,73 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    numpy = state["numpy"]
+    key = numpy["key"].numpy().astype(np.uint32)
+    np.random.set_state(
+        (numpy["name"], key, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"])
+    )
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_rng_file(path: Path) -> dict[str, Any]:
+    """The RNG states in `path`, read with `weights_only=True` (runs no code from the file);
+    `CheckpointError` if it holds anything else."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, or whatever a crafted file raises
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} holds more than RNG tensors and numbers, so it was not loaded ({first}); "
+            "resume from a checkpoint this version of dobb wrote, or delete this one"
+        ) from None
+
+
+def _one_line(error: BaseException) -> str:
+    """The first line of `error`'s message; for DCP's `CheckpointException` (a
+    BaseException whose text is every rank's traceback) that of the first rank's error."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _agree(error: str | None) -> str | None:
+    """Every rank's `error` (None: this rank succeeded) shared: the first one, or None."""
+    if not _distributed():
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+# checkpoints this process wrote and hashed itself: retention need not read them again
+_WRITTEN: set[Path] = set()
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete checkpoints older than the newest `keep` intact ones; return those deleted.
+
+    Walks from the newest: a checkpoint counts when it is intact (`checkpoint_fault`; one
+    this process saved is trusted), a damaged one is skipped and left in place. Only when
+    `keep` intact ones are found are the older ones deleted, so there are never fewer
+    intact checkpoints than asked (nor is any deleted while there are fewer).
+    """
+    found, kept, deleted = checkpoint_dirs(root), 0, []
+    for index in range(len(found) - 1, -1, -1):
+        path = found[index]
+        if path.resolve() in _WRITTEN or checkpoint_fault(path) is None:
+            kept += 1
+        if kept == keep:
+            for old in found[:index]:
+                shutil.rmtree(old, ignore_errors=True)
+                deleted.append(old)
+            break
+    return deleted
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -204,28 +288,52 @@ def save_checkpoint(
     """
     final = checkpoint_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
+
+    def failed(error: str) -> CheckpointError:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return CheckpointError(
+            f"saving checkpoint {final} failed ({error}); its partial files were removed and "
+            "earlier checkpoints are untouched: free disk space (or fix out_dir), then rerun "
+            "with resume=true"
+        )
+
+    error = None
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
-        tmp.mkdir(parents=True)
-    _barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = _one_line(e)
+    if error := _agree(error):
+        raise failed(error)
     # get_optimizer_state_dict calls Dobb's state_dict(), which averages statistics over the
     # data-parallel ranks: a collective, issued on every rank here
     state = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),
     } | (extra or {})
-    _dcp(dcp.save, state, tmp)
-    torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
-    _barrier()  # every rank's files are on disk
+    try:
+        _dcp(dcp.save, state, tmp)  # a collective: raises on every rank if one fails
+        torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    except (OSError, CheckpointException) as e:
+        error = _one_line(e)
+    if error := _agree(error):  # every rank's files are on disk, or every rank raises
+        raise failed(error)
     if _rank() == 0:
-        marker = {"step": step, **metadata, "files": file_manifest(tmp)}
-        _write_atomic(tmp / MARKER, json.dumps(marker, indent=1))
-        shutil.rmtree(final, ignore_errors=True)  # an unmarked dir of the same step, if any
-        os.replace(tmp, final)
-        if keep:
-            for old in complete_checkpoints(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        try:
+            marker = {"step": step, **metadata, "files": file_manifest(tmp)}
+            _write_atomic(tmp / MARKER, json.dumps(marker, indent=1))
+            shutil.rmtree(final, ignore_errors=True)  # an unmarked dir of the same step, if any
+            os.replace(tmp, final)
+            _WRITTEN.add(final.resolve())
+        except OSError as e:
+            (tmp / (MARKER + ".part")).unlink(missing_ok=True)
+            error = _one_line(e)
+        if error is None and keep:
+            prune_checkpoints(root, keep)
+    if error := _agree(error):
+        raise failed(error)
     return final
 
 
@@ -252,17 +360,30 @@ def load_checkpoint(
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),
     } | (extra or {})  # the same inner dicts: DCP loads into the caller's
+    fix = "resume with the config it was saved with, or choose another out_dir"
+    unused = saved_model_keys(path) - {f"model.{k}" for k in state["model"]}
+    if unused:  # DCP would load the rest and drop these without a word
+        raise CheckpointError(
+            f"{path} holds {len(unused)} model tensor(s) this model lacks (e.g. "
+            f"{sorted(unused)[0]}): it was saved from a larger or different model; {fix}"
+        )
     try:
         _dcp(dcp.load, state, path)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
-    except (RuntimeError, KeyError, ValueError) as e:  # another model, optimizer or layout
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (RuntimeError, KeyError, ValueError, CheckpointException) as e:  # another model,
+        # optimizer or layout; DCP's CheckpointException is a BaseException of every rank
         raise CheckpointError(
-            f"{path} does not load into this model and optimizer ({first}); resume with the "
-            "config it was saved with, or choose another out_dir"
-        ) from e
+            f"{path} does not load into this model and optimizer ({_one_line(e)}); {fix}"
+        ) from None
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))  # numpy and python states: our own file
+        set_rng_state(load_rng_file(rng))
     return read_metadata(path)
+
+
+def saved_model_keys(path: str | Path) -> set[str]:
+    """The model tensors a checkpoint holds, as DCP names them (`model.<fqn>`), read from
+    its `.metadata` (which DCP unpickles: checkpoints are trusted input)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {k for k in metadata.state_dict_metadata if k.startswith("model.")}

@@ -13,6 +13,7 @@ A config path that is not a file is looked up among the configs shipped inside t
 `tiny.yaml` and `tiny` all name it, from any working directory.
 """
 
+import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field
@@ -73,7 +74,8 @@ class TrainConfig:
     # ---- reproducibility and parallelism
     seed: int = 0  # model init and the batch sampler; data batch = f(seed, step, rank)
     layout: str = "single"  # single, ddp, fsdp, hsdp, tp, fsdp_tp (dobb.train.parallel)
-    tensor_parallel: int = 2  # TP degree of the tp/fsdp_tp layouts (the inner mesh axis)
+    tensor_parallel: int = 2  # TP degree of fsdp_tp (inner axis); tp: must equal WORLD_SIZE
+    timeout: float = 600.0  # seconds a collective waits for the other ranks, then fails
     # ---- output and checkpoints
     out_dir: str = "runs/default"  # metrics.jsonl, run.json, summary.json, checkpoints/
     checkpoint_interval: int = 0  # save every this many steps and after the last; 0: never
@@ -96,9 +98,15 @@ class TrainConfig:
             "steps": (self.steps >= 1, ">= 1"),
             "warmup_steps": (0 <= self.warmup_steps <= self.steps, f"in [0, steps={self.steps}]"),
             "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
-            "lr": (self.lr is None or self.lr >= 0, ">= 0 or none"),
-            "scalar_lr": (self.scalar_lr is None or self.scalar_lr >= 0, ">= 0 or none"),
-            "grad_clip": (self.grad_clip is None or self.grad_clip > 0, "> 0 or none"),
+            "lr": (self.lr is None or 0 <= self.lr < math.inf, "a finite number >= 0, or none"),
+            "scalar_lr": (
+                self.scalar_lr is None or 0 <= self.scalar_lr < math.inf,
+                "a finite number >= 0, or none",
+            ),
+            "grad_clip": (
+                self.grad_clip is None or 0 < self.grad_clip < math.inf,
+                "a finite number > 0, or none",
+            ),
             "eval_interval": (self.eval_interval >= 1, ">= 1"),
             "eval_batches": (self.eval_batches >= 1, ">= 1"),
             "eval_ema": (
@@ -108,6 +116,7 @@ class TrainConfig:
             "tensor_parallel": (self.tensor_parallel >= 1, ">= 1"),
             "checkpoint_interval": (self.checkpoint_interval >= 0, ">= 0 (0: never)"),
             "keep_checkpoints": (self.keep_checkpoints >= 0, ">= 0 (0: keep all)"),
+            "timeout": (0 < self.timeout < math.inf, "a number of seconds > 0"),
         }
         for key, (ok, expected) in checks.items():
             if not ok:

@@ -268,8 +268,9 @@ def load_tokens(
 ) -> tuple[np.ndarray, int, Corpus]:
     """Load a corpus as (uint16 tokens (N,), vocab_size, Corpus).
 
-    spec: "stdlib" (this Python's standard-library source), a text file or directory, or
-    `.bin` shards as a file, a directory holding `*.bin`, or a glob. Text is tokenized by
+    spec: "stdlib" (this Python's standard-library source), a text file or directory, a
+    glob of text files (read in sorted order), or `.bin` shards as a file, a directory
+    holding `*.bin`, or a glob matching only `.bin` files. Text is tokenized by
     `tokenizer`: "bytes" (default, vocab 256) or "gpt2"; shards are already tokenized.
     cache_dir: where GPT-2 tokenizations are cached as `.bin` shards (nothing is cached without it).
     """
@@ -286,7 +287,16 @@ def load_tokens(
     elif path.exists():
         return _tokenize_text(spec, load_text(path), tokenizer or "bytes", cache_dir)
     elif glob.has_magic(spec) and glob.glob(spec):
-        shards = sorted(Path(p) for p in glob.glob(spec))
+        matched = sorted(Path(p) for p in glob.glob(spec) if Path(p).is_file())
+        shards = [p for p in matched if p.suffix == ".bin"]
+        if len(shards) != len(matched):  # text files, or a mix: never read text as shards
+            if shards:
+                raise DataFormatError(
+                    f"{spec!r} matches .bin shards and other files ({matched[0].name}, ...); "
+                    "give a glob that matches only .bin shards or only text files"
+                )
+            data = b"".join(p.read_bytes() for p in matched)
+            return _tokenize_text(spec, data, tokenizer or "bytes", cache_dir)
     else:
         raise FileNotFoundError(
             f"no data at {spec!r}: expected 'stdlib', a text file or directory, "

@@ -7,6 +7,7 @@ different tokens, so optimizer statistics are averaged over them; ``tensor`` nev
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import StrEnum
 
 import torch
@@ -50,15 +51,20 @@ class Parallelism:
         return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def init_distributed() -> torch.device:
-    """Join the ``torchrun`` job if there is one (gloo on CPU, nccl on CUDA)."""
+def init_distributed(timeout: float | None = None) -> torch.device:
+    """Join the ``torchrun`` job if there is one (gloo on CPU, nccl on CUDA).
+
+    ``timeout``: seconds a collective waits for the other ranks before it fails (a hung
+    rank then stops the job instead of blocking it); None: torch's default (gloo 30 min).
+    """
     if "RANK" not in os.environ or dist.is_initialized():
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    wait = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", **wait)
         return torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", **wait)
     return torch.device("cpu")
 
 
@@ -71,7 +77,7 @@ def mesh_shape(layout: str, world_size: int, tensor_parallel: int) -> tuple[int,
     if inner < 1 or world_size % inner:
         raise ValueError(
             f"layout {layout!r} needs WORLD_SIZE ({world_size}) divisible by its inner axis "
-            f"size {inner} (set --tensor-parallel)"
+            f"size {inner} (set tensor_parallel=N to a divisor of WORLD_SIZE)"
         )
     return (world_size // inner, inner)
 

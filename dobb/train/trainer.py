@@ -15,16 +15,28 @@ checkpoints hold it, so a resumed run equals an uninterrupted one.
 
 A run never replaces another: an `out_dir` that already holds a run's files is refused
 (`RunError`) unless `resume=true`, which continues it from its newest intact checkpoint
-(or starts it over when it has none). Failures the user can fix (data, optimizer options,
-layout, checkpoints) are raised as `RunError` with a one-line message.
+(or starts it over when it has none), and only one live run may use an `out_dir` at a
+time (`dobb.train.lock`). Failures the user can fix (data, optimizer options, layout,
+checkpoints) are raised as `RunError` with a one-line message.
+
+Resume rule: a resume restores the model, the optimizer state, the EMA, the RNG state and
+the step (the data position); the settings in `RESUMABLE` (learning rates, weight decay,
+steps, schedule, clipping, evaluation, checkpointing, layout) may differ from the
+checkpoint's run and then take effect from the resumed step on, and any other setting
+that differs (model, data, seed, optimizer and its other options) stops the run with one
+line naming the field and the fix. The records say what was used: `run.json` is this
+run's config (the earlier runs' under "previous"), each metrics record its step's lr.
 
 Rank 0 writes to `cfg.out_dir`:
 
-    run.json       what ran: config, corpus (name, size, sha256), torch, machine, world size
-    metrics.jsonl  one record per step: step, loss, lr, tokens_per_s, step_ms, opt_ms,
-                   time_s (training time so far, evaluation and checkpoints excluded),
-                   grad_norm (when clipping), val_loss (when evaluated; of the EMA
-                   weights with eval_ema, then also val_loss_live: of the live ones)
+    run.json       what ran: config, corpus (name, size, sha256), torch, machine, world size;
+                   after a resume also "previous": the run.json of each earlier part
+    metrics.jsonl  one record per step: step, loss, lr (and scalar_lr: the second
+                   group's), tokens_per_s, step_ms, opt_ms, time_s (training time so far,
+                   evaluation and checkpoints excluded), grad_norm (when clipping),
+                   skipped (true when nonfinite="skip" skipped the step), val_loss (when
+                   evaluated; of the EMA weights with eval_ema, then also val_loss_live:
+                   of the live ones); a NaN or infinite number is written as null
     summary.json   final numbers (written last: its presence means the run finished);
                    final_val_loss (the EMA's with eval_ema, then also final_val_loss_live)
     checkpoints/   DCP checkpoints (see dobb.train.checkpoint)
@@ -56,6 +68,7 @@ from tqdm import tqdm
 from dobb._dtensor import DTensor
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.train.checkpoint import (
+    CheckpointError,
     intact_checkpoint,
     load_checkpoint,
     read_metadata,
@@ -65,8 +78,21 @@ from dobb.train.config import ConfigError, TrainConfig
 from dobb.train.data import TokenStream
 from dobb.train.ema import WeightEMA
 from dobb.train.errors import RunError, RunWarning
+from dobb.train.lock import OutDirLock
 from dobb.train.model import GPT, gpt_config
 from dobb.train.parallel import Parallelism, init_distributed, parallelize
+
+# Config fields a resume may change: they take effect from the resumed step on. Any other
+# field that differs from the checkpoint's run stops the resume (`resume_conflict`).
+RESUMABLE = frozenset(
+    {"lr", "scalar_lr", "steps", "warmup_steps", "decay", "min_lr_ratio", "grad_clip"}
+    | {"eval_interval", "eval_batches", "eval_ema", "grad_accum", "layout", "tensor_parallel"}
+    | {"checkpoint_interval", "keep_checkpoints", "out_dir", "resume", "progress"}
+    | {"data_cache", "timeout"}
+)
+RESUMABLE_OPTIONS = frozenset({"weight_decay", "nonfinite"})  # of optimizer_options
+# optimizer group keys set from this run's config on resume; the rest must match the state
+RESUMABLE_GROUP_KEYS = frozenset({"lr", "initial_lr", "weight_decay"})
 
 
 def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
@@ -110,18 +136,56 @@ def load_data(spec: str, val_spec, val_fraction, tokenizer, cache_dir) -> TokenS
 RUN_FILES = ("run.json", "metrics.jsonl", "summary.json", "checkpoints")  # a run's files
 
 
+def resume_conflict(cfg: TrainConfig, saved: dict[str, Any], checkpoint: Path) -> str | None:
+    """Why `cfg` cannot resume the run whose config was `saved` (a one-line message naming
+    the field and the fix), or None: every field outside `RESUMABLE` is the same."""
+    fix = "or start a new run in another out_dir"
+    current = cfg.to_dict()
+    for key, value in current.items():
+        if key in RESUMABLE or key not in saved:  # a field newer than the checkpoint
+            continue
+        old = saved[key]
+        if key == "optimizer_options":
+            names = sorted((set(old) | set(value)) - RESUMABLE_OPTIONS)
+            for name in (n for n in names if old.get(n) != value.get(n)):
+                was = f"{name}={old[name]!r}" if name in old else f"no {name}"
+                return (
+                    f"resume: optimizer_options.{name} is {value.get(name, 'unset')!r} but "
+                    f"{checkpoint} was saved with {was}; a resume may change only "
+                    f"optimizer_options {sorted(RESUMABLE_OPTIONS)}: set it as saved, {fix}"
+                )
+        elif old != value:
+            return (
+                f"resume: {key} is {value!r} but {checkpoint} was saved with {key}={old!r}; a "
+                f"resume may change only {', '.join(sorted(RESUMABLE))} and optimizer_options "
+                f"{', '.join(sorted(RESUMABLE_OPTIONS))}: set {key}={old!r}, {fix}"
+            )
+    return None
+
+
 def start_point(cfg: TrainConfig) -> Path | None:
     """The checkpoint a run of `cfg` resumes from, or None to start at step 0.
 
     Without `resume`, an `out_dir` holding any of `RUN_FILES` is refused (a run is never
     silently replaced). With it, the newest intact checkpoint (damaged ones skipped with
-    a warning; none intact: `CheckpointError`), or None if there is no checkpoint.
+    a warning; none intact: `CheckpointError`), or None if there is no checkpoint; a
+    `cfg` that differs from the checkpoint's run outside `RESUMABLE` is a `ConfigError`,
+    as is `steps` below the checkpoint's step.
     """
     out = Path(cfg.out_dir)
     if cfg.resume:
         found = intact_checkpoint(out / "checkpoints")
         if found is None and any((out / name).exists() for name in RUN_FILES):
             warnings.warn(f"{out} has no checkpoint to resume; starting over", RunWarning, 2)
+        if found is not None:
+            meta = read_metadata(found)
+            if conflict := resume_conflict(cfg, meta.get("config", {}), found):
+                raise ConfigError(conflict)
+            if cfg.steps < meta["step"]:
+                raise ConfigError(
+                    f"resume: steps={cfg.steps} is below the step of {found} ({meta['step']}); "
+                    f"set steps >= {meta['step']}, or start a new run in another out_dir"
+                )
         return found
     held = [name for name in RUN_FILES if (out / name).exists()]
     if held:
@@ -279,43 +343,112 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     return total.item()
 
 
+def _finite_or_none(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with NaN and infinite numbers as None (JSON has no NaN: `null`)."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of `metrics.jsonl`; a line that is not a JSON record (torn by a full
+    disk or a kill mid-append) is dropped with a `RunWarning` naming its line."""
+    records = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a step record")
+        except ValueError:
+            warnings.warn(
+                f"{path}: line {number} is not a complete record ({line[:40]!r}); dropped",
+                RunWarning,
+                2,
+            )
+            continue
+        records.append(record)
+    return records
+
+
 class RunLog:
-    """Rank 0's files in `out_dir`: run.json, metrics.jsonl, summary.json (other ranks: no-op)."""
+    """Rank 0's files in `out_dir`: run.json, metrics.jsonl, summary.json (other ranks: no-op).
+
+    Nothing is written until every record to keep has been read. A write that fails (a
+    full disk) is a `RunError`: the run can resume from its last checkpoint.
+    """
 
     def __init__(self, out: Path, enabled: bool, info: dict[str, Any], resumed_step: int | None):
-        self.enabled, self.out, self.time_s = enabled, out, 0.0
+        self.enabled, self.out, self.time_s, self.skipped = enabled, out, 0.0, 0
         if not enabled:
             return
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").unlink(missing_ok=True)  # written again when this run ends
-        (out / "run.json").write_text(json.dumps(info, indent=1))
-        path = out / "metrics.jsonl"
-        records = path.read_text().splitlines() if resumed_step and path.exists() else []
+        path, run_json = out / "metrics.jsonl", out / "run.json"
+        records = read_records(path) if resumed_step and path.exists() else []
         # after a resume, drop the records of steps that are about to be redone
-        kept = [r for r in map(json.loads, records) if r["step"] <= resumed_step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        kept = [r for r in records if r["step"] <= resumed_step]
+        if resumed_step and run_json.exists():  # the earlier parts' records stay
+            try:
+                earlier = json.loads(run_json.read_text())
+                info = info | {"previous": earlier.pop("previous", []) + [earlier]}
+            except ValueError:
+                warnings.warn(f"{run_json} is unreadable; replaced", RunWarning, 2)
+        self._guard(lambda: (out / "summary.json").unlink(missing_ok=True))  # written at the end
+        self._guard(lambda: _write_atomic(run_json, json.dumps(info, indent=1)))
+        self._guard(lambda: _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept)))
         self.time_s = kept[-1]["time_s"] if kept else 0.0  # training time so far
-        self.metrics = open(path, "a")
+        self.skipped = sum(1 for r in kept if r.get("skipped"))
+        self.metrics = self._guard(lambda: open(path, "a"))
+
+    def _guard(self, write: Callable[[], Any]) -> Any:
+        try:
+            return write()
+        except OSError as e:
+            raise RunError(
+                f"writing the run's logs in {self.out} failed ({e.strerror}: {e.filename}); "
+                "free disk space (or fix out_dir), then rerun with resume=true"
+            ) from None
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            self.metrics.write(json.dumps(record) + "\n")
-            self.metrics.flush()
+            self.skipped += bool(record.get("skipped"))
+            line = json.dumps(_finite_or_none(record), allow_nan=False) + "\n"
+            self._guard(lambda: (self.metrics.write(line), self.metrics.flush()))
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.enabled:
             self.metrics.close()
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            text = json.dumps(_finite_or_none(summary), indent=1, allow_nan=False)
+            self._guard(lambda: _write_atomic(self.out / "summary.json", text))
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device) -> tuple[nn.Module, Parallelism]:
-    """The GPT of `cfg` (vocab from the data) on `device`, with `cfg.layout` applied."""
+    """The GPT of `cfg` (vocab from the data) on `device`, with `cfg.layout` applied.
+
+    `ConfigError` for a model config that does not build (naming `model_overrides`); a
+    layout that does not fit raises `ValueError`."""
     overrides = dict(cfg.model_overrides, vocab_size=vocab_size)
     if cfg.block_size is not None:
         overrides["block_size"] = cfg.block_size
-    model, par = parallelize(
-        GPT(gpt_config(cfg.model, **overrides)).to(device), cfg.layout, cfg.tensor_parallel
-    )
+    try:
+        model = GPT(gpt_config(cfg.model, **overrides)).to(device)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"model={cfg.model!r} with model_overrides={cfg.model_overrides}: {e}; "
+            "fix model_overrides (GPTConfig's fields in dobb.train.model)"
+        ) from None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if cfg.layout == "tp" and dist.is_initialized() and cfg.tensor_parallel != world:
+        raise ValueError(
+            f"layout 'tp' puts all WORLD_SIZE={world} ranks on its tensor axis, but "
+            f"tensor_parallel={cfg.tensor_parallel}; set tensor_parallel={world}, or use "
+            "layout=fsdp_tp to combine TP with FSDP"
+        )
+    model, par = parallelize(model, cfg.layout, cfg.tensor_parallel)
     if cfg.batch_size % (cfg.grad_accum * par.dp_size):
         raise ValueError(
             f"batch_size={cfg.batch_size} must be divisible by grad_accum ({cfg.grad_accum}) "
@@ -333,13 +466,18 @@ def train_step(model, opt, x, y, cfg: TrainConfig, device) -> dict[str, Any]:
         micro_loss.backward()
         loss += micro_loss.detach()
     record = {"lr": opt.param_groups[0]["lr"]}  # the first group: hidden matrices (AdamW: all)
+    if len(opt.param_groups) > 1:
+        record["scalar_lr"] = opt.param_groups[-1]["lr"]  # embeddings, head, norms, biases
     if cfg.grad_clip is not None:
         record["grad_norm"] = clip_grad_norm(model, cfg.grad_clip)
+    skipped = getattr(opt, "skipped_steps", 0)
     _synchronize(device)
     t0 = time.perf_counter()
     opt.step()
     _synchronize(device)
     record["opt_ms"] = 1e3 * (time.perf_counter() - t0)
+    if getattr(opt, "skipped_steps", 0) > skipped:  # nonfinite="skip" skipped this step
+        record["skipped"] = True
     opt.zero_grad(set_to_none=True)
     record["loss"] = _mean_over_ranks(loss)
     return record
@@ -349,10 +487,49 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as `cfg` says; return the summary (the same dict on every rank)."""
     cfg.validate()
     owns_process_group = not dist.is_initialized()
-    device = init_distributed()
+    device = init_distributed(cfg.timeout)
+    locks: list[OutDirLock] = []
+
+    def decide() -> Path | None:  # rank 0: take out_dir, then choose where to start
+        locks.append(OutDirLock(cfg.out_dir))
+        return start_point(cfg)
+
+    try:
+        resumed = _on_rank0(decide)  # before any work: refuse early
+        return _train(cfg, device, resumed, owns_process_group)
+    finally:
+        for lock in locks:
+            lock.release(RUN_FILES)
+
+
+def apply_resumed_settings(opt, scheduler: LambdaLR, fresh: list[dict], checkpoint: Path) -> None:
+    """After loading a checkpoint: this run's settings for `RESUMABLE_GROUP_KEYS` (the
+    groups as `fresh`, built from this config, had them) and the scheduler's base rates;
+    `CheckpointError` naming the first other group setting that differs from the state's.
+
+    The lr of the resumed step is this schedule's: `initial_lr * multiplier(last_epoch)`.
+    """
+    for index, (group, new) in enumerate(zip(opt.param_groups, fresh, strict=True)):
+        for key in sorted(set(group) | set(new)):
+            if key in RESUMABLE_GROUP_KEYS or key in ("params", "param_names"):
+                continue
+            if group.get(key) != new.get(key):
+                raise CheckpointError(
+                    f"{checkpoint}: its optimizer's param_groups[{index}] has {key}="
+                    f"{group.get(key)!r}, this run's optimizer {key}={new.get(key)!r}; resume "
+                    "with the optimizer options it was saved with, or choose another out_dir"
+                )
+        for key in RESUMABLE_GROUP_KEYS & set(new):
+            group[key] = new[key]
+    scheduler.base_lrs = [group["initial_lr"] for group in opt.param_groups]
+    for group, base, rule in zip(opt.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * rule(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in opt.param_groups]
+
+
+def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: bool) -> dict:
     rank, world_size = _world()
     out, checkpoints = Path(cfg.out_dir), Path(cfg.out_dir) / "checkpoints"
-    resumed = _on_rank0(lambda: start_point(cfg))  # before any work: refuse early
 
     # ---- data and model: the same seed on every rank, so every rank builds the same init
     torch.manual_seed(cfg.seed)
@@ -362,9 +539,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         data = load_data(cfg.data, cfg.val_data, cfg.val_fraction, cfg.tokenizer, cfg.data_cache)
     except (OSError, ValueError, ModuleNotFoundError) as e:  # data.py's messages name the fix
         raise RunError(str(e)) from e
+    meta = read_metadata(resumed) if resumed is not None else {}
+    saved_corpus = (meta.get("corpus") or _earlier_corpus(out)) if resumed is not None else None
+    if saved_corpus and saved_corpus.get("sha256") != data.corpus.sha256:
+        raise ConfigError(
+            f"resume: data {cfg.data!r} has changed since {resumed} was saved (sha256 "
+            f"{data.corpus.sha256[:12]}..., was {saved_corpus.get('sha256', '?')[:12]}...); "
+            "restore the data the run trained on, or start a new run in another out_dir"
+        )
     try:
         model, par = build_model(cfg, data.vocab_size, device)
     except ValueError as e:  # a layout that needs torchrun, a world size that does not fit
+        if isinstance(e, ConfigError):
+            raise
         launch = "" if dist.is_initialized() else "; launch it with torchrun or use layout=single"
         raise ConfigError(f"layout={cfg.layout!r}: {e}{launch}") from e
     num_params = sum(p.numel() for p in model.parameters())  # global sizes under DTensor
@@ -389,21 +576,28 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     scheduler = LambdaLR(opt, lr_schedule(cfg))
     ema = None if cfg.eval_ema is None else WeightEMA(model, cfg.eval_ema)
 
-    # ---- resume (the data position is the step)
+    # ---- resume (the data position is the step); this config's resumable settings win
     start = 0
     if resumed is not None:
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         # the EMA of a checkpoint saved without one starts over from the resumed weights
-        saved_ema = ema is not None and "ema_updates" in read_metadata(resumed)
+        saved_ema = ema is not None and "ema_updates" in meta
         extra = {"ema": dict(ema.averages)} if saved_ema else None
         meta = load_checkpoint(resumed, model, opt, extra)
         if saved_ema:
             ema.load(extra["ema"], meta["ema_updates"])
         scheduler.load_state_dict(meta["scheduler"])
+        apply_resumed_settings(opt, scheduler, fresh, resumed)
         start = meta["step"]
-        changed = [k for k, v in cfg.to_dict().items() if meta["config"].get(k) != v]
+        changed = [k for k, v in cfg.to_dict().items() if meta["config"].get(k, v) != v]
         changed = sorted(set(changed) - {"resume", "progress", "out_dir"})  # a run may move
         if changed and rank == 0:
-            warnings.warn(f"resuming {resumed} with changed fields {changed}", RunWarning, 2)
+            warnings.warn(
+                f"resuming {resumed} with changed fields {changed}: they take effect from "
+                f"step {start + 1}",
+                RunWarning,
+                2,
+            )
     info = run_info(cfg, data, world_size, num_params) | {"resumed_from": resumed and str(resumed)}
     log = RunLog(out, rank == 0, info, start if resumed else None)
 
@@ -444,15 +638,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     f"opt {record['opt_ms']:.1f} ms",
                     flush=True,
                 )
+        # the record first: a kill after the checkpoint's rename must not lose it (a kill
+        # before it is redone from the previous checkpoint, its record dropped on resume)
+        log.write(record)
         if cfg.checkpoint_interval and (done % cfg.checkpoint_interval == 0 or done == cfg.steps):
             meta = {"scheduler": scheduler.state_dict(), "config": cfg.to_dict()}
+            meta["corpus"] = asdict(data.corpus)
             extra = None
             if ema is not None:
                 meta["ema_updates"], extra = ema.updates, {"ema": ema.averages}
             save_checkpoint(
                 checkpoints, done, model, opt, meta, keep=cfg.keep_checkpoints, extra=extra
             )
-        log.write(record)
         progress.set_postfix(loss=f"{record['loss']:.3f}")
     progress.close()
     if "val_loss" not in record:  # nothing was left to train (a finished run resumed)
@@ -480,6 +677,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "train_time_s": train_time,
         "world_size": world_size,
         "layout": cfg.layout,
+        "skipped_steps": log.skipped,  # rank 0's count: steps nonfinite="skip" skipped
     }
     if dist.is_initialized():  # losses are already averaged; timings are rank 0's
         shared = [summary]
@@ -490,3 +688,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         dist.barrier()
         dist.destroy_process_group()
     return summary
+
+
+def _earlier_corpus(out: Path) -> dict[str, Any] | None:
+    """The corpus `run.json` recorded (checkpoints older than their own "corpus" entry)."""
+    try:
+        return json.loads((out / "run.json").read_text()).get("corpus")
+    except (OSError, ValueError):
+        return None
