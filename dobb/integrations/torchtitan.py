@@ -1,0 +1,263 @@
+"""Any optimizer of dobb's registry in torchtitan 0.3 (``pip install "dobb[torchtitan]"``).
+
+torchtitan builds its optimizer through ``OptimizersContainer`` after parallelizing the
+model, so the optimizer sees the sharded parameters (FSDP2, TP, HSDP, FSDP x TP DTensors)
+and Dobb's hooks see the layers that run. ``DobbOptimizersContainer`` is that container for
+a registry entry (``dobb``, ``muon``, ``dion``, ...; ``dobb.optim.OPTIMIZERS``):
+
+- routing: hidden ``nn.Linear`` weights to the matrix optimizer, embeddings, the output
+  head, norms and biases to its AdamW (or Lion) group (``dobb.param_groups``); torchtitan's
+  own ``param_groups`` are not used;
+- the data-parallel ranks (Dobb's ``stats_group``, the Muon family's ``replica_group``)
+  are the data axes of the parameters' mesh: every axis but ``tp``;
+- parameter names are torchtitan's canonical FQNs (activation-checkpoint and
+  ``torch.compile`` wrappers stripped), so checkpoint keys and ``exclude`` do not depend
+  on them; DCP saves the state through torchtitan's flat, FQN-keyed state dict, and
+  reloads it onto any world size (DTensor state is resharded).
+
+Select it from the command line, in torchtitan's own config system::
+
+    torchrun --nproc_per_node 8 -m torchtitan.train \\
+        --module dobb.integrations.torchtitan --config llama3_debugmodel \\
+        --optimizer.name dobb --optimizer.options '{"num_blocks": 16}'
+
+``--optimizer.name muon`` (or ``dion``, ``adamw``, ...) runs the same job with another
+optimizer. Not supported, with an error saying so at build time: pipeline parallelism,
+expert parallelism (MoE experts on an ``ep`` mesh), and the ``spmd_types`` SPMD backend
+(its parameters are plain local tensors, without the placements the optimizers read): the
+config functions here select ``partial_dtensor``.
+
+Nothing in torchtitan is patched: this module only subclasses its container and returns
+its configs. Tested with torchtitan ``TESTED_VERSION`` on torch 2.13.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torchtitan
+from torch import nn
+from torchtitan.components.checkpointer.utils import canonical_fqn
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.distributed.utils import get_spmd_backend
+
+from dobb._dtensor import DTensor
+from dobb.groups import DEFAULT_EXCLUDE, param_groups
+from dobb.optim.registry import get_entry
+from dobb.optim.scalar import SCALAR_ALGORITHMS
+
+TESTED_VERSION = "0.3.0"
+# Mesh axes (torchtitan's names) whose ranks see different tokens, and the one that splits
+# the matrices' features; any other axis on a parameter (``ep``, ``etp``) is unsupported.
+DATA_AXES = ("dp_replicate", "fsdp", "dp_shard", "cp")
+MODEL_AXES = ("tp",)
+SPMD_BACKENDS = ("partial_dtensor", "full_dtensor")
+
+
+def data_mesh(model: nn.Module):
+    """The data axes of the mesh of ``model``'s DTensor parameters (None: no DTensors).
+
+    Every DTensor parameter must lie on one mesh whose axes are torchtitan's data axes
+    (``DATA_AXES``) and ``tp``, and that mesh must cover every rank: a mesh of fewer ranks
+    than the world means pipeline stages.
+    """
+    meshes = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            meshes.setdefault(tuple(p.device_mesh.mesh_dim_names or ()), (name, p.device_mesh))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not meshes:
+        if world > 1:
+            raise NotImplementedError(
+                f"{world} ranks but no parameter is a DTensor: pipeline parallelism (or a "
+                "model left unsharded) is not supported by dobb.integrations.torchtitan; set "
+                "parallelism.pipeline_parallel_degree=1 and shard with FSDP and/or TP"
+            )
+        return None
+    names, (example, mesh) = max(meshes.items(), key=lambda item: len(item[0]))
+    for axes, (name, _) in meshes.items():
+        other = [a for a in axes if a not in DATA_AXES + MODEL_AXES]
+        if other:
+            raise NotImplementedError(
+                f"{name} lies on mesh axes {list(axes)}: axis {other[0]!r} (expert "
+                "parallelism) is not supported by dobb.integrations.torchtitan; set "
+                "parallelism.expert_parallel_degree=1"
+            )
+        if not set(axes) <= set(names):
+            raise NotImplementedError(
+                f"{name} lies on mesh axes {list(axes)}, {example} on {list(names)}: "
+                "dobb.integrations.torchtitan needs one mesh for all parameters"
+            )
+    if mesh.size() != world:
+        raise NotImplementedError(
+            f"the parameters' mesh {list(names)} has {mesh.size()} ranks of {world}: "
+            "pipeline parallelism is not supported by dobb.integrations.torchtitan; set "
+            "parallelism.pipeline_parallel_degree=1"
+        )
+    axes = tuple(a for a in names if a in DATA_AXES and mesh[a].size() > 1)
+    return mesh[axes] if axes else None
+
+
+def named_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` of ``(name, param)`` pairs with torchtitan's canonical names (wrappers of
+    activation checkpointing and ``torch.compile`` stripped), as its checkpoints key them."""
+    return [
+        {**g, "params": [(canonical_fqn(n), p) for n, p in g["params"]]} for g in groups if g
+    ]
+
+
+class DobbOptimizersContainer(OptimizersContainer):
+    """torchtitan's optimizer container holding one optimizer of dobb's registry.
+
+    Built by torchtitan after parallelization (``config.optimizer.build(model_parts=...)``);
+    ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict`` are torchtitan's (its
+    flat FQN-keyed DCP state). A Dobb optimizer is hooked to the model (``track``).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        name: str = "dobb"
+        """Registry name: dobb, dobb2s, muon, muonbp, blockmuon, normuon, dion, dion2, adamw."""
+
+        lr: float | None = None
+        """Learning rate of the hidden matrices (every parameter for adamw); None: the
+        registry's starting value (dobb 1e-3, muon 0.02, dion 0.02, ...). torchtitan's
+        lr_scheduler scales it (warmup, decay)."""
+
+        scalar_lr: float | None = None
+        """Learning rate of the AdamW/Lion group (embeddings, output, norms, biases); None:
+        the registry's (1e-3). Not for adamw, which has one group."""
+
+        scalar_algorithm: Literal["adamw", "lion"] = "adamw"
+        """Algorithm of that group."""
+
+        exclude: str = DEFAULT_EXCLUDE
+        """Regex searched in each canonical parameter name: matching layer weights go to
+        the scalar group (torchtitan's llama3 ``output`` head matches the default)."""
+
+        options: str = "{}"
+        """Further constructor arguments as a JSON object, e.g. '{"num_blocks": 8}' (dobb)
+        or '{"rank_fraction": 0.25}' (dion); see each class's docstring."""
+
+        implementation: Literal["for-loop", "foreach", "fused", "fused_opt_states_bf16"] = (
+            "foreach"
+        )
+        """adamw only: torchtitan's kernel choice. dobb's matrix optimizers have one
+        implementation (batched foreach kernels) and take only "foreach"."""
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        check_supported(config, model_parts)
+        (model,) = model_parts
+        self.optimizers = [build(config, model)]
+        self.model_parts = model_parts
+        params = [p for g in self.optimizers[0].param_groups for p in g["params"]]
+        self._validate_params(params)
+        self._post_init(params)
+
+
+def check_supported(config: DobbOptimizersContainer.Config, model_parts: list[nn.Module]):
+    """Raise for what ``DobbOptimizersContainer`` does not run, saying what to change."""
+    if len(model_parts) != 1:
+        raise NotImplementedError(
+            f"{len(model_parts)} model parts: pipeline parallelism is not supported by "
+            "dobb.integrations.torchtitan; set parallelism.pipeline_parallel_degree=1"
+        )
+    backend = get_spmd_backend()
+    if backend not in SPMD_BACKENDS:
+        raise NotImplementedError(
+            f"parallelism.spmd_backend={backend!r} is not supported: dobb's optimizers read "
+            f"DTensor placements; set parallelism.spmd_backend to one of {SPMD_BACKENDS} "
+            "(the config functions of dobb.integrations.torchtitan use 'partial_dtensor')"
+        )
+    if config.param_groups:
+        raise ValueError(
+            "DobbOptimizersContainer routes parameters itself (hidden matrices to the "
+            "matrix optimizer, the rest to AdamW/Lion); leave optimizer.param_groups empty "
+            "and use optimizer.exclude to send layers to the scalar group"
+        )
+    if get_entry(config.name).is_matrix and config.implementation != "foreach":
+        raise ValueError(
+            f"optimizer.implementation={config.implementation!r}: {config.name} has one "
+            "implementation (batched foreach kernels); leave implementation='foreach'"
+        )
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    """``optimizer.options``: a JSON object of constructor arguments."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"optimizer.options must be a JSON object, e.g. '{{\"num_blocks\": 8}}'; got "
+            f"{text!r} ({error})"
+        ) from None
+    if not isinstance(options, dict):
+        raise ValueError(f"optimizer.options must be a JSON object, got {text!r}")
+    return options
+
+
+def build(config: DobbOptimizersContainer.Config, model: nn.Module) -> torch.optim.Optimizer:
+    """The registry's optimizer ``config.name`` for ``model`` (already parallelized)."""
+    entry = get_entry(config.name)
+    group = data_mesh(model)
+    kwargs = {
+        "lr": entry.lr if config.lr is None else config.lr,
+        **entry.hyperparameters,
+        **entry.distributed_options(group),
+        **parse_options(config.options),
+    }
+    if not entry.is_matrix:
+        if config.scalar_lr is not None or config.scalar_algorithm != "adamw":
+            raise ValueError(f"{config.name!r} has one group: drop scalar_lr/scalar_algorithm")
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        impl = OptimizersContainer._build_impl_kwargs(config)
+        return entry.cls(named_groups([{"params": params}]), **impl, **kwargs)
+    assert config.scalar_algorithm in SCALAR_ALGORITHMS, config.scalar_algorithm
+    scalar_lr = entry.scalar_lr if config.scalar_lr is None else config.scalar_lr
+    groups = param_groups(
+        model,
+        entry.cls.algorithm,
+        exclude=config.exclude,
+        scalar_algorithm=config.scalar_algorithm,
+        scalar_options={"lr": scalar_lr},
+    )
+    optimizer = entry.cls(named_groups(groups), **kwargs)
+    if entry.needs_statistics and kwargs.get("basis_source", "activations") == "activations":
+        optimizer.track(model)
+    return optimizer
+
+
+def use_dobb(trainer_config, name: str = "dobb", **fields: Any):
+    """``trainer_config`` (a torchtitan ``Trainer.Config``) with its optimizer replaced by
+    ``DobbOptimizersContainer.Config(name=name, **fields)`` and the ``partial_dtensor``
+    SPMD backend; everything else (model, parallelism, schedule, checkpoints) is kept."""
+    trainer_config.optimizer = DobbOptimizersContainer.Config(name=name, **fields)
+    trainer_config.parallelism.spmd_backend = "partial_dtensor"
+    return trainer_config
+
+
+# --------------------------------------------- config functions for --module/--config
+def llama3_debugmodel():
+    """torchtitan's ``llama3_debugmodel`` with Dobb (``--optimizer.name`` to change)."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel as base
+
+    return use_dobb(base())
+
+
+def llama3_8b():
+    """torchtitan's ``llama3_8b`` with Dobb (``--optimizer.name`` to change)."""
+    from torchtitan.models.llama3.config_registry import llama3_8b as base
+
+    return use_dobb(base())
+
+
+if getattr(torchtitan, "__version__", TESTED_VERSION) not in (TESTED_VERSION, "0.0.0"):
+    import warnings
+
+    warnings.warn(
+        f"dobb.integrations.torchtitan is tested with torchtitan {TESTED_VERSION}, found "
+        f"{torchtitan.__version__}; pip install 'dobb[torchtitan]' installs the tested one",
+        stacklevel=2,
+    )
