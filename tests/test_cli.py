@@ -1,6 +1,7 @@
 """The `dobb` command: a failure the user can fix is one line and exit status 2; --debug and
 DOBB_DEBUG show its traceback; a bug keeps its traceback; shipped configs work anywhere."""
 
+import errno
 import importlib.util
 import re
 
@@ -114,9 +115,32 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch):
 
 
 def test_commands_that_plot_name_the_extra_they_need(capsys, monkeypatch):
+    from bench.cli import main as bench_main  # compare and study live in the bench package
+
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
     )
     for command in (["compare", "--quick"], ["study", "--tiny"]):
-        assert "pip install 'dobb[bench]'" in error_line(capsys, command)
+        assert bench_main(command) == 2
+        assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_a_resume_that_changes_the_run_is_one_line(capsys, tmp_path):
+    run = [*QUICK, "out_dir=run", "checkpoint_interval=1"]
+    assert main(["train", "tiny", *run]) == 0
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    for change, field in (("optimizer=muon", "optimizer"), ("model_overrides.n_layer=1", "model")):
+        line = error_line(capsys, ["train", "tiny", *run, "resume=true", change])
+        assert f"resume: {field}" in line and "another out_dir" in line, line
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_a_checkpoint_save_on_a_full_disk_is_one_line(capsys, tmp_path, monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("dobb.train.checkpoint.dcp.save", no_space)
+    line = error_line(capsys, ["train", "tiny", *QUICK, "out_dir=run", "checkpoint_interval=1"])
+    assert "saving checkpoint" in line and "No space left on device" in line, line
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
