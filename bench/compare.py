@@ -5,7 +5,7 @@
     python -m bench compare --lr-sweep  # a log-spaced lr grid per optimizer, then the best
 
 Each optimizer trains at its best learning rate from `python -m bench study` (read from the
-committed `benchmarks/study/study.json` by `dobb.optim.registry.tuned_lrs`; the registry's
+committed `benchmarks/study/study.json` by `bench.optimizers.tuned_lrs`; the registry's
 starting lr for one the study has not tuned) with the settings of the paper's comparison:
 Dobb with 16 blocks, Dion with rank fraction 1/16. Every run writes its own log under
 `<out>/runs/<optimizer>-lr<lr>/`; the report (`summary.md`, `results.json`, PNG plots)
@@ -23,17 +23,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.optimizers import COMPARED, LAB, tuned_lrs
 from bench.tools.markdown import markdown_table
-from dobb.optim.registry import OPTIMIZERS as REGISTRY
-from dobb.optim.registry import get_entry, tuned_lrs
+from dobb.optim.registry import get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
 
-OPTIMIZERS = tuple(REGISTRY)  # the main job runs every registry entry, in its order
+OPTIMIZERS = COMPARED  # the main job runs every entry of the lab's table, in its order
 # each one's settings (the paper's, and 4 row blocks standing for 4 FSDP shards)
-OPTIONS: dict[str, dict[str, Any]] = {
-    name: dict(entry.harness_options) for name, entry in REGISTRY.items()
-}
+OPTIONS: dict[str, dict[str, Any]] = {name: dict(e.harness_options) for name, e in LAB.items()}
 # Default budget: the mini GPT (4 layers, d=256, 3.3M parameters, byte tokens) at 16 x 256
 # tokens per step. Measured on the 2-core CPU machine (torch 2.13, 2 threads, another job
 # using about one core): 0.51 s/step (adamw), 0.53 (dion), 0.58 (muon), 0.55-0.95 (dobb,

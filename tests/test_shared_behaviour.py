@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_db import ERROR_INPUTS, SMALL_INPUTS
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -235,26 +236,57 @@ def test_loss_decreases_on_a_tiny_model(name, scalar):
     assert losses[-1] < 0.9 * losses[0], (losses[0], losses[-1])
 
 
-SMALL_INPUTS = [
+SMALL = [
     pytest.param(name, overrides, id=f"{name}-{i}")
-    for name, entry in OPTIMIZERS.items()
-    for i, overrides in enumerate(entry.small_inputs)
+    for name in OPTIMIZERS
+    for i, overrides in enumerate(SMALL_INPUTS[name])
 ]
-ERROR_INPUTS = [
+ERRORS = [
     pytest.param(name, error, id=f"{name}-{error.regex}")
-    for name, entry in OPTIMIZERS.items()
-    for error in entry.error_inputs
+    for name in OPTIMIZERS
+    for error in ERROR_INPUTS[name]
 ]
 
 
-@pytest.mark.parametrize("name, overrides", SMALL_INPUTS)
+def test_every_entry_has_inputs():
+    assert SMALL_INPUTS.keys() == OPTIMIZERS.keys() == ERROR_INPUTS.keys()
+
+
+@pytest.mark.parametrize("name, overrides", SMALL)
 def test_small_inputs_train(name, overrides):
     model, opt = make(name, None, **overrides)
-    losses = train(model, opt, 3)
-    assert all(torch.isfinite(p).all() for p in model.parameters()) and losses[-1] == losses[-1]
+    before = params(model)
+    losses = train(model, opt, 5, fixed_batch=True)
+    after = params(model)
+    assert all(torch.isfinite(p).all() for p in after.values())
+    assert not torch.equal(before["fc.weight"], after["fc.weight"])  # the matrices move
+    assert not torch.equal(before["wte.weight"], after["wte.weight"])  # and the rest
+    assert losses[-1] < losses[0], losses
 
 
-@pytest.mark.parametrize("name, error", ERROR_INPUTS)
+@pytest.mark.parametrize("name, overrides", SMALL)
+def test_small_inputs_state_round_trips_and_deepcopies(name, overrides):
+    """``state_dict`` -> a fresh optimizer's ``load_state_dict`` -> ``state_dict`` gives
+    the same state and settings, and a deep copy of the state dict holds no shared tensor."""
+    model, opt = make(name, None, **overrides)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    copied = copy.deepcopy(saved)
+    assert_same_state(copied["state"], saved["state"])
+    for key, value in copied["state"][next(iter(copied["state"]))].items():
+        if isinstance(value, torch.Tensor) and value.numel():
+            assert value.data_ptr() != saved["state"][next(iter(saved["state"]))][key].data_ptr()
+    _, fresh = make(name, None, seed=1, **overrides)
+    fresh.load_state_dict(copied)
+    reloaded = fresh.state_dict()
+    assert_same_state(reloaded["state"], saved["state"])
+    strip = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+    assert [
+        {k: v for k, v in g.items() if k != "params"} for g in reloaded["param_groups"]
+    ] == strip
+
+
+@pytest.mark.parametrize("name, error", ERRORS)
 def test_error_inputs_raise(name, error):
     with pytest.raises(error.error, match=error.regex):
         make(name, None, **error.overrides)

@@ -6,7 +6,7 @@ Each optimizer call is written out as the kernels our implementation launches (o
 per op of ``dobb_update``, ``dion_update``, ``muon_update``, PyTorch's AdamW and the
 shared finite-gradient check), each with its FLOPs and the bytes it reads plus writes, and
 the collectives its distributed form issues: in ``bench.model.costs``, one module per
-optimizer family, which each registry entry names (``OptimizerEntry.cost_model``). This
+optimizer family, which the lab's table names (``bench.optimizers``). This
 module prices them. A kernel costs
 
     launch + max(FLOPs / rate[kind], bytes / memory_bandwidth)          (a roofline per op)
@@ -53,18 +53,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.model.costs import cost_model, entry_options, with_options
+from bench.model.costs import entry_options, with_options
 from bench.model.costs.dobb import hook_work
 from bench.model.costs.kernels import FP32, Kernel, Work, matmul
 from bench.model.hardware import H100, Hardware, Network
 from bench.model.workload import ONE_DEVICE, Layout, Matrix, hidden_matrices, layout_of
+from bench.optimizers import cost_model, in_table
 from bench.tools.markdown import markdown_table
 from dobb.optim.registry import get_entry
 
 CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
 # the optimizers the benchmarks model and time (BlockMuon: MuonBP's block step, a variant
 # row of the model and the block calls of MuonBP's timing)
-OPTIMIZERS = ("dobb", "dobb2s", "dion", "muon", "muonbp", "normuon", "dion2", "adamw")
+OPTIMIZERS = in_table("calltime")
 
 # Paper's reference points (arXiv 2610.39412, abstract): GPT-2 XL, FSDP on 32 H100,
 # amortized optimizer-call time.

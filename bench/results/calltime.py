@@ -55,17 +55,13 @@ from torch import Tensor
 
 from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
+from bench.optimizers import DOBB2S_ROW_BLOCKS, LAB, lab_entry
 from bench.results.linear_stack import LinearStack, Progress, autocast_context, hook_overhead
 from bench.tools.markdown import markdown_table
 from bench.tools.timing import spread, timed
 from dobb.optim.batching import batches_kernels
 from dobb.optim.dobb import Dobb
-from dobb.optim.registry import OPTIMIZERS as REGISTRY
 from dobb.optim.registry import build_optimizer, get_entry
-
-# Two-sided Dobb's row blocks per matrix: the rows one rank holds under FSDP over 32 ranks
-# (the paper's call-time setting: GPT-2 XL on 32 GPUs), emulated here on one device.
-DOBB2S_ROW_BLOCKS = 32
 
 
 def default_basis_method() -> str:
@@ -84,33 +80,36 @@ def optimizer_overrides(
 ) -> dict:
     """Constructor arguments of the comparison (everything else: registry defaults).
 
-    The arguments are named as ``costmodel.predict``'s, so one dict feeds both;
-    ``basis_method`` (Dobb's refresh solver, default: the class's) is passed only if set.
-    ``row_blocks`` is MuonBP's; two-sided Dobb (``"dobb2s"``) takes Dobb's options, input
-    blocks by ``num_blocks`` (``block_size=None``) and ``DOBB2S_ROW_BLOCKS`` row blocks."""
-    method = {} if basis_method is None else {"basis_method": basis_method}
-    dobb = {"num_blocks": num_blocks, "basis_interval": basis_interval, **method}
-    return {
-        "dobb": dobb,
-        "dobb2s": {**dobb, "block_size": None, "row_blocks": DOBB2S_ROW_BLOCKS},
-        "dion": {"rank_fraction": rank_fraction},
-        "muonbp": {"period": period, "row_blocks": row_blocks},
-    }.get(name, {})
+    The arguments are named as ``costmodel.predict``'s, so one dict feeds both. Each
+    optimizer takes the settings its lab entry lists (``calltime_settings``; one left None,
+    as ``basis_method`` by default, is not passed) and its ``calltime_fixed`` ones: two-sided
+    Dobb takes Dobb's, input blocks by ``num_blocks`` and ``DOBB2S_ROW_BLOCKS`` row blocks."""
+    settings = dict(
+        num_blocks=num_blocks,
+        basis_interval=basis_interval,
+        rank_fraction=rank_fraction,
+        period=period,
+        row_blocks=row_blocks,
+        basis_method=basis_method,
+    )
+    entry = lab_entry(name)
+    chosen = {k: settings[k] for k in entry.calltime_settings if settings[k] is not None}
+    return chosen | entry.calltime_fixed
 
 
 def calls_per_period(name: str, options: dict, calls: int) -> int:
     """Calls over which ``name``'s periodic work repeats (``options``: its overrides): the
-    registry entry's ``period_option`` (Dobb's ``basis_interval``, MuonBP's ``period``),
+    lab entry's ``period_option`` (Dobb's ``basis_interval``, MuonBP's ``period``),
     else ``calls``."""
-    option = get_entry(name).period_option
+    option = lab_entry(name).period_option
     return (options.get(option) if option else None) or calls
 
 
 def periodic_calls(name: str) -> tuple[str, str] | None:
-    """``(key of the periodic call, key of the others)`` of ``name``, from its registry
-    entry's ``periodic_calls`` (``("refresh_call_s", "steady_call_s")`` for Dobb); None if
-    every call does the same work."""
-    calls = get_entry(name).periodic_calls
+    """``(key of the periodic call, key of the others)`` of ``name``, from its lab entry's
+    ``periodic_calls`` (``("refresh_call_s", "steady_call_s")`` for Dobb); None if every
+    call does the same work."""
+    calls = lab_entry(name).periodic_calls
     return tuple(f"{call}_call_s" for call in calls) if calls else None
 
 
@@ -353,8 +352,8 @@ def write_json(path: Path, data: dict) -> None:
 
 def format_table(record: dict) -> str:
     """A Markdown table of the call times (ms), their spread, ratios and state bytes; below
-    it, the periodic and other calls of each optimizer with periodic work (its registry
-    entry's ``periodic_calls``)."""
+    it, the periodic and other calls of each optimizer with periodic work (its lab entry's
+    ``periodic_calls``)."""
     rows = []
     for name, e in record["optimizers"].items():
         c = {k: v * 1e3 for k, v in e["call_s"].items()}
@@ -369,7 +368,7 @@ def format_table(record: dict) -> str:
     ]  # fmt: skip
     lines = [markdown_table(headers, rows, align="lrrrrrr", pad=False), ""]
     for name, e in record["optimizers"].items():
-        entry = REGISTRY.get(name)
+        entry = LAB.get(name)
         keys = periodic_calls(name) if entry else None
         if not keys or keys[0] not in e:
             continue

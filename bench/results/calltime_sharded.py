@@ -28,6 +28,7 @@ import torch
 
 from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
+from bench.optimizers import lab_entry
 from bench.results.calltime import time_optimizers
 from bench.results.linear_stack import LinearStack, forward_backward
 from dobb.optim.registry import get_entry
@@ -113,7 +114,7 @@ def run(
     from bench.tools.launch import run_ranks
 
     unsupported = tuple(
-        n for n in names if layout == "tp" and not get_entry(n).splits_columns
+        n for n in names if layout == "tp" and not lab_entry(n).splits_columns
     )  # row-parallel TP splits the output projections' columns
     names = tuple(n for n in names if n not in unsupported)
     options = dict(

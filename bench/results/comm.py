@@ -42,12 +42,12 @@ from pathlib import Path
 
 import torch
 
-from bench.model.costs import cost_model
+from bench.optimizers import cost_model, in_table, lab_entry
 from bench.tools.markdown import markdown_table
 from dobb.optim.registry import get_entry
 
 LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")
-OPTIMIZERS = ("dobb", "dion", "muon", "muonbp", "normuon", "dion2")
+OPTIMIZERS = in_table("comm")
 COLUMN_SPLITS = ("tp", "fsdp_tp")  # layouts that split some matrices' columns
 BATCH = 4  # sequences per rank and step
 TENSOR_PARALLEL = 2  # fsdp_tp's tensor-parallel degree
@@ -65,7 +65,7 @@ def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dic
     rows = []
     for layout in layouts:
         for name in optimizers:
-            if layout in COLUMN_SPLITS and not get_entry(name).splits_columns:
+            if layout in COLUMN_SPLITS and not lab_entry(name).splits_columns:
                 continue
             torch.manual_seed(0)
             model, par = parallelize(GPT(cfg), layout, tensor_parallel=TENSOR_PARALLEL)
@@ -95,9 +95,8 @@ def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dic
 
 def _options(name: str, data_parallel) -> dict:
     """The comparisons' settings and what the trainer hands the optimizer for this layout
-    (its registry entry's ``harness_options`` and ``distributed_options``)."""
-    entry = get_entry(name)
-    return entry.harness_options | entry.distributed_options(data_parallel)
+    (its lab entry's ``harness_options``, its registry entry's ``distributed_options``)."""
+    return lab_entry(name).harness_options | get_entry(name).distributed_options(data_parallel)
 
 
 def analytic_bytes(name: str, layout: str, opt, world: int, step: int) -> int:
@@ -119,7 +118,8 @@ def summarize(kinds: list[tuple[str, int]]) -> str:
 def report(results: list[list[dict]], world: int, config: str, command: str) -> str:
     """The Markdown table (per row: rank 0's collectives, bytes averaged over ranks)."""
     settings = {r["name"]: r["settings"] for r in results[0]}
-    fraction = Fraction(settings["dion"]["rank_fraction"]).limit_denominator(1024)
+    fraction = next(s["rank_fraction"] for s in settings.values() if "rank_fraction" in s)
+    fraction = Fraction(fraction).limit_denominator(1024)
     lines = [
         "# Communication per optimizer step",
         "",
@@ -141,7 +141,7 @@ def report(results: list[list[dict]], world: int, config: str, command: str) -> 
     rows = []
     for i, row in enumerate(results[0]):
         name, step = row["name"], row["step"]
-        calls = get_entry(name).periodic_calls
+        calls = lab_entry(name).periodic_calls
         if calls is None and step == 1:
             continue  # Dion and Muon communicate alike every step
         measured = sum(e[2] for r in results for e in r[i]["events"])

@@ -14,11 +14,11 @@ from pathlib import Path
 from bench.model.costmodel import OPTIMIZERS, predict, predict_hooks, state_bytes, state_formula
 from bench.model.hardware import H100, H200, Hardware
 from bench.model.workload import hidden_matrices
+from bench.optimizers import LAB
 from bench.results import calltime, calltime_sharded
 from bench.results.model import XL_WORLD, ms, paper_section
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import AUTO_CUDA
-from dobb.optim.registry import OPTIMIZERS as REGISTRY
 
 # optimizers a call-time record may hold that the cost model cannot predict (not in
 # costmodel.OPTIMIZERS): how the check tables name them; others go by their registry name
@@ -28,7 +28,7 @@ CHECK_BOUNDS = (1.25, 1.5, 2.0)
 
 def measured_only_note(name: str) -> str:
     """The check tables' words for an optimizer measured without a cost-model prediction."""
-    label = REGISTRY[name].label if name in REGISTRY else name
+    label = LAB[name].label if name in LAB else name
     return f"{label}: measured only, no cost model yet"
 
 
@@ -109,7 +109,7 @@ def state_section(record: dict) -> str:
         except ValueError:  # an optimizer without a state formula (e.g. blockmuon)
             expected = "–"
         measured = f"{entry['state_bytes_per_param']:.4f}"
-        formula = state_formula(name) if name in REGISTRY else "–"
+        formula = state_formula(name) if name in LAB else "–"
         rows.append([name, measured, expected, formula])
     headers = ["optimizer", "measured B/param", "formula B/param", "formula"]
     lines = [
@@ -194,8 +194,8 @@ def check_table(record: dict, hw: Hardware) -> tuple[str, list[float]]:
         row(name, predict(name, matrices, hw, **options)["total"], entry["call_s"]["median"])
         keys = calltime.periodic_calls(name)
         if keys and keys[0] in entry:  # the periodic call (period 1) and the others apart
-            option = REGISTRY[name].period_option
-            periodic, other = REGISTRY[name].periodic_calls
+            option = LAB[name].period_option
+            periodic, other = LAB[name].periodic_calls
             for label, key, period in ((other, keys[1], NEVER), (periodic, keys[0], 1)):
                 predicted = predict(name, matrices, hw, **(options | {option: period}))
                 row(f"{name}, {label} call", predicted["total"], entry[key]["median"])

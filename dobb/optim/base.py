@@ -52,10 +52,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
     """
 
     algorithm: str
-    # periodic work (Dobb's basis refresh, MuonBP's full step): the constructor argument
-    # that sets its period, and names for the periodic call and the others
-    period_option: str | None = None
-    periodic_calls: tuple[str, str] | None = None
 
     def __init__(self, params, defaults: dict[str, Any], *, nonfinite: str = "raise"):
         if nonfinite not in NONFINITE_MODES:

@@ -236,7 +236,6 @@ class Dobb(MatrixOptimizer):
     """
 
     algorithm = "dobb"
-    period_option, periodic_calls = "basis_interval", ("refresh", "steady")
     # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
     data_parallel_option = "stats_group"
 

@@ -232,7 +232,6 @@ class MuonBP(Muon):
     """
 
     algorithm = "muonbp"
-    period_option, periodic_calls = "period", ("full", "block")
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Build any optimizer of the comparison by name: one registry for harness, benchmarks, tests.
+"""Build any optimizer by name: the library's registry of optimizers and their defaults.
 
 ``build_optimizer("dion", model)`` routes the model's hidden ``nn.Linear`` weights to the
 matrix optimizer and everything else (embeddings, LM head, norms, biases) to an AdamW (or
@@ -7,7 +7,7 @@ Lion) group of the same optimizer object, through ``dobb.param_groups``; ``"adam
 no step for DCP's state-initialising call). Dobb is also hooked to the model
 (``opt.track(model)``), so each step needs a forward pass in training mode before it.
 
-Starting learning rates for a small GPT; not tuned (a sweep will replace them):
+Starting learning rates for a small GPT (the lab's study tunes its own, per width):
 
 ==========  ======  =========  ===========================================================
 name        lr      scalar lr  why
@@ -26,20 +26,15 @@ dion2       0.02    1e-3       selected rows get Muon's spectral-norm step (sqrt
 adamw       1e-3    -          betas (0.9, 0.95), as the scalar groups of the others
 ==========  ======  =========  ===========================================================
 
-Every other hyperparameter is the class default (see each class). Each entry is the one
-place for what the rest of the tree needs to know about its optimizer: the settings the
-comparisons run it with (``harness_options``), its tuned learning rate (``tuned_lrs``,
-read from the study's committed results), what a parallel job hands it
-(``distributed_options``), its periodic work (``period_option``, ``periodic_calls``) and
-its cost model (``cost_model``: a module of ``bench.model.costs``, named rather than
-imported because the benchmarks sit above the library). It also lists small valid
-constructor inputs and invalid ones with the expected error, in the spirit of PyTorch's
-``optim_db``, so tests can run over the whole registry.
+Every other hyperparameter is the class default (see each class). An entry holds what
+building the optimizer needs: its class, starting learning rates, hyperparameters and the
+argument that takes a job's data-parallel ranks (``distributed_options``). What the
+benchmarks know of an optimizer (labels, harness settings, cost models, tuned rates) lives
+in the lab's own table (``bench/optimizers.py`` in the repository), and test inputs in
+the tests' ``optim_db``.
 """
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,21 +53,10 @@ from dobb.optim.state_init import AdamW
 
 
 @dataclass(frozen=True)
-class ErrorInput:
-    """Constructor overrides that must fail with ``error`` whose message matches ``regex``."""
-
-    overrides: dict[str, Any]
-    error: type[Exception]
-    regex: str
-
-
-@dataclass(frozen=True)
 class OptimizerEntry:
-    """How to build one optimizer, with its starting hyperparameters and test inputs."""
+    """How to build one optimizer, with its starting hyperparameters."""
 
     name: str
-    label: str
-    """How reports name it in prose (``"two-sided Dobb"``)."""
     cls: type[torch.optim.Optimizer]
     lr: float
     """Starting learning rate for a small GPT (hidden matrices, or all params for AdamW)."""
@@ -80,23 +64,6 @@ class OptimizerEntry:
     """Learning rate of the AdamW/Lion group of a matrix optimizer; None for AdamW itself."""
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     """Constructor arguments other than ``lr`` that differ from the class defaults."""
-    small_inputs: tuple[dict[str, Any], ...] = ({},)
-    """Valid constructor overrides, small enough for CPU tests."""
-    error_inputs: tuple[ErrorInput, ...] = ()
-    """Invalid constructor overrides and the error each must raise."""
-    splits_columns: bool = True
-    """Runs on matrices split along their columns (row-parallel TP); False: rows only."""
-    harness_options: dict[str, Any] = field(default_factory=dict)
-    """Constructor overrides of the comparisons (``python -m bench compare``, ``python -m bench study``, the
-    communication table): the settings compared in the Dobb paper's abstract (Dobb's 16
-    blocks, Dion's rank 1/16). Row-blocked optimizers emulate FSDP over 4 ranks in one
-    process: MuonBP and BlockMuon tile each matrix's rows as its shards would, Dion2 selects
-    rows per such block, two-sided Dobb keeps one row basis per block, with input blocks of
-    32 columns (which tile row-parallel TP's column shards over 4 ranks at every width the
-    study runs, >= 128)."""
-    cost_model: str | None = None
-    """Module of its cost model (``bench.model.costs``: state, work, bytes sent in
-    ``step()``); None: measured only."""
 
     @property
     def is_matrix(self) -> bool:
@@ -107,21 +74,6 @@ class OptimizerEntry:
     def needs_statistics(self) -> bool:
         """True if each step needs activation statistics from forward passes (Dobb)."""
         return issubclass(self.cls, Dobb)
-
-    @property
-    def period_option(self) -> str | None:
-        """The constructor argument setting the period of the optimizer's periodic work
-        (Dobb's ``basis_interval``, MuonBP's ``period``); None: every call alike."""
-        option = getattr(self.cls, "period_option", None)
-        if option is not None and option in self.hyperparameters:
-            return option if self.hyperparameters[option] is not None else None
-        return option
-
-    @property
-    def periodic_calls(self) -> tuple[str, str] | None:
-        """Names of the periodic call and of the others (``("refresh", "steady")``);
-        None where every call does the same work (BlockMuon: ``period=None``)."""
-        return getattr(self.cls, "periodic_calls", None) if self.period_option else None
 
     def distributed_options(self, data_parallel) -> dict[str, Any]:
         """Constructor arguments for a job whose DDP or FSDP averages the gradients over the
@@ -135,210 +87,28 @@ class OptimizerEntry:
         return {option: data_parallel}
 
 
-# Errors every MatrixOptimizer raises (from dobb.optim.base).
-MATRIX_ERRORS = (
-    ErrorInput({"lr": -1.0}, ValueError, "invalid learning rate"),
-    ErrorInput({"weight_decay": -0.1}, ValueError, "invalid weight_decay"),
-    ErrorInput({"nonfinite": "ignore"}, ValueError, "nonfinite must be one of"),
-)
-
 OPTIMIZERS: dict[str, OptimizerEntry] = {
     entry.name: entry
     for entry in (
+        OptimizerEntry("dobb", Dobb, lr=1e-3, scalar_lr=1e-3),
         OptimizerEntry(
-            name="dobb",
-            label="Dobb",
-            harness_options={"num_blocks": 16},
-            cost_model="bench.model.costs.dobb",
-            cls=Dobb,
-            lr=1e-3,
-            scalar_lr=1e-3,
-            small_inputs=(
-                {},
-                {"num_blocks": 4, "basis_interval": 2},
-                {"basis_method": "power_qr", "basis_interval": 1, "nesterov": False},
-                {"basis_method": "jacobi", "basis_interval": 2},
-                {"update_scale": "muon", "weight_decay": 0.1},
-            ),
-            error_inputs=MATRIX_ERRORS
-            + (
-                ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
-                ErrorInput({"num_blocks": 0}, ValueError, "invalid num_blocks"),
-                ErrorInput({"update_scale": "huge"}, ValueError, "invalid update_scale"),
-                ErrorInput({"basis_method": "svd"}, ValueError, "invalid basis_method"),
-            ),
+            "dobb2s", Dobb, lr=1e-3, scalar_lr=1e-3, hyperparameters={"two_sided": True}
         ),
+        # the paper's form at scale: randomized Cholesky QR
         OptimizerEntry(
-            name="dobb2s",
-            label="two-sided Dobb",
-            harness_options={"row_blocks": 4, "block_size": 32},
-            cost_model="bench.model.costs.dobb",
-            cls=Dobb,
-            lr=1e-3,
-            scalar_lr=1e-3,
-            hyperparameters={"two_sided": True},
-            small_inputs=(
-                {},
-                {"row_blocks": 2, "block_size": 4, "basis_interval": 2},
-                {"coefficients": "adam", "update_scale": 1.0, "row_stats": "outputs"},
-            ),
-            error_inputs=MATRIX_ERRORS
-            + (
-                ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
-                ErrorInput({"row_stats": "weights"}, ValueError, "invalid row_stats"),
-                ErrorInput({"coefficients": "lion"}, ValueError, "invalid coefficients"),
-            ),
+            "dion", Dion, lr=0.02, scalar_lr=1e-3, hyperparameters={"orthogonalize": "cholesky_qr"}
         ),
+        OptimizerEntry("muon", Muon, lr=0.02, scalar_lr=1e-3),
+        OptimizerEntry("muonbp", MuonBP, lr=5e-3, scalar_lr=1e-3),
+        # no full steps: shard-local only
         OptimizerEntry(
-            name="dion",
-            label="Dion",
-            harness_options={"rank_fraction": 1 / 16},
-            cost_model="bench.model.costs.dion",
-            cls=Dion,
-            lr=0.02,
-            scalar_lr=1e-3,
-            hyperparameters={"orthogonalize": "cholesky_qr"},  # the paper's form at scale
-            small_inputs=(
-                {},
-                {"rank": 4, "mu": 1.0},
-                {"orthogonalize": "cholesky_qr", "rank_fraction": 0.5, "weight_decay": 0.0},
-            ),
-            error_inputs=MATRIX_ERRORS
-            + (
-                ErrorInput({"mu": 1.5}, ValueError, "invalid mu"),
-                ErrorInput({"rank_fraction": 0.0}, ValueError, "invalid rank_fraction"),
-                ErrorInput({"rank": 0}, ValueError, "invalid rank"),
-                ErrorInput({"orthogonalize": "svd"}, ValueError, "invalid orthogonalize"),
-            ),
+            "blockmuon", MuonBP, lr=5e-3, scalar_lr=1e-3, hyperparameters={"period": None}
         ),
-        OptimizerEntry(
-            name="muon",
-            label="Muon",
-            cost_model="bench.model.costs.muon",
-            cls=Muon,
-            lr=0.02,
-            scalar_lr=1e-3,
-            small_inputs=(
-                {},
-                {"ns_dtype": torch.float32, "nesterov": False},
-                {"adjust_lr": "match_rms_adamw", "weight_decay": 0.1},
-            ),
-            error_inputs=MATRIX_ERRORS
-            + (
-                ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
-                ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
-                ErrorInput({"ns_dtype": torch.int32}, ValueError, "invalid ns_dtype"),
-                ErrorInput({"adjust_lr": "sqrt"}, ValueError, "invalid adjust_lr"),
-            ),
-        ),
-        OptimizerEntry(
-            name="muonbp",
-            label="MuonBP",
-            harness_options={"row_blocks": 4},
-            cost_model="bench.model.costs.muonbp",
-            cls=MuonBP,
-            lr=5e-3,
-            scalar_lr=1e-3,
-            small_inputs=(
-                {},
-                {"row_blocks": 2, "period": 2, "block_lr_ratio": 0.5},
-                {"col_blocks": (2, 2), "period": None, "ns_dtype": torch.float32},
-                {"adjust_lr": "spectral", "row_blocks": 4, "period": 1, "weight_decay": 0.1},
-            ),
-            error_inputs=MATRIX_ERRORS
-            + (
-                ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
-                ErrorInput({"period": 0}, ValueError, "invalid period"),
-                ErrorInput({"block_lr_ratio": -1.0}, ValueError, "invalid block_lr_ratio"),
-                ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
-                ErrorInput({"col_blocks": (2, 0)}, ValueError, "invalid col_blocks"),
-            ),
-        ),
-        OptimizerEntry(
-            name="blockmuon",
-            label="BlockMuon",
-            harness_options={"row_blocks": 4},
-            cost_model="bench.model.costs.muonbp",
-            cls=MuonBP,
-            lr=5e-3,
-            scalar_lr=1e-3,
-            hyperparameters={"period": None},  # no full steps: shard-local only
-            small_inputs=({}, {"row_blocks": 2, "col_blocks": 2}),
-            error_inputs=MATRIX_ERRORS
-            + (ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),),
-        ),
-        OptimizerEntry(
-            name="normuon",
-            label="NorMuon",
-            cost_model="bench.model.costs.normuon",
-            splits_columns=False,  # normalizes or selects whole rows
-            cls=NorMuon,
-            lr=5e-3,
-            scalar_lr=1e-3,
-            small_inputs=(
-                {},
-                {"ns_dtype": torch.float32, "nesterov": True},
-                {"beta2": 0.0, "eps": 1e-10, "weight_decay": 0.1},
-            ),
-            error_inputs=MATRIX_ERRORS
-            + (
-                ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
-                ErrorInput({"beta2": -0.1}, ValueError, "invalid beta2"),
-                ErrorInput({"eps": 0.0}, ValueError, "invalid eps"),
-                ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
-                ErrorInput({"ns_dtype": torch.int32}, ValueError, "invalid ns_dtype"),
-            ),
-        ),
-        OptimizerEntry(
-            name="dion2",
-            label="Dion2",
-            harness_options={"row_blocks": 4},
-            cost_model="bench.model.costs.dion2",
-            splits_columns=False,  # normalizes or selects whole rows
-            cls=Dion2,
-            lr=0.02,
-            scalar_lr=1e-3,
-            small_inputs=(
-                {},
-                {"fraction": 1.0, "ef_decay": 0.0, "ns_dtype": torch.float32},
-                {"fraction": 0.1, "row_blocks": (2, 2), "weight_decay": 0.0},
-            ),
-            error_inputs=MATRIX_ERRORS
-            + (
-                ErrorInput({"fraction": 0.0}, ValueError, "invalid fraction"),
-                ErrorInput({"ef_decay": 1.5}, ValueError, "invalid ef_decay"),
-                ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
-                ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
-            ),
-        ),
-        OptimizerEntry(
-            name="adamw",
-            label="AdamW",
-            cost_model="bench.model.costs.adamw",
-            cls=AdamW,
-            lr=1e-3,
-            hyperparameters={"betas": (0.9, 0.95)},
-            small_inputs=({}, {"weight_decay": 0.1}),
-            error_inputs=(
-                ErrorInput({"lr": -1.0}, ValueError, "Invalid learning rate"),
-                ErrorInput({"betas": (1.0, 0.95)}, ValueError, "Invalid beta parameter at index 0"),
-            ),
-        ),
+        OptimizerEntry("normuon", NorMuon, lr=5e-3, scalar_lr=1e-3),
+        OptimizerEntry("dion2", Dion2, lr=0.02, scalar_lr=1e-3),
+        OptimizerEntry("adamw", AdamW, lr=1e-3, hyperparameters={"betas": (0.9, 0.95)}),
     )
 }
-
-
-# `python -m bench study` writes its tuned learning rates here (a source checkout; absent from a wheel).
-STUDY_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "study" / "study.json"
-
-
-def tuned_lrs(path: Path = STUDY_RESULTS) -> dict[str, float]:
-    """Best hidden-matrix learning rate of each optimizer in the committed study (section
-    (a) of ``benchmarks/STUDY.md``); empty if the file is missing."""
-    try:
-        return dict(json.loads(Path(path).read_text())["best_lr"])
-    except FileNotFoundError:
-        return {}
 
 
 def get_entry(name: str) -> OptimizerEntry:

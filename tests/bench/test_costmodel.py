@@ -1,6 +1,7 @@
 """Cost model: FLOP counts against hand values and PyTorch's FLOP counter, α–β collective
 formulas, monotonicity in world size, state bytes, and the results command."""
 
+import inspect
 import json
 import math
 import shutil
@@ -11,13 +12,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import results
-from bench.model import calibrate, costs, hardware, workload
+from bench.model import calibrate, hardware, workload
 from bench.model import costmodel as cm
 from bench.model.costs import adamw as adamw_cost
 from bench.model.costs import dion as dion_cost
 from bench.model.costs import dobb as dobb_cost
 from bench.model.costs import muon as muon_cost
 from bench.model.costs import muonbp as muonbp_cost
+from bench.optimizers import LAB, cost_model
 from bench.results import calltime, linear_stack
 from bench.tools.opcount import OpCounter
 from dobb.blocks import block_stacks
@@ -27,7 +29,8 @@ from dobb.optim.dobb import dobb_update
 from dobb.optim.dobb_variants import dobb_variant_update
 from dobb.optim.muon import newton_schulz
 from dobb.optim.muonbp import block_muon_update, block_tiles
-from dobb.optim.registry import OPTIMIZERS, build_optimizer
+from dobb.optim.registry import OPTIMIZERS as REGISTRY
+from dobb.optim.registry import build_optimizer
 
 M = workload.Matrix("w", 8, 16)  # d_out = 8 rows, d_in = 16
 XL = workload.hidden_matrices("gpt2-xl")
@@ -263,10 +266,11 @@ def test_dobb2s_state_bytes_add_the_row_blocks(row_blocks, rows):
     assert calltime.state_bytes_measured(opt, list(stack.parameters())) == got
 
 
-def test_every_registry_entry_names_its_cost_model():
-    for name, entry in OPTIMIZERS.items():
-        model = costs.cost_model(name)
-        assert model.__name__ == entry.cost_model
+def test_every_lab_entry_names_its_cost_model():
+    assert LAB.keys() == REGISTRY.keys()  # the lab's table covers the library's registry
+    for name, entry in LAB.items():
+        model = cost_model(name)
+        assert model is entry.cost_model and model.__name__.startswith("bench.model.costs.")
         assert cm.state_bytes(name, M) >= M.numel * 4  # at least a momentum or the weights
         assert cm.build_work(name, [M]).bytes() > 0
     # an entry's hyperparameters reach its model: two-sided Dobb rotates rows too, and
@@ -279,14 +283,18 @@ def test_every_registry_entry_names_its_cost_model():
     assert cm.build_work("muonbp", XL[:6], layout=fsdp).comm_bytes() > 0
 
 
-def test_registry_says_which_calls_are_periodic():
-    assert OPTIMIZERS["dobb"].period_option == "basis_interval"
-    assert OPTIMIZERS["dobb2s"].periodic_calls == ("refresh", "steady")
-    assert OPTIMIZERS["muonbp"].periodic_calls == ("full", "block")
-    assert OPTIMIZERS["blockmuon"].period_option is None  # period=None: block steps only
-    assert OPTIMIZERS["blockmuon"].periodic_calls is None
-    assert OPTIMIZERS["muon"].periodic_calls is None
-    assert OPTIMIZERS["adamw"].period_option is None
+def test_lab_table_says_which_calls_are_periodic():
+    assert LAB["dobb"].period_option == "basis_interval"
+    assert LAB["dobb2s"].periodic_calls == ("refresh", "steady")
+    assert LAB["muonbp"].periodic_calls == ("full", "block")
+    assert LAB["blockmuon"].period_option is None  # period=None: block steps only
+    assert LAB["blockmuon"].periodic_calls is None
+    assert LAB["muon"].periodic_calls is None
+    assert LAB["adamw"].period_option is None
+    # each period option is a constructor argument of its class
+    for entry in LAB.values():
+        if entry.period_option:
+            assert entry.period_option in inspect.signature(entry.entry.cls).parameters
 
 
 # ------------------------------------------------------------------- collectives

@@ -1,6 +1,6 @@
 """Cost models of the optimizers, one module per optimizer family.
 
-A registry entry names its module in ``OptimizerEntry.cost_model`` (None: measured only).
+The lab's table names each optimizer's module (``bench.optimizers.LabEntry.cost_model``).
 Each module defines
 
 - ``state_bytes(matrix, **options)``: bytes of optimizer state for one fp32 ``Matrix``,
@@ -16,20 +16,10 @@ as the model's (``launches``, ``solver``, ``layout``); ``with_options`` hands ea
 function those it takes, so one dict of a benchmark's settings serves every optimizer.
 """
 
-import importlib
 import inspect
-from types import ModuleType
 from typing import Any
 
 from dobb.optim.registry import get_entry
-
-
-def cost_model(name: str) -> ModuleType:
-    """The cost-model module of registry entry ``name``; ``ValueError`` if it has none."""
-    entry = get_entry(name)
-    if entry.cost_model is None:
-        raise ValueError(f"{name!r} has no cost model; it is measured only")
-    return importlib.import_module(entry.cost_model)
 
 
 def with_options(function, *args, **options: Any):

@@ -1,0 +1,139 @@
+"""The lab's table of optimizers: what the benchmarks and reports know of each one.
+
+The library's registry (``dobb.optim.registry``) says how to build an optimizer; this table
+says how the lab runs and reports it: the label reports use, the settings the comparisons
+run it with, its cost model, which tables carry it, and its periodic work. Every subset and
+per-optimizer setting of the lab is derived from here; adding an optimizer means one class,
+one library entry, one entry here and one cost module.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from bench.model.costs import adamw, dion, dion2, dobb, muon, muonbp, normuon
+from dobb.optim.registry import OptimizerEntry, get_entry
+
+# Two-sided Dobb's row blocks per matrix in the call-time runs: the rows one rank holds under
+# FSDP over 32 ranks (the paper's call-time setting: GPT-2 XL on 32 GPUs), emulated on one.
+DOBB2S_ROW_BLOCKS = 32
+TABLES = ("calltime", "comm")  # call time and cost model; bytes sent inside step()
+# where `python -m bench study` writes its tuned learning rates (in the clone)
+STUDY_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "study" / "study.json"
+
+
+@dataclass(frozen=True)
+class LabEntry:
+    """How the lab runs and reports the registry optimizer ``name``."""
+
+    name: str
+    label: str
+    """How reports name it in prose (``"two-sided Dobb"``)."""
+    cost_model: ModuleType | None
+    """Its module of ``bench.model.costs`` (state, work, bytes sent in ``step()``)."""
+    harness_options: dict[str, Any] = field(default_factory=dict)
+    """Constructor overrides of the comparisons (``python -m bench compare`` and ``study``,
+    the communication table): the settings compared in the Dobb paper's abstract (Dobb's 16
+    blocks, Dion's rank 1/16). Row-blocked optimizers emulate FSDP over 4 ranks in one
+    process: MuonBP and BlockMuon tile each matrix's rows as its shards would, Dion2 selects
+    rows per such block, two-sided Dobb keeps one row basis per block, with input blocks of
+    32 columns (which tile row-parallel TP's column shards over 4 ranks at every width the
+    study runs, >= 128)."""
+    tables: frozenset[str] = frozenset(TABLES)
+    """The tables of ``TABLES`` that carry it (BlockMuon's calls are MuonBP's block calls)."""
+    splits_columns: bool = True
+    """Runs on matrices split along their columns (row-parallel TP); False: rows only."""
+    period_option: str | None = None
+    """The constructor argument setting the period of its periodic work (Dobb's
+    ``basis_interval``, MuonBP's ``period``); None: every call alike."""
+    periodic_calls: tuple[str, str] | None = None
+    """Names of the periodic call and of the others (``("refresh", "steady")``)."""
+    calltime_settings: tuple[str, ...] = ()
+    """The call-time benchmark's settings it takes (``calltime.optimizer_overrides``)."""
+    calltime_fixed: dict[str, Any] = field(default_factory=dict)
+    """Constructor overrides of the call-time runs, whatever the settings."""
+
+    @property
+    def entry(self) -> OptimizerEntry:
+        """Its entry in the library's registry."""
+        return get_entry(self.name)
+
+
+_DOBB_CALLTIME = ("num_blocks", "basis_interval", "basis_method")
+_ROW_ONLY = dict(splits_columns=False)  # normalizes or selects whole rows
+LAB: dict[str, LabEntry] = {
+    e.name: e
+    for e in (
+        LabEntry(
+            "dobb",
+            "Dobb",
+            dobb,
+            {"num_blocks": 16},
+            period_option="basis_interval",
+            periodic_calls=("refresh", "steady"),
+            calltime_settings=_DOBB_CALLTIME,
+        ),
+        LabEntry(
+            "dobb2s",
+            "two-sided Dobb",
+            dobb,
+            {"row_blocks": 4, "block_size": 32},
+            tables=frozenset({"calltime"}),
+            period_option="basis_interval",
+            periodic_calls=("refresh", "steady"),
+            calltime_settings=_DOBB_CALLTIME,
+            calltime_fixed={"block_size": None, "row_blocks": DOBB2S_ROW_BLOCKS},
+        ),
+        LabEntry(
+            "dion", "Dion", dion, {"rank_fraction": 1 / 16}, calltime_settings=("rank_fraction",)
+        ),
+        LabEntry("muon", "Muon", muon),
+        LabEntry(
+            "muonbp",
+            "MuonBP",
+            muonbp,
+            {"row_blocks": 4},
+            period_option="period",
+            periodic_calls=("full", "block"),
+            calltime_settings=("period", "row_blocks"),
+        ),
+        LabEntry("blockmuon", "BlockMuon", muonbp, {"row_blocks": 4}, tables=frozenset()),
+        LabEntry("normuon", "NorMuon", normuon, **_ROW_ONLY),
+        LabEntry("dion2", "Dion2", dion2, {"row_blocks": 4}, **_ROW_ONLY),
+        LabEntry("adamw", "AdamW", adamw, tables=frozenset({"calltime"})),
+    )
+}
+COMPARED = tuple(LAB)  # the main job and the study: every entry, in this order
+
+
+def in_table(table: str) -> tuple[str, ...]:
+    """The entries a table of ``TABLES`` carries, in the table's order."""
+    if table not in TABLES:
+        raise ValueError(f"unknown table {table!r}; one of {TABLES}")
+    return tuple(name for name, e in LAB.items() if table in e.tables)
+
+
+def lab_entry(name: str) -> LabEntry:
+    """The lab's entry ``name``; ``ValueError`` listing the known names if none."""
+    if name not in LAB:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(LAB)}")
+    return LAB[name]
+
+
+def cost_model(name: str) -> ModuleType:
+    """The cost-model module of ``name``; ``ValueError`` if it has none."""
+    module = lab_entry(name).cost_model
+    if module is None:
+        raise ValueError(f"{name!r} has no cost model; it is measured only")
+    return module
+
+
+def tuned_lrs(path: Path = STUDY_RESULTS) -> dict[str, float]:
+    """Best hidden-matrix learning rate of each optimizer in the committed study (section
+    (a) of ``benchmarks/STUDY.md``); empty if the file is missing."""
+    try:
+        return dict(json.loads(Path(path).read_text())["best_lr"])
+    except FileNotFoundError:
+        return {}

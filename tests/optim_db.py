@@ -1,0 +1,130 @@
+"""Test inputs for every registry optimizer, in the spirit of torch's ``optim_db``.
+
+``SMALL_INPUTS[name]``: valid constructor overrides, small enough for CPU tests;
+``ERROR_INPUTS[name]``: invalid overrides and the error each must raise (with a message
+regex). Tests run over ``dobb.optim.registry.OPTIMIZERS`` and look their inputs up here;
+``test_every_entry_has_inputs`` keeps the two in step.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ErrorInput:
+    """Constructor overrides that must fail with ``error`` whose message matches ``regex``."""
+
+    overrides: dict[str, Any]
+    error: type[Exception]
+    regex: str
+
+
+# Errors every MatrixOptimizer raises (from dobb.optim.base).
+MATRIX_ERRORS = (
+    ErrorInput({"lr": -1.0}, ValueError, "invalid learning rate"),
+    ErrorInput({"weight_decay": -0.1}, ValueError, "invalid weight_decay"),
+    ErrorInput({"nonfinite": "ignore"}, ValueError, "nonfinite must be one of"),
+)
+
+SMALL_INPUTS: dict[str, tuple[dict[str, Any], ...]] = {
+    "dobb": (
+        {},
+        {"num_blocks": 4, "basis_interval": 2},
+        {"basis_method": "power_qr", "basis_interval": 1, "nesterov": False},
+        {"basis_method": "jacobi", "basis_interval": 2},
+        {"update_scale": "muon", "weight_decay": 0.1},
+    ),
+    "dobb2s": (
+        {},
+        {"row_blocks": 2, "block_size": 4, "basis_interval": 2},
+        {"coefficients": "adam", "update_scale": 1.0, "row_stats": "outputs"},
+    ),
+    "dion": (
+        {},
+        {"rank": 4, "mu": 1.0},
+        {"orthogonalize": "cholesky_qr", "rank_fraction": 0.5, "weight_decay": 0.0},
+    ),
+    "muon": (
+        {},
+        {"ns_dtype": torch.float32, "nesterov": False},
+        {"adjust_lr": "match_rms_adamw", "weight_decay": 0.1},
+    ),
+    "muonbp": (
+        {},
+        {"row_blocks": 2, "period": 2, "block_lr_ratio": 0.5},
+        {"col_blocks": (2, 2), "period": None, "ns_dtype": torch.float32},
+        {"adjust_lr": "spectral", "row_blocks": 4, "period": 1, "weight_decay": 0.1},
+    ),
+    "blockmuon": ({}, {"row_blocks": 2, "col_blocks": 2}),
+    "normuon": (
+        {},
+        {"ns_dtype": torch.float32, "nesterov": True},
+        {"beta2": 0.0, "eps": 1e-10, "weight_decay": 0.1},
+    ),
+    "dion2": (
+        {},
+        {"fraction": 1.0, "ef_decay": 0.0, "ns_dtype": torch.float32},
+        {"fraction": 0.1, "row_blocks": (2, 2), "weight_decay": 0.0},
+    ),
+    "adamw": ({}, {"weight_decay": 0.1}),
+}
+
+ERROR_INPUTS: dict[str, tuple[ErrorInput, ...]] = {
+    "dobb": MATRIX_ERRORS
+    + (
+        ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
+        ErrorInput({"num_blocks": 0}, ValueError, "invalid num_blocks"),
+        ErrorInput({"update_scale": "huge"}, ValueError, "invalid update_scale"),
+        ErrorInput({"basis_method": "svd"}, ValueError, "invalid basis_method"),
+    ),
+    "dobb2s": MATRIX_ERRORS
+    + (
+        ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
+        ErrorInput({"row_stats": "weights"}, ValueError, "invalid row_stats"),
+        ErrorInput({"coefficients": "lion"}, ValueError, "invalid coefficients"),
+    ),
+    "dion": MATRIX_ERRORS
+    + (
+        ErrorInput({"mu": 1.5}, ValueError, "invalid mu"),
+        ErrorInput({"rank_fraction": 0.0}, ValueError, "invalid rank_fraction"),
+        ErrorInput({"rank": 0}, ValueError, "invalid rank"),
+        ErrorInput({"orthogonalize": "svd"}, ValueError, "invalid orthogonalize"),
+    ),
+    "muon": MATRIX_ERRORS
+    + (
+        ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
+        ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
+        ErrorInput({"ns_dtype": torch.int32}, ValueError, "invalid ns_dtype"),
+        ErrorInput({"adjust_lr": "sqrt"}, ValueError, "invalid adjust_lr"),
+    ),
+    "muonbp": MATRIX_ERRORS
+    + (
+        ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
+        ErrorInput({"period": 0}, ValueError, "invalid period"),
+        ErrorInput({"block_lr_ratio": -1.0}, ValueError, "invalid block_lr_ratio"),
+        ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
+        ErrorInput({"col_blocks": (2, 0)}, ValueError, "invalid col_blocks"),
+    ),
+    "blockmuon": MATRIX_ERRORS + (ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),),
+    "normuon": MATRIX_ERRORS
+    + (
+        ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
+        ErrorInput({"beta2": -0.1}, ValueError, "invalid beta2"),
+        ErrorInput({"eps": 0.0}, ValueError, "invalid eps"),
+        ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
+        ErrorInput({"ns_dtype": torch.int32}, ValueError, "invalid ns_dtype"),
+    ),
+    "dion2": MATRIX_ERRORS
+    + (
+        ErrorInput({"fraction": 0.0}, ValueError, "invalid fraction"),
+        ErrorInput({"ef_decay": 1.5}, ValueError, "invalid ef_decay"),
+        ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
+        ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
+    ),
+    "adamw": (
+        ErrorInput({"lr": -1.0}, ValueError, "Invalid learning rate"),
+        ErrorInput({"betas": (1.0, 0.95)}, ValueError, "Invalid beta parameter at index 0"),
+    ),
+}
