@@ -3,7 +3,8 @@
 #   make test            the test suite
 #   make lint            ruff check and ruff format --check
 #   make install-check   the wheel, installed without extras, runs the quick start
-# CI (.ci/run) runs test, lint and install-check.
+#   make test-torchtitan torchtitan with dobb's optimizers on 2 gloo ranks (its own stage)
+# CI (.ci/run) runs test, lint, install-check and test-torchtitan.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # On CPU machines pin torch: 2.13.0 is a local CPU build, an unpinned torch pulls CUDA.
@@ -15,12 +16,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,bench,bpe,examples]"
 	touch $@
 
-.PHONY: test demo lint install-check
+.PHONY: test demo lint install-check test-torchtitan
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 demo: $(VENV)/.installed
 	$(PY) -m bench compare
+
+# torchtitan 0.3.0 for real on 2 gloo ranks (the torchtitan extra; deselected by `make test`)
+test-torchtitan: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[torchtitan]"
+	$(PY) -m pytest -q -m torchtitan tests/integrations
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -54,6 +54,9 @@ TESTED_VERSION = "0.3.0"
 DATA_AXES = ("dp_replicate", "fsdp", "dp_shard", "cp")
 MODEL_AXES = ("tp",)
 SPMD_BACKENDS = ("partial_dtensor", "full_dtensor")
+# Name segments of wrapper modules: activation checkpointing's (torchtitan strips it from
+# its FQNs too) and ``torch.compile(module)``'s (torchtitan compiles blocks in place).
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
 def data_mesh(model: nn.Module):
@@ -104,7 +107,8 @@ def named_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``groups`` of ``(name, param)`` pairs with torchtitan's canonical names (wrappers of
     activation checkpointing and ``torch.compile`` stripped), as its checkpoints key them."""
     return [
-        {**g, "params": [(canonical_fqn(n), p) for n, p in g["params"]]} for g in groups if g
+        {**g, "params": [(canonical_fqn(n, WRAPPER_SEGMENTS), p) for n, p in g["params"]]}
+        for g in groups
     ]
 
 
@@ -141,9 +145,7 @@ class DobbOptimizersContainer(OptimizersContainer):
         """Further constructor arguments as a JSON object, e.g. '{"num_blocks": 8}' (dobb)
         or '{"rank_fraction": 0.25}' (dion); see each class's docstring."""
 
-        implementation: Literal["for-loop", "foreach", "fused", "fused_opt_states_bf16"] = (
-            "foreach"
-        )
+        implementation: Literal["for-loop", "foreach", "fused", "fused_opt_states_bf16"] = "foreach"
         """adamw only: torchtitan's kernel choice. dobb's matrix optimizers have one
         implementation (batched foreach kernels) and take only "foreach"."""
 

@@ -21,9 +21,7 @@ def documents(count: int = DOCUMENTS, seed: int = 0) -> list[str]:
     """``count`` documents of 40-120 words with a Zipf-like word distribution."""
     rng = random.Random(seed)
     weights = [1.0 / (rank + 1) for rank in range(len(WORDS))]
-    return [
-        " ".join(rng.choices(WORDS, weights, k=rng.randint(40, 120))) for _ in range(count)
-    ]
+    return [" ".join(rng.choices(WORDS, weights, k=rng.randint(40, 120))) for _ in range(count)]
 
 
 def make_assets(folder: Path) -> Path:
