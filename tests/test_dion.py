@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from dobb.optim.dion import (
-    Dion,
+from dobb.optim.dion import Dion
+from dobb.optim.dion_core import (
     DionMatrix,
     dion_step,
     dion_update,

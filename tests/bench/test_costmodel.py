@@ -24,7 +24,7 @@ from bench.results import calltime, linear_stack
 from bench.tools.opcount import OpCounter
 from dobb.blocks import block_stacks
 from dobb.eigensolve import jacobi_basis
-from dobb.optim.dion import dion_update, sketch_rows
+from dobb.optim.dion_core import dion_update, sketch_rows
 from dobb.optim.dobb import dobb_update
 from dobb.optim.dobb_variants import dobb_variant_update
 from dobb.optim.muon import newton_schulz

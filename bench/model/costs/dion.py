@@ -14,7 +14,8 @@ from bench.model.costs.kernels import (
 from bench.model.hardware import Collective
 from bench.model.workload import ONE_DEVICE, Layout, Matrix, dion_rank
 from dobb.distributed.placement import matrix_placement
-from dobb.optim.dion import Dion, sketch_rows
+from dobb.optim.dion import Dion
+from dobb.optim.dion_core import sketch_rows
 
 COMM_FORMULA = "per row axis (k r + 1 + r² + n r), per col axis (m r + 1 + r) fp32"
 
