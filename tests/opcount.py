@@ -2,9 +2,10 @@
 
 Speed targets live here, not in timed tests: a GPU step costs about one kernel launch per
 dispatched op, and a host read stalls the device queue. A host read is an
-``aten._local_scalar_dense`` call (``.item()``, ``bool(t)``, ``int(t)``); reading CPU step
-counters with ``tolist()`` dispatches nothing, so on CPU every counted read is one that would
-also stall a GPU.
+``aten._local_scalar_dense`` event of the profiler (``.item()``, ``bool(t)``, ``int(t)``, and
+the error-flag checks inside ``torch.linalg`` kernels, which a dispatch mode does not see:
+``bench.tools.opcount.OpCounter``); reading CPU step counters with ``tolist()`` dispatches
+nothing, so on CPU every counted read is one that would also stall a GPU.
 """
 
 import torch
