@@ -3,20 +3,24 @@
 Dobb refreshes an orthonormal eigenbasis ``Q_b`` of every block second moment ``C_b``
 (``(n, s, s)`` stacks) every ``basis_interval`` steps. ``torch.linalg.eigh`` is the reference
 and the fastest choice on CPU, but on CUDA it runs one solver call per matrix for
-``32 < s <= 512`` (``torch.linalg.qr`` loops too). The solvers here use batched kernels only
-(bmm, Cholesky, triangular solve, elementwise), so their kernel count per call depends on
-``s`` and never on ``n``, and start from the previous basis:
+``32 < s <= 512`` (``torch.linalg.qr`` loops too), and it reads its error flag on the host.
+The solvers here use batched kernels only (bmm, elementwise, ``cholesky_ex``, triangular
+solve), so their kernel count per call depends on ``s`` and never on ``n``, they never read
+the device, and they start from the previous basis:
 
 - ``jacobi_basis``: cyclic Jacobi sweeps on ``A = Qᵀ C Q`` in round-robin order, each round
-  rotating ``s/2`` disjoint index pairs of every block at once.
+  rotating ``s/2`` disjoint index pairs of every block at once, rotations in closed form.
 - ``cholqr_basis``: orthogonal iteration ``Q <- orth(C Q)`` (what ``power_qr`` does), with a
   shifted Cholesky-QR3 in place of Householder QR.
 - ``cupy_eigenbasis``: CuPy's ``eigh`` on the whole stack through DLPack (optional, CUDA).
 
 Both warm-started solvers keep the basis of blocks whose ``Qᵀ C Q`` is already nearly diagonal
-(Distributed Shampoo's criterion), and ``guarded`` recomputes with float64 ``eigh`` any block
-whose result is non-finite or not orthonormal. ``refresh_bases`` is the one dispatch point
-(``python -m bench.results.eigensolve`` times every method).
+(Distributed Shampoo's criterion). ``guarded`` decides on the device: a block whose result is
+non-finite or not orthonormal keeps its previous basis, and ``BlockFailures`` counts such
+blocks on the device and warns once the count reaches the host without a sync. A matrix's
+first refresh (``COLD_METHODS``) runs Jacobi from the identity with more sweeps.
+``refresh_bases`` is the one dispatch point (``python -m bench.results.eigensolve`` times
+every method).
 """
 
 import contextlib
@@ -33,17 +37,27 @@ BASIS_METHODS = ("eigh", "power_qr", "jacobi", "cholqr", "cupy", "auto")
 ``"eigh"`` the reference ``eigenbasis``; ``"power_qr"`` one orthogonal-iteration step with
 Householder QR (``power_qr_basis``); ``"jacobi"`` ``jacobi_basis``; ``"cholqr"``
 ``cholqr_basis``; ``"cupy"`` ``cupy_eigenbasis``; ``"auto"`` ``"eigh"`` on CPU tensors and
-``AUTO_CUDA`` on CUDA tensors. The last three are wrapped in ``guarded``.
+``AUTO_CUDA`` on CUDA tensors. All but ``"eigh"`` are wrapped in ``guarded``.
+"""
+COLD_METHODS = ("jacobi_cold", "auto_cold")
+"""Start methods for a matrix's first refresh (what Dobb's ``COLD_START`` maps to), when no
+previous basis exists: ``"jacobi_cold"`` ``jacobi_basis`` from the identity with
+``JACOBI_COLD_SWEEPS`` sweeps (batched, no host read); ``"auto_cold"`` ``"eigh"`` on CPU
+tensors and ``"jacobi_cold"`` on CUDA tensors.
 """
 AUTO_CUDA = "jacobi"  # batched kernels only; eigh and qr loop over matrices on CUDA
 
 EIGH_JITTER = 1e-7  # relative diagonal jitter: C + JITTER * mean(diag C) * I
-JACOBI_SWEEPS = 3  # per refresh: from a basis one refresh old, 3 reach eigh's fp32 residual
-JACOBI_WIDTH = 16  # slot width: (32, 32) subproblems, the largest CUDA eigh batches
+# Sweeps per refresh, measured on bench.results.eigensolve.refresh_problem (eigh's fp32
+# residual ~1e-6): from a basis one refresh old, 3 reach 1e-6 at s = 64 and 100, 3e-4 at
+# s = 400 (4: 2e-6); from the identity, 10 reach 1e-6 at s = 64, 100 and 400.
+JACOBI_SWEEPS = 4
+JACOBI_COLD_SWEEPS = 10
+JACOBI_WIDTH = 1  # indices per round-robin slot: 2 x 2 pivots, rotations in closed form
 CHOLQR_ITERS = 1  # orthogonal-iteration steps per refresh, as power_qr (SOAP)
 CHOLQR_SHIFT = 1e-3  # C + shift mean(diag C) I: positive definite, same eigenvectors
 SKIP_TOL = 1e-5  # keep Q_b when ||offdiag(Qᵀ C Q)||_F <= SKIP_TOL ||Qᵀ C Q||_F
-ORTHO_TOL = 1e-3  # guard: a basis with max |QᵀQ - I| above this is recomputed
+ORTHO_TOL = 1e-3  # guard: a basis with max |QᵀQ - I| above this keeps the previous one
 
 
 def eigenbasis(cov: Tensor) -> Tensor:
@@ -171,81 +185,83 @@ def _round_robin(slots: int, width: int, device: torch.device) -> tuple[Tensor, 
     return torch.tensor(layouts[0], device=device), torch.tensor(steps, device=device)
 
 
-def _pair_rotations(a: Tensor, width: int) -> Tensor:
-    """``Jᵀ`` for each diagonal ``(2w, 2w)`` block of ``a`` (``(n m / 2w, 2w, 2w)``, ``w = width``).
+def _pair_rotations(a: Tensor) -> Tensor:
+    """``Jᵀ`` of each index pair ``(2k, 2k + 1)`` of ``a`` (``(n, m, m)``): ``(n m / 2, 2, 2)``.
 
-    The transposed eigenvectors of each block from ``torch.linalg.eigh`` (one batched solver
-    call on CUDA for ``2w <= 32``), column ``j`` the eigenvector whose eigenvalue has ``a_jj``'s
-    rank among the block's diagonal: a nearly diagonal block gets a rotation near ``I``. (Sorted
-    columns would permute slots and stall the sweeps, as outer rotations do in scalar Jacobi.)
+    The classical Jacobi rotation, in closed form: with ``p = 2k``, ``q = 2k + 1`` and
+    ``tan 2θ = 2 a_pq / (a_pp - a_qq)``, ``|θ| <= π/4``, ``J = [[c, -s], [s, c]]`` (``c = cos θ``,
+    ``s = sin θ``) zeroes ``(Jᵀ A J)_pq``. The smaller of the two angles keeps a nearly
+    diagonal pair nearly fixed (a swap would permute indices and stall the sweeps). A pair
+    with ``a_pq = 0 = a_pp - a_qq`` gets ``0 / 0``, mapped to ``θ = 0``; ``a_pp = a_qq`` gets
+    ``±∞``, ``θ = ±π/4``.
     """
     n, m, _ = a.shape
-    size, pairs = 2 * width, m // (2 * width)
-    blocks = a.view(n, pairs, size, pairs, size).diagonal(0, 1, 3).permute(0, 3, 1, 2)
-    vectors = torch.linalg.eigh(blocks).eigenvectors  # (n, pairs, 2w, 2w), eigenvalues ascending
-    rank = blocks.diagonal(0, -2, -1).argsort(-1).argsort(-1)
-    vectors = vectors.gather(-1, rank[..., None, :].expand_as(vectors))
-    return vectors.reshape(n * pairs, size, size).mT
+    diagonal = a.diagonal(0, 1, 2)
+    off = a.diagonal(1, 1, 2)[:, 0::2]  # a_pq, (n, m/2)
+    tan_2theta = (2 * off / (diagonal[:, 0::2] - diagonal[:, 1::2])).nan_to_num_(0.0)
+    theta = torch.atan(tan_2theta).mul_(0.5)
+    c, s = theta.cos(), theta.sin()
+    return torch.stack([c, s, -s, c], -1).view(n * m // 2, 2, 2)  # Jᵀ = [[c, s], [-s, c]]
 
 
-def _jacobi_round(a: Tensor, qt: Tensor, step: Tensor, width: int) -> tuple[Tensor, Tensor]:
-    """Diagonalise every adjacent slot pair of every block, then move to the next layout.
+def _jacobi_round(a: Tensor, qt: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate every adjacent index pair of every block, then move to the next layout.
 
-    With ``Jᵀ`` from ``_pair_rotations`` on each pair of row slots,
-    ``A <- Jᵀ A J = Jᵀ (Jᵀ A)ᵀ`` (``A`` symmetric) and ``Qᵀ <- Jᵀ Qᵀ``; ``a`` and ``qt`` are
-    ``(n, m, m)`` in the current layout.
+    With ``Jᵀ`` from ``_pair_rotations`` (block diagonal, ``m / 2`` blocks of ``2 x 2``),
+    ``A <- Jᵀ A J = Jᵀ (Jᵀ A)ᵀ`` (``A`` symmetric) and ``Qᵀ <- Jᵀ Qᵀ``, three bmm of ``2 x 2``
+    by ``2 x m``; ``a`` and ``qt`` are ``(n, m, m)`` in the current layout.
     """
     n, m, _ = a.shape
-    rot = _pair_rotations(a, width)
-    rows = rot.shape[-1]
-    b = torch.bmm(rot, a.view(-1, rows, m)).view(n, m, m)  # Jᵀ A
-    a = torch.bmm(rot, b.mT.index_select(2, step).view(-1, rows, m))  # Jᵀ Bᵀ, columns moved
+    rot = _pair_rotations(a)
+    b = torch.bmm(rot, a.view(-1, 2, m)).view(n, m, m)  # Jᵀ A
+    a = torch.bmm(rot, b.mT.index_select(2, step).view(-1, 2, m))  # Jᵀ Bᵀ, columns moved
     a = a.view(n, m, m).index_select(1, step)
-    qt = torch.bmm(rot, qt.view(-1, rows, m)).view(n, m, m).index_select(1, step)
+    qt = torch.bmm(rot, qt.view(-1, 2, m)).view(n, m, m).index_select(1, step)
     return a, qt
 
 
 def jacobi_basis(
-    cov: Tensor,
-    basis: Tensor,
-    sweeps: int = JACOBI_SWEEPS,
-    width: int = JACOBI_WIDTH,
-    skip_tol: float = SKIP_TOL,
+    cov: Tensor, basis: Tensor, sweeps: int = JACOBI_SWEEPS, skip_tol: float = SKIP_TOL
 ) -> Tensor:
-    """Warm-started cyclic (block) Jacobi: ``sweeps`` round-robin sweeps on ``A = Qᵀ C Q``.
+    """Warm-started cyclic Jacobi: ``sweeps`` round-robin sweeps on ``A = Qᵀ C Q``.
 
-    The indices are split into an even number of ``slots`` of ``w <= width`` indices each
-    (padded with dummy indices, decoupled and with diagonal ``-(1 + ||A||_F)``, below every
-    eigenvalue). Each of a sweep's ``slots - 1`` rounds diagonalises the ``(2w, 2w)``
-    submatrices of all disjoint slot pairs of all blocks at once, with a fixed number of
-    batched kernels (one of them ``eigh``, which on CUDA reads its error flag on the host), so a
-    call dispatches ``O(sweeps s / w)`` kernels for any ``n`` (one round, exact, when
-    ``s <= 2w``). Started from the previous eigenbasis ``A`` is nearly diagonal and the sweeps
-    converge quadratically. Returns ``Q J`` with columns sorted by decreasing ``diag(A)``,
-    re-orthonormalised by one Cholesky-QR pass. Blocks with
-    ``off_diagonal_ratio(Qᵀ C Q) <= skip_tol`` keep their (warm) basis.
+    The ``s`` indices (padded to an even ``m`` with a dummy index, decoupled and with
+    diagonal ``-(1 + ||A||_F)``, below every eigenvalue) are paired in round-robin order:
+    each of a sweep's ``m - 1`` rounds rotates ``m / 2`` disjoint pairs of every block at once
+    with closed-form ``2 x 2`` rotations (``_pair_rotations``), a fixed number of batched
+    kernels and no host read, so a call dispatches ``O(sweeps s)`` kernels for any ``n``
+    (one round, exact, when ``s <= 2``). Every pair meets once per sweep; started from the
+    previous eigenbasis ``A`` is nearly diagonal and the sweeps converge quadratically.
+    Returns ``Q J`` with columns sorted by decreasing ``diag(A)``, re-orthonormalised by one
+    Cholesky-QR pass. Blocks with ``off_diagonal_ratio(Qᵀ C Q) <= skip_tol`` keep their
+    (warm) basis.
     """
     n, s, _ = cov.shape
-    slots = 2 * -(-s // (2 * width))
-    w = -(-s // slots)
-    m = slots * w
+    m = s + s % 2
     start = _orthonormal_start(basis)
     a0 = start.mT @ cov @ start
     a, qt = a0, start.mT
     if m > s:
-        a = torch.nn.functional.pad(a, (0, m - s, 0, m - s))
-        a[:, s:, s:].diagonal(0, 1, 2).copy_(-(1 + a0.norm(dim=(1, 2)))[:, None].expand(n, m - s))
-        qt = torch.nn.functional.pad(qt, (0, m - s, 0, m - s))
-        qt[:, s:, s:].diagonal(0, 1, 2).fill_(1)
-    layout, steps = _round_robin(slots, w, cov.device)
+        a = torch.nn.functional.pad(a, (0, 1, 0, 1))
+        a[:, s, s] = -(1 + a0.norm(dim=(1, 2)))
+        qt = torch.nn.functional.pad(qt, (0, 1, 0, 1))
+        qt[:, s, s] = 1
+    layout, steps = _round_robin(m, JACOBI_WIDTH, cov.device)
     a, qt = a.index_select(1, layout).index_select(2, layout), qt.index_select(1, layout)
-    for _ in range(sweeps if slots > 2 else 1):
+    for _ in range(sweeps if m > 2 else 1):
         for step in steps:
-            a, qt = _jacobi_round(a, qt, step, w)
-    order = a.diagonal(0, 1, 2).argsort(dim=-1, descending=True)[:, :s]  # drops the dummies
+            a, qt = _jacobi_round(a, qt, step)
+    order = a.diagonal(0, 1, 2).argsort(dim=-1, descending=True)[:, :s]  # drops the dummy
     q = qt.gather(1, order[:, :, None].expand(n, s, m))[:, :, :s].mT
     q, _ = cholesky_qr(q)
     return torch.where((off_diagonal_ratio(a0) <= skip_tol)[:, None, None], start, q)
+
+
+def cold_jacobi_basis(cov: Tensor, basis: Tensor | None = None) -> Tensor:
+    """A first basis without a previous one: ``jacobi_basis`` from the identity with
+    ``JACOBI_COLD_SWEEPS`` sweeps (``basis`` is ignored; it is there for ``guarded``)."""
+    eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device).expand_as(cov)
+    return jacobi_basis(cov, eye, sweeps=JACOBI_COLD_SWEEPS)
 
 
 def cupy_eigenbasis(cov: Tensor) -> Tensor:
@@ -274,17 +290,67 @@ def cupy_eigenbasis(cov: Tensor) -> Tensor:
         return torch.from_dlpack(vectors).flip(-1)
 
 
-def _eigh64(cov: Tensor) -> Tensor:
-    """float64 eigenvectors (decreasing eigenvalues); a non-finite block gets the identity."""
-    eye = torch.eye(cov.shape[-1], dtype=torch.float64, device=cov.device)
-    finite = cov.isfinite().all(-1).all(-1)[:, None, None]
-    return torch.linalg.eigh(torch.where(finite, cov.double(), eye)).eigenvectors.flip(-1)
-
-
 def orthogonality_error(q: Tensor) -> Tensor:
     """``max |QᵀQ - I|`` of each block (``(n,)``; NaN where ``Q`` is not finite)."""
     eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
     return (q.mT @ q - eye).abs().amax((-2, -1))
+
+
+class BlockFailures:
+    """Device-side counts of the blocks ``guarded`` rejected, reported without a sync.
+
+    ``add`` adds a ``(n,)`` bool mask's count to a device counter (one per method, block size
+    and device) and queues a non-blocking copy of it to the host (pinned memory and an event
+    on CUDA). ``report`` warns once for every counter whose copy has arrived and grown since
+    its last report: on CPU at once, on CUDA at the first guarded call (or ``report``) after
+    the copy completes. It reads host memory only (``tolist``), never the device.
+    """
+
+    def __init__(self):
+        self._device: dict[tuple, Tensor] = {}
+        self._host: dict[tuple, tuple[Tensor, object]] = {}
+        self._reported: dict[tuple, int] = {}
+
+    def add(self, method: str, bad: Tensor) -> None:
+        """Count ``bad`` (``(n,)`` bool, blocks of size ``s`` on one device) for ``method``."""
+        key = (method, bad.device)
+        if key not in self._device:
+            self._device[key] = torch.zeros((), dtype=torch.int64, device=bad.device)
+            pinned = bad.device.type == "cuda"
+            self._host[key] = (torch.zeros((), dtype=torch.int64, pin_memory=pinned), None)
+            self._reported[key] = 0
+        self._device[key] += bad.sum()
+        host, _ = self._host[key]
+        host.copy_(self._device[key], non_blocking=True)
+        event = None
+        if bad.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._host[key] = (host, event)
+
+    def report(self, stacklevel: int = 2) -> None:
+        """One ``RuntimeWarning`` per counter that grew since its last report (see class)."""
+        for key, (host, event) in self._host.items():
+            if event is not None and not event.query():
+                continue  # the copy is still on its way; the next report reads it
+            count = host.tolist()
+            if count > self._reported[key]:
+                warnings.warn(
+                    f"basis_method={key[0]!r} returned a non-finite or non-orthonormal basis "
+                    f"for {count - self._reported[key]} blocks on {key[1]} ({count} in all); "
+                    "they kept their previous basis",
+                    RuntimeWarning,
+                    stacklevel=stacklevel + 1,
+                )
+                self._reported[key] = count
+
+    @property
+    def total(self) -> int:
+        """Blocks rejected so far, every method and device (reads the device: for tests)."""
+        return sum(int(count) for count in self._device.values())
+
+
+BASIS_FAILURES = BlockFailures()  # what ``guarded`` counts into unless given another
 
 
 @contextlib.contextmanager
@@ -299,50 +365,57 @@ def full_precision_matmuls():
         torch.set_float32_matmul_precision(previous)
 
 
-def guarded(method: str, solve: Callable[[Tensor, Tensor], Tensor]):
-    """``solve`` in at least fp32 with IEEE matmuls, and a safety net: blocks it returns
-    non-finite or not orthonormal (``orthogonality_error > ORTHO_TOL``) are recomputed with
-    float64 ``eigh``, and one warning names ``method`` and how many blocks. A ``LinAlgError``
-    inside ``solve`` (which cannot say which block failed) sends every block to the fallback.
-    One host read per call (two on failure).
+def guarded(
+    method: str,
+    solve: Callable[[Tensor, Tensor], Tensor],
+    failures: BlockFailures | None = None,
+):
+    """``solve`` in at least fp32 with IEEE matmuls, and a safety net decided on the device.
+
+    A block whose ``C`` is not finite, or that ``solve`` returns non-finite or not
+    orthonormal (``orthogonality_error > ORTHO_TOL``, NaN included), keeps its previous
+    basis, re-orthonormalised (``_orthonormal_start``: the identity where the previous one
+    is singular);
+    ``failures`` (default ``BASIS_FAILURES``) counts it and warns when the count reaches the
+    host. A ``LinAlgError`` inside ``solve`` (which cannot say which block failed) keeps
+    every block's previous basis. No host read.
     """
+    failures = BASIS_FAILURES if failures is None else failures
 
     def run(cov: Tensor, basis: Tensor) -> Tensor:
         dtype = torch.promote_types(cov.dtype, torch.float32)
         cov = cov.to(dtype)
         with full_precision_matmuls():
+            basis = basis.to(dtype)
+            previous = _orthonormal_start(basis)
             try:
-                q = solve(cov, basis.to(dtype))
+                q = solve(cov, basis)
             except torch.linalg.LinAlgError:
                 q = torch.full_like(cov, float("nan"))
             bad = ~(orthogonality_error(q) <= ORTHO_TOL)  # NaN is bad
-        if bool(bad.any()):
-            index = bad.nonzero()[:, 0]
-            q = q.index_copy(0, index, _eigh64(cov.index_select(0, index)).to(q.dtype))
-            warnings.warn(
-                f"basis_method={method!r} returned a non-finite or non-orthonormal basis for "
-                f"{index.numel()} of {q.shape[0]} blocks of size {q.shape[-1]}; recomputed "
-                "them with float64 eigh",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            bad |= ~cov.isfinite().all(-1).all(-1)  # Jacobi maps a NaN pivot to θ = 0
+        q = torch.where(bad[:, None, None], previous, q)
+        failures.add(method, bad)
+        failures.report(stacklevel=2)
         return q
 
     return run
 
 
 def basis_solver(method: str, device: torch.device) -> Callable[[Tensor, Tensor], Tensor]:
-    """The ``(cov, basis) -> new basis`` function of ``method`` for stacks on ``device``."""
-    if method not in BASIS_METHODS:
+    """The ``(cov, basis) -> new basis`` function of ``method`` (``BASIS_METHODS`` or
+    ``COLD_METHODS``) for stacks on ``device``."""
+    if method not in BASIS_METHODS + COLD_METHODS:
         raise ValueError(f"invalid basis method {method!r}; choose one of {BASIS_METHODS}")
-    if method == "auto":
-        method = AUTO_CUDA if device.type == "cuda" else "eigh"
+    if method in ("auto", "auto_cold"):
+        cold = method == "auto_cold"
+        method = ("jacobi_cold" if cold else AUTO_CUDA) if device.type == "cuda" else "eigh"
     if method == "eigh":
         return lambda cov, _: eigenbasis(cov)
-    if method == "power_qr":
-        return power_qr_basis
     solve = {
+        "power_qr": power_qr_basis,
         "jacobi": jacobi_basis,
+        "jacobi_cold": cold_jacobi_basis,
         "cholqr": cholqr_basis,
         "cupy": lambda cov, _: cupy_eigenbasis(cov),
     }[method]

@@ -36,9 +36,13 @@ from dobb.stats import (
 )
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
-# Warm-started solvers need a start: a matrix's first refresh runs eigh (once per run; on
-# CUDA the slow per-block loop, but 3 Jacobi sweeps from the identity leave ~1% off-diagonal).
-COLD_START = {"power_qr": "eigh", "cholqr": "eigh", "jacobi": "eigh", "auto": "eigh"}
+# Warm-started solvers need a start: a matrix's first refresh runs batched Jacobi from the
+# identity with more sweeps (dobb.eigensolve.COLD_METHODS; no per-block eigh loop, no host
+# read), or eigh where "auto" means eigh (CPU).
+COLD_START = {
+    "power_qr": "jacobi_cold", "cholqr": "jacobi_cold", "jacobi": "jacobi_cold",
+    "auto": "auto_cold",
+}  # fmt: skip
 MISSING_STATS_MODES = ("raise", "identity")
 STATS_SYNC_MODES = ("refresh", "step")
 # Where the block bases come from: Dobb's activation moments, or controls for ablations.
