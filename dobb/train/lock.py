@@ -1,4 +1,4 @@
-"""One live run per `out_dir`: an advisory lock on `<out_dir>/.lock`, held by rank 0.
+"""One live run per `out_dir`: an advisory lock on `<out_dir>/.run.lock`, held by rank 0.
 
 The lock is `flock` on an open file, so the operating system releases it when the process
 ends however it ends (a crash or SIGKILL leaves no stale lock). The file holds the
@@ -15,11 +15,11 @@ from pathlib import Path
 
 from dobb.train.errors import RunError
 
-LOCK_NAME = ".lock"
+LOCK_NAME = ".run.lock"  # not ".lock": bench.study keeps its own lock of that name
 
 
 class OutDirLock:
-    """Hold `<out_dir>/.lock` until `release()`; `RunError` if another live run holds it."""
+    """Hold `<out_dir>/.run.lock` until `release()`; `RunError` if another live run holds it."""
 
     def __init__(self, out_dir: str | Path):
         self.out = Path(out_dir)

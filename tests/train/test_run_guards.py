@@ -86,7 +86,7 @@ def test_a_second_run_into_a_live_runs_out_dir_is_refused(tmp_path, resume):
         first.join(120)
     assert first.exitcode == 0
     assert steps(out) == [1, 2, 3, 4]  # the first run's log, whole and alone
-    assert not (out / ".lock").exists()
+    assert not (out / ".run.lock").exists()
 
 
 def lock_and_die(out: str) -> None:
@@ -98,7 +98,7 @@ def test_a_killed_runs_lock_does_not_block_the_next_run(tmp_path):
     dead = multiprocessing.get_context("spawn").Process(target=lock_and_die, args=(str(tmp_path),))
     dead.start()
     dead.join(60)
-    assert dead.exitcode == -signal.SIGKILL and (tmp_path / ".lock").exists()
+    assert dead.exitcode == -signal.SIGKILL and (tmp_path / ".run.lock").exists()
     train(config(tmp_path))
     assert steps(tmp_path) == [1, 2, 3, 4]
 
