@@ -1,7 +1,9 @@
 """Timing of the eigenbasis solvers: ``python -m bench.results.eigensolve``.
 
-Every ``refresh_bases`` method on a refresh as Dobb meets it (``refresh_problem``): median
-seconds, aten ops and host reads per call, worst eigen-residual and orthogonality error.
+Every ``refresh_bases`` method (``BASIS_METHODS``, and the first-refresh ``COLD_METHODS``) on
+a refresh as Dobb meets it (``refresh_problem``): median seconds, aten ops and host reads
+per call (``OpCounter``: the profiler's reads, nested ones included), worst eigen-residual
+and orthogonality error.
 """
 
 import argparse
@@ -16,7 +18,7 @@ import torch
 from torch import Tensor
 
 from bench.tools.opcount import OpCounter
-from dobb.eigensolve import BASIS_METHODS, orthogonality_error, refresh_bases
+from dobb.eigensolve import BASIS_METHODS, COLD_METHODS, orthogonality_error, refresh_bases
 
 COMMAND = "python -m bench.results.eigensolve "
 
@@ -47,7 +49,9 @@ def eigen_residual(cov: Tensor, q: Tensor) -> Tensor:
     return (cov @ q - q * rayleigh[:, None, :]).norm(dim=(1, 2)) / cov.norm(dim=(1, 2))
 
 
-def benchmark(sizes, device: str, methods=BASIS_METHODS, repeats: int = 5) -> list[dict]:
+def benchmark(
+    sizes, device: str, methods=BASIS_METHODS + COLD_METHODS, repeats: int = 5
+) -> list[dict]:
     """Time ``refresh_bases`` per method on ``refresh_problem(n, s)`` for ``(s, n)`` in ``sizes``.
 
     Per row: median and all seconds of ``repeats`` timed calls after one warm-up call (CUDA
@@ -95,7 +99,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", default="64:16,128:16", help="s:n pairs, comma-separated")
-    parser.add_argument("--methods", default=",".join(BASIS_METHODS))
+    parser.add_argument("--methods", default=",".join(BASIS_METHODS + COLD_METHODS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = parser.parse_args(argv)
