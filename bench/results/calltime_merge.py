@@ -1,0 +1,62 @@
+"""One call-time record from per-optimizer runs: ``python -m bench.results.calltime_merge``.
+
+``benchmarks/gpu_calltime.sh`` times each optimizer in a process of its own (a crash, an
+out-of-memory or a timeout costs that optimizer's row, not the others'), then merges:
+
+    python -m bench.results.calltime_merge --out calltime_xl.json part_dobb.json part_muon.json
+
+The merged record has the first readable part's ``meta`` and ``hooks``, every part's
+``optimizers`` entries (``ratio_vs_dobb`` recomputed over all of them), ``meta.commands``
+(one per part), ``meta.complete`` (every part complete) and ``meta.missing`` (the parts that
+could not be read, or were incomplete, by file name).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.results.calltime import write_json
+
+
+def merge(parts: list[Path]) -> dict:
+    """The record of ``parts`` (call-time JSON files, one optimizer or more each)."""
+    record: dict | None = None
+    missing, commands = [], []
+    for path in parts:
+        try:
+            part = json.loads(path.read_text())
+        except (OSError, ValueError):
+            missing.append(path.name)
+            continue
+        if not part.get("meta", {}).get("complete"):
+            missing.append(path.name)
+        commands.append(part.get("meta", {}).get("command", ""))
+        if record is None:
+            record = {"meta": dict(part["meta"]), "hooks": part.get("hooks"), "optimizers": {}}
+        record["optimizers"].update(part.get("optimizers") or {})
+    if record is None:
+        raise ValueError(f"no readable call-time record among {[p.name for p in parts]}")
+    optimizers = record["optimizers"]
+    for entry in optimizers.values():
+        entry.pop("ratio_vs_dobb", None)
+        if "dobb" in optimizers:
+            entry["ratio_vs_dobb"] = (
+                entry["call_s"]["median"] / optimizers["dobb"]["call_s"]["median"]
+            )
+    record["meta"].update(complete=not missing, missing=missing, commands=commands)
+    record["meta"]["command"] = " ; ".join(c for c in commands if c)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("parts", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    record = merge(args.parts)
+    write_json(args.out, record)
+    print(f"wrote {args.out}: {sorted(record['optimizers'])}, missing {record['meta']['missing']}")
+
+
+if __name__ == "__main__":
+    main()

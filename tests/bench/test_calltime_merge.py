@@ -1,0 +1,45 @@
+"""``bench.results.calltime_merge``: per-optimizer call-time runs into one record."""
+
+import json
+
+import pytest
+
+from bench.results.calltime_merge import main, merge
+
+
+def _part(path, name, median, complete=True):
+    entry = {"call_s": {"median": median}, "ratio_vs_dobb": 1.0}
+    meta = {"command": f"calltime --optimizers {name}", "complete": complete, "layers": 9}
+    path.write_text(
+        json.dumps({"meta": meta, "hooks": {"share": 0.3}, "optimizers": {name: entry}})
+    )
+    return path
+
+
+def test_merge_keeps_every_row_and_names_the_missing_parts(tmp_path):
+    dobb = _part(tmp_path / "part_dobb.json", "dobb", 0.02)
+    muon = _part(tmp_path / "part_muon.json", "muon", 0.03)
+    broken = tmp_path / "part_dion.json"
+    broken.write_text('{"meta": ')  # the process died while writing
+    absent = tmp_path / "part_adamw.json"  # the process died before writing
+    half = _part(tmp_path / "part_normuon.json", "normuon", 0.05, complete=False)
+    record = merge([dobb, muon, broken, absent, half])
+    assert sorted(record["optimizers"]) == ["dobb", "muon", "normuon"]
+    assert record["optimizers"]["muon"]["ratio_vs_dobb"] == pytest.approx(1.5)
+    assert record["meta"]["missing"] == ["part_dion.json", "part_adamw.json", "part_normuon.json"]
+    assert not record["meta"]["complete"] and record["meta"]["layers"] == 9
+    assert record["meta"]["command"].count("calltime --optimizers") == 3
+
+
+def test_merge_of_complete_parts_is_complete_and_written(tmp_path, capsys):
+    parts = [_part(tmp_path / f"{n}.json", n, 0.01 * (i + 1)) for i, n in enumerate("ab")]
+    main(["--out", str(tmp_path / "merged.json"), *map(str, parts)])
+    record = json.loads((tmp_path / "merged.json").read_text())
+    assert record["meta"]["complete"] and record["meta"]["missing"] == []
+    assert "ratio_vs_dobb" not in record["optimizers"]["a"]  # no Dobb row: no ratio
+    assert "missing []" in capsys.readouterr().out
+
+
+def test_merge_of_nothing_readable_raises(tmp_path):
+    with pytest.raises(ValueError, match="no readable call-time record"):
+        merge([tmp_path / "none.json"])
