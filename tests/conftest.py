@@ -8,8 +8,14 @@ sys.path.insert(0, str(Path(__file__).parent))  # test helpers such as `multiran
 
 @pytest.fixture(autouse=True)
 def batch_on_cpu(monkeypatch):
-    """Tests run the batched (GPU) path of every optimizer on CPU, where it is otherwise
-    off; ``tests/test_step_counts.py`` holds the CPU path (matrix by matrix) to it."""
-    from dobb.optim import batching
+    """Tests run the batched (GPU) path of every matrix optimizer on CPU: one built with
+    ``foreach=None`` (the default, matrix by matrix on CPU) gets ``foreach=True`` here.
+    ``tests/test_step_counts.py`` passes ``foreach`` itself and holds the two paths together."""
+    from dobb.optim.base import MatrixOptimizer
 
-    monkeypatch.setattr(batching, "BATCH_ON_CPU", True)
+    init = MatrixOptimizer.__init__
+
+    def batched_init(self, params, defaults, *, foreach=None, **options):
+        init(self, params, defaults, foreach=True if foreach is None else foreach, **options)
+
+    monkeypatch.setattr(MatrixOptimizer, "__init__", batched_init)

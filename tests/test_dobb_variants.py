@@ -8,7 +8,7 @@ from torch import nn
 
 import dobb
 from dobb.optim.dobb import dobb_update
-from dobb.optim.dobb_variants import dobb_variant_update
+from dobb.optim.dobb_update import _rotated_update, dobb_update_batched
 
 D_IN, D_OUT, TOKENS = 12, 10, 24
 HYPER = dict(lr=0.05, momentum=0.9, weight_decay=0.1, update_scale=0.2, stats_beta=0.8)
@@ -138,9 +138,9 @@ def test_one_sided_adam_is_two_sided_with_identity_rows():
     for row_bases, row_stacks in ((None, ()), ([eye], rows)):
         params, momenta, v = w.clone(), torch.zeros_like(w), torch.zeros_like(w)
         hyper = dict(lr=0.1, beta=0.9, nesterov=True, weight_decay=0.0, scale=1.0)
-        dobb_variant_update(
-            list(params), list(grads), list(momenta), [q], stacks, row_bases, row_stacks,
-            list(v), [1.0] * 4, **hyper,
+        dobb_update_batched(
+            list(params), list(grads), list(momenta), [q], stacks, row_bases=row_bases,
+            row_stacks=row_stacks, variances=list(v), steps=[1.0] * 4, **hyper,
         )  # fmt: skip
         results.append(params)
     torch.testing.assert_close(*results, rtol=0, atol=1e-12)
@@ -148,7 +148,8 @@ def test_one_sided_adam_is_two_sided_with_identity_rows():
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_one_sided_sign_equals_the_paper_update(transposed):
-    """``dobb_variant_update`` without row blocks is ``dobb_update``, matrix by matrix."""
+    """The variants' tile path with sign coefficients and no row blocks is ``dobb_update``,
+    matrix by matrix."""
     gen = torch.Generator().manual_seed(1)
     shape = (3, 10, D_OUT) if transposed else (3, D_OUT, 10)
     w, g = (torch.randn(shape, dtype=torch.float64, generator=gen) for _ in range(2))
@@ -161,7 +162,7 @@ def test_one_sided_sign_equals_the_paper_update(transposed):
     ]  # fmt: skip
     hyper = dict(lr=0.1, beta=0.9, nesterov=True, weight_decay=0.1, scale=0.2)
     batched_w, batched_m = w.clone(), m.clone()
-    dobb_variant_update(
+    _rotated_update(
         list(batched_w), list(g), list(batched_m), bases, stacks, transposed=transposed, **hyper
     )
     for i in range(3):

@@ -32,7 +32,6 @@ from bench.results.calltime import device_name, optimizer_overrides, write_json
 from bench.results.linear_stack import LinearStack, Progress, forward_backward
 from bench.tools.timing import timed
 from dobb.blocks import block_stacks
-from dobb.optim.batching import batches_kernels
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.stats import BlockStatistics, statistics_hook
 
@@ -284,7 +283,9 @@ def framework_overhead(
                 times.append(timed(opt.step, device))
             else:
                 opt.step()
-        launches = "per_shape" if batches_kernels(device) else "per_matrix"
+        launches = (
+            "per_matrix" if torch.device(device).type == "cpu" else "per_shape"
+        )  # foreach=None
         modeled = predict(name, mats, hardware, launches=launches, **kw)["total"]
         out[name] = max(0.0, (statistics.median(times) - modeled) / matrices)
     stack = LinearStack(mats, 16, device=device)

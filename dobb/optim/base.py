@@ -39,7 +39,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
     """Base class: routing, validation and the step loop; subclasses add the matrix math.
 
     Subclasses set ``algorithm`` (their group name) and implement ``_init_matrix_state``
-    and ``_update_matrix`` (or override ``_matrix_step`` to batch work across parameters).
+    and ``_matrix_step`` (every matrix with a gradient, batched as they like).
 
     Args (shared by all subclasses):
         nonfinite: ``"raise"`` (default) raises ``NonFiniteGradientError`` naming the first
@@ -49,14 +49,21 @@ class MatrixOptimizer(torch.optim.Optimizer):
             FSDP or TP ranks can disagree; to skip consistently, decide on every rank from a
             global quantity (``torch.nn.utils.clip_grad_norm_`` returns the all-reduced
             total norm: skip ``step()`` when it is not finite).
+        foreach: stack same-shape matrices into shared kernels (``(n, m, k)`` bmm and
+            foreach ops: a step's kernel count depends on the shapes, not the number of
+            matrices). None (default): on every device but the CPU; both paths compute the
+            same update (a test holds them together).
     """
 
     algorithm: str
 
-    def __init__(self, params, defaults: dict[str, Any], *, nonfinite: str = "raise"):
+    def __init__(self, params, defaults: dict[str, Any], *, nonfinite: str = "raise", foreach=None):
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+        if foreach not in (None, True, False):
+            raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
         self.nonfinite = nonfinite
+        self.foreach = foreach
         self.skipped_steps = 0
         self._names: dict[Tensor, str] = {}
         super().__init__(params, {"algorithm": self.algorithm, **defaults})
@@ -114,6 +121,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     f"{self.algorithm!r} needs 2-D weight matrices; put it in a group with "
                     "algorithm='adamw' (dobb.param_groups does this for a model)"
                 )
+
+    def batched(self, device: torch.device) -> bool:
+        """Whether same-shape matrices on ``device`` share kernels: ``foreach``, or by
+        default (None) everywhere but on the CPU, as ``torch.optim`` decides."""
+        return self.foreach if self.foreach is not None else device.type != "cpu"
 
     def name_of(self, param: Tensor) -> str:
         """The parameter's name if groups were built from named parameters, else its index."""
@@ -232,14 +244,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 yield p, state, group
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        """Update every matrix parameter; override to batch work across parameters."""
-        for p, state, group in self._matrices_with_grad(groups):
-            self._update_matrix(p, state, group)
-
-    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """Update every matrix of ``groups`` that has a gradient."""
         raise NotImplementedError
 
-    def _update_matrix(self, param: Tensor, state: dict[str, Any], group: dict) -> None:
+    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
     # ------------------------------------------------------------ checkpoints

@@ -1,5 +1,10 @@
 """Group tensors that can share kernels, so a step costs O(groups) kernels, not O(tensors).
 
+Whether an optimizer stacks same-shape matrices is its ``foreach`` option
+(``MatrixOptimizer.batched``): on by default off the CPU, where a launch costs more than
+the stacking copies; on CPU one matrix at a time (a GPT-2 XL block's Dobb projections:
+35-46 ms matrix by matrix, 90-105 ms stacked).
+
 Same-shape matrices stack into one ``(n, m, k)`` batch; tensors of one dtype and device
 with the same hyperparameters share ``torch._foreach_*`` calls. ``group_by`` finds such
 groups; ``stack_apply`` runs a batched function once per same-shape stack.
@@ -13,21 +18,11 @@ from torch import Tensor
 
 T = TypeVar("T")
 
-# On CPU an op costs microseconds to launch, and stacking copies cost more than they save
-# (one GPT-2 XL block, Dobb's projections: 35-46 ms matrix by matrix, 90-105 ms stacked), so
-# the optimizers that honour this stack same-shape matrices only off the CPU; tests set it
-# to count on CPU the kernels a GPU step launches.
-BATCH_ON_CPU = False
 
-
-def batches_kernels(device: torch.device) -> bool:
-    """True where same-shape matrices are stacked into shared kernels (off the CPU)."""
-    return device.type != "cpu" or BATCH_ON_CPU
-
-
-def solo(i: int, device: torch.device) -> tuple:
-    """A grouping-key suffix that keeps item ``i`` in a group of its own on CPU."""
-    return () if batches_kernels(device) else (i,)
+def solo(i: int, batched: bool) -> tuple:
+    """A grouping-key suffix that keeps item ``i`` in a group of its own unless ``batched``
+    (an optimizer's ``foreach``: stack same-shape matrices into shared kernels)."""
+    return () if batched else (i,)
 
 
 def group_by(items: Iterable[T], key: Callable[[T], Hashable]) -> dict[Any, list[int]]:
@@ -42,19 +37,22 @@ def stack_apply(
     tensors: list[Tensor],
     fn: Callable[[Tensor, Any], Tensor],
     key: Callable[[int], Hashable] = lambda i: None,
+    *,
+    batched: bool = True,
 ) -> list[Tensor]:
     """``[fn(t, key(i)) for i, t in enumerate(tensors)]``, as one call per same-shape stack.
 
     Tensors of one shape, dtype, device and ``key(i)`` (e.g. hyperparameters) stack into
-    ``(n, *shape)``; ``fn(stack, k)`` must treat each slice on its own and return
-    ``(n, *shape')``. A group of one is passed unstacked (``shape``, not ``(1, *shape)``).
+    ``(n, *shape)`` (each tensor alone unless ``batched``); ``fn(stack, k)`` must treat each
+    slice on its own and return ``(n, *shape')``. A group of one is passed unstacked
+    (``shape``, not ``(1, *shape)``).
     Results of a stack are views of its output.
     """
     groups = group_by(
         range(len(tensors)),
         lambda i: (
             (key(i), tuple(tensors[i].shape), tensors[i].dtype, tensors[i].device)
-            + solo(i, tensors[i].device)
+            + solo(i, batched)
         ),
     )
     out: list[Tensor] = [None] * len(tensors)

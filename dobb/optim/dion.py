@@ -14,11 +14,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dobb._dtensor import DTensor, local
-from dobb.distributed.groups import axis_groups, group_argument
+from dobb.distributed.groups import axis_groups, check_group
 from dobb.distributed.placement import MatrixPlacement, like_columns, matrix_placement
 from dobb.distributed.reduce import all_reduce_
 from dobb.optim.base import MatrixOptimizer, state_dtype
-from dobb.optim.batching import batches_kernels
 from dobb.optim.dion_core import (
     ORTHOGONALIZE_METHODS,
     DionMatrix,
@@ -64,65 +63,18 @@ class Dion(MatrixOptimizer):
             by ``seed``, the matrix's shape, ``r`` and the step, so same-shape matrices
             share it (one draw per stack; each sees a Gaussian ``S`` independent of its
             ``P``, all the preconditioner asks) and data-parallel replicas agree.
-        sync_group: None, or the replicas whose gradients of Dion's matrices are left
-            unaveraged (``dobb.distributed.groups``): a ProcessGroup for DDP, a DeviceMesh
-            of data axes for HSDP. Dion then runs the paper's compressed data-parallel
-            sync: ``P`` and ``R`` are averaged over the axes along which a matrix is
-            replicated (never over an axis that splits it), so the replicas' gradients of
-            Dion matrices need no all-reduce: use DDP with those parameters ignored, or,
-            for HSDP, ``fully_shard`` over the ``data_shard`` axis only, with the replicas
-            as plain copies, and pass the whole data mesh. Each replica then keeps its own
-            momentum; the update equals the one from averaged gradients, because Dion is
-            linear in ``M`` up to ``P`` and ``R``. ``state_dict()`` averages the momenta
-            first (exact, for the same reason). Leave it None when gradients are already
-            averaged (what a harness's DDP or FSDP does).
-        data_parallel: deprecated spelling of ``sync_group``.
+        sync_group: None (gradients already averaged, as a harness's DDP or FSDP does), or
+            the replicas whose gradients of Dion's matrices are left unaveraged (a
+            ProcessGroup for DDP, a DeviceMesh of data axes for HSDP): Dion then runs the
+            paper's compressed sync, averaging ``P`` and ``R`` instead of the gradients
+            (how to set it up: ``docs/distributed.md``).
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients (checked per rank).
 
-    Batching: whole matrices (one device, DDP without ``sync_group``) run ``dion_updates``:
-    same-shape matrices share every kernel (``B Q``, ``Bᵀ P`` and ``P Qᵀ`` as bmm, QR,
-    Cholesky and triangular solves on ``(b, m, r)`` stacks, foreach for the rest). A step
-    reads the host once for the non-finite check and, with ``"cholesky_qr"``, once more:
-    the failure flags of every matrix's Cholesky QR, since which matrices need the
-    Householder fallback is known only on the device. ``B = 0`` is handled on the device.
-
     Sharding: DTensor parameters are updated from their placements (FSDP ``Shard(0)``, TP
-    ``Shard(0)``/``Shard(1)``, 2-D FSDP x TP with ``_StridedShard``, uneven or empty
-    shards), with the single-device result up to float rounding. Per step, for all Dion
-    matrices of a parameter group together, one all-reduce per mesh axis and round:
-
-    ========================  ========================================  ==================
-    round                     over                                      floats per matrix
-    ========================  ========================================  ==================
-    ``B Q`` (+ flag B != 0)   axes splitting columns (row-parallel TP)  ``m_local r + 1``
-    ``S P`` (+ flag)          axes splitting rows (FSDP, col-par. TP)   ``k r + 1``
-    ``P₁ᵀ P₁``                axes splitting rows                       ``r²``
-    ``R = Bᵀ P``              axes splitting rows                       ``n_local r``
-    column norms of ``R``     axes splitting columns                    ``r``
-    ``P``, ``R`` (mean)       ``sync_group`` axes that copy it          ``m r``, ``n r``
-    ========================  ========================================  ==================
-
-    (``k = ceil(1.25 r)`` rounded up to 128.) ``Q`` is kept split like ``W``'s columns and
-    replicated over the row axes (``R`` is all-reduced, not reduce-scattered: ``P Qᵀ``
-    needs every row of ``Q`` where rows are split; a reduce-scatter plus an all-gather
-    would move the same bytes). Its optimizer state is a DTensor laid out that way, so
-    DCP checkpoints hold one ``(d_in, r)`` ``Q``. Householder QR cannot run on split
-    rows: with ``orthogonalize="qr"`` (and for ``P`` with ``m <= r``, or when Cholesky
-    QR fails) the rows of ``P`` are all-gathered and every rank runs the single-device
-    QR. The zero-buffer test (``B = 0`` keeps ``M`` and ``Q``) rides on the reductions
-    above, so every rank holding a piece takes the same branch.
-
-    microsoft/dion orients FSDP-sharded matrices the other way (the shard dim on ``Q``'s
-    side): ``P`` then needs a reduce-scatter/all-gather over a batch of matrices and each
-    rank orthonormalizes whole ``P``'s, while ``R`` needs no reduction. We keep Algorithm 1's
-    orientation, which the paper's distributed Cholesky QR serves.
-
-    Orientation: we follow Algorithm 1 as written (``Q`` is ``d_in x r`` for every matrix).
-    microsoft/dion's implementation transposes unsharded wide matrices (``d_out < d_in``)
-    so that the QR runs along the longer side; the two differ only in which factor is
-    column-normalized rather than orthonormalized, and ``dion_update`` runs either.
-    Columns of ``R`` are divided by ``max(norm, 1e-8)`` (the reference adds 1e-8), and an
-    all-zero buffer leaves ``M`` and ``Q`` unchanged instead of producing NaN.
+    ``Shard(0)``/``Shard(1)``, FSDP x TP, uneven or empty shards), with the single-device
+    result up to float rounding: one all-reduce per mesh axis and round of the power
+    iteration. The rounds, and where we differ from microsoft/dion's code:
+    ``docs/baselines.md``.
     """
 
     algorithm = "dion"
@@ -142,11 +94,11 @@ class Dion(MatrixOptimizer):
         orthogonalize: str = "qr",
         seed: int = 0,
         sync_group=None,
-        data_parallel=None,
         nonfinite: str = "raise",
+        foreach: bool | None = None,
     ):
         self.seed = seed
-        sync_group = group_argument("Dion", "sync_group", sync_group, data_parallel)
+        sync_group = check_group("Dion", "sync_group", sync_group)
         self._sync_groups = axis_groups(sync_group)
         # derived layout, recomputed rather than checkpointed (a checkpoint may load
         # into another mesh)
@@ -159,7 +111,7 @@ class Dion(MatrixOptimizer):
             rank=rank,
             orthogonalize=orthogonalize,
         )
-        super().__init__(params, defaults, nonfinite=nonfinite)
+        super().__init__(params, defaults, nonfinite=nonfinite, foreach=foreach)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -252,7 +204,7 @@ class Dion(MatrixOptimizer):
                 if self._placement(p) is None and not self._data_groups(p)
             ]
             params, batched = [entries[j][0] for j in whole], set(whole)
-            if params and not batches_kernels(local(params[0]).device):
+            if params and not self.batched(local(params[0]).device):
                 sketched = hp["orthogonalize"] == "cholesky_qr"  # the only use of a generator
                 for j, p in zip(whole, params):  # CPU: matrix by matrix, no stacking copies
                     device = local(p).device

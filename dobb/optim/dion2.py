@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dobb._dtensor import local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import group_argument
+from dobb.distributed.groups import check_group
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, solo
@@ -113,6 +113,7 @@ def dion2_updates(
     scales: list[float],
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    batched: bool = True,
 ) -> None:
     """``dion2_update`` of many local pieces sharing hyperparameters (``blocks[i]``,
     ``scales[i]``: piece ``i``'s); ``params`` and ``momenta`` in place.
@@ -140,7 +141,7 @@ def dion2_updates(
                 momenta[i].device,
                 scales[i],
             )
-            + solo(i, momenta[i].device)
+            + solo(i, batched)
         ),
     )
     targets, results = [], []
@@ -196,7 +197,6 @@ class Dion2(OwnerExchangeOptimizer):
             ``row_blocks=4`` makes the selection an FSDP run over 4 ranks makes.
         replica_group: as Muon's: the DDP group (or mesh) over which replicas split the
             Newton-Schulz work; None: every replica does all of it.
-        data_parallel: deprecated spelling of ``replica_group``.
         nonfinite: ``"raise"`` or ``"skip"`` (see ``MatrixOptimizer``).
 
     Distributed: each rank selects among its own rows (the authors' ``"local"`` scope),
@@ -208,11 +208,7 @@ class Dion2(OwnerExchangeOptimizer):
     parameter raises ``NotImplementedError``. The selection sizes are planned at
     construction from ``fraction`` and ``row_blocks``; changing either later raises.
 
-    Where we chose (facts from the authors' code, microsoft/dion ``dion2.py``): the L1 row
-    norm; selection along rows always (their code picks the shorter side of an unsharded
-    matrix and the sharded side of a sharded one: rows under FSDP); the scale
-    ``sqrt(m/n)`` of the whole matrix; Muon's quintic Newton-Schulz (their default is
-    Polar Express); momentum in fp32 (or the parameter's wider dtype).
+    Where we chose against the authors' code: ``docs/baselines.md``.
     """
 
     algorithm = "dion2"
@@ -229,10 +225,10 @@ class Dion2(OwnerExchangeOptimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         row_blocks: int | tuple[int, ...] = 1,
         replica_group=None,
-        data_parallel=None,
         nonfinite: str = "raise",
+        foreach: bool | None = None,
     ):
-        replica_group = group_argument("Dion2", "replica_group", replica_group, data_parallel)
+        replica_group = check_group("Dion2", "replica_group", replica_group)
         defaults = dict(
             lr=lr,
             fraction=fraction,
@@ -242,7 +238,9 @@ class Dion2(OwnerExchangeOptimizer):
             ns_dtype=ns_dtype,
             row_blocks=row_blocks,
         )
-        super().__init__(params, defaults, replica_group=replica_group, nonfinite=nonfinite)
+        super().__init__(
+            params, defaults, replica_group=replica_group, nonfinite=nonfinite, foreach=foreach
+        )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -317,6 +315,7 @@ class Dion2(OwnerExchangeOptimizer):
                 scales=[row_scale(p.shape) for p in params],
                 ns_steps=group["ns_steps"],
                 ns_dtype=group["ns_dtype"],
+                batched=self.batched(local(params[0]).device),
             )
         group_of = {p: g for g in groups for p in g["params"]}
         for exchange, params in self._exchanges:

@@ -196,6 +196,7 @@ def dion_updates(
     scales: list[float],
     orthogonalize: str = "qr",
     sketch_seeds: list[int] | None = None,
+    batched: bool = True,
 ) -> None:
     """``dion_update`` of many whole matrices; ``params``, ``momenta``, ``Qs`` in place.
 
@@ -230,7 +231,7 @@ def dion_updates(
                     scales[i],
                     None if sketch_seeds is None else sketch_seeds[i],
                 )
-                + solo(i, momenta[i].device)
+                + solo(i, batched)
             ),
         ).items()
     )

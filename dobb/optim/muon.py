@@ -22,7 +22,7 @@ from torch import Tensor
 
 from dobb._dtensor import DTensor, local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import group_argument
+from dobb.distributed.groups import check_group
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
@@ -141,6 +141,8 @@ def batched_newton_schulz(
     out_dtypes: list[torch.dtype],
     steps: int = NS_STEPS,
     dtype: torch.dtype = torch.bfloat16,
+    *,
+    batched: bool = True,
 ) -> list[Tensor]:
     """``newton_schulz`` of each matrix, cast to ``out_dtypes[i]``: one call per same-shape
     ``(n, m, k)`` stack, each matrix still normalized by its own Frobenius norm."""
@@ -148,6 +150,7 @@ def batched_newton_schulz(
         directions,
         lambda N, out_dtype: newton_schulz(N, steps, dtype).to(out_dtype),
         key=lambda i: out_dtypes[i],
+        batched=batched,
     )
 
 
@@ -183,13 +186,15 @@ def muon_updates(
     scales: list[float],
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    batched: bool = True,
 ) -> None:
     """``muon_update`` of many whole matrices sharing hyperparameters (``scales[i]``: matrix
-    ``i``'s ``lr_scale``); ``params`` and ``momenta`` in place."""
+    ``i``'s ``lr_scale``; ``batched``: same-shape stacks share kernels); ``params`` and
+    ``momenta`` in place."""
     directions = nesterov_directions(grads, momenta, beta=beta, nesterov=nesterov)
     # O = NS5(N), batched by shape; cast to W's precision for the update (a widening: exact)
     out_dtypes = [update_dtype(p.dtype, ns_dtype) for p in params]
-    updates = batched_newton_schulz(directions, out_dtypes, ns_steps, ns_dtype)
+    updates = batched_newton_schulz(directions, out_dtypes, ns_steps, ns_dtype, batched=batched)
     apply_updates(params, updates, lr=lr, weight_decay=weight_decay, scales=scales)
 
 
@@ -231,34 +236,12 @@ class Muon(OwnerExchangeOptimizer):
             then share the work as Keller's distributed Muon does. Gradients must already be
             averaged (DDP does that). DTensor parameters always share the work over their
             own mesh.
-        data_parallel: deprecated spelling of ``replica_group``.
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients (checked per rank: under
             sharding, rely on a global grad-norm check to skip a step on every rank).
 
-    Distributed (matrices split over several ranks, or ``replica_group`` set): momentum and
-    the Nesterov direction are computed on each rank's own piece (elementwise). Each matrix
-    has an owner rank; matrices are balanced over the ranks holding them, largest first.
-    Per step and per mesh (or data-parallel group), for all its matrices together:
-
-    1. one ``all_to_all`` sends every piece of ``N`` to the owner, which assembles it
-       (skipped under DDP, where every rank holds ``N`` whole),
-    2. each owner runs ``NS5`` on its whole matrices (about ``1/world`` of them),
-    3. one ``all_to_all`` sends every rank its piece of ``O``,
-
-    and each rank updates its own piece of ``W``. Pieces are read from the placements
-    (uneven, empty, and ``_StridedShard`` FSDP x TP shards included). A piece held by
-    several ranks (HSDP replicas) is sent to the owner once; every holder gets the result.
-    Bytes per matrix: up to ``m n`` to the owner, ``m n`` (times replicas) back, in the
-    state dtype and in ``ns_dtype``. With ``ns_dtype=torch.float32`` the result equals the
-    single-device update up to float rounding of the matmuls.
-
-    Matrices sharing hyperparameters share kernels: momentum, direction and update are
-    ``torch._foreach_*`` ops, and same-shape matrices go through one batched NS5 (each
-    normalized by its own norm; equal to the lone call up to matmul rounding).
-
-    Differences from the reference, all harmless: momentum is kept in fp32 (or the
-    parameter's dtype where wider), and the shape scale multiplies ``lr`` rather than the
-    bf16 update (as ``torch.optim.Muon`` does).
+    Distributed: each matrix goes to an owner rank (one ``all_to_all``), which runs ``NS5``;
+    one ``all_to_all`` brings every rank its piece of ``O`` (the protocol, the bytes and the
+    deviations from the reference: ``docs/baselines.md``).
     """
 
     algorithm = "muon"
@@ -275,10 +258,10 @@ class Muon(OwnerExchangeOptimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         adjust_lr: str = "spectral",
         replica_group=None,
-        data_parallel=None,
         nonfinite: str = "raise",
+        foreach: bool | None = None,
     ):
-        replica_group = group_argument("Muon", "replica_group", replica_group, data_parallel)
+        replica_group = check_group("Muon", "replica_group", replica_group)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -288,7 +271,9 @@ class Muon(OwnerExchangeOptimizer):
             ns_dtype=ns_dtype,
             adjust_lr=adjust_lr,
         )
-        super().__init__(params, defaults, replica_group=replica_group, nonfinite=nonfinite)
+        super().__init__(
+            params, defaults, replica_group=replica_group, nonfinite=nonfinite, foreach=foreach
+        )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -337,6 +322,7 @@ class Muon(OwnerExchangeOptimizer):
                 scales=[lr_scale(p.shape, adjust_lr) for p in params],
                 ns_steps=ns_steps,
                 ns_dtype=ns_dtype,
+                batched=self.batched(local(params[0]).device),
             )
 
     def _shared_step(self, exchange: OwnerExchange, entries: list[tuple[Tensor, dict]]) -> None:
@@ -373,6 +359,7 @@ class Muon(OwnerExchangeOptimizer):
             [whole[j] for j in owned],
             lambda N, hp: newton_schulz(N, *hp),
             key=lambda i: _hyperparameters(entries[owned[i]][1], "ns_steps", "ns_dtype"),
+            batched=self.batched(directions[0].device),
         )
         # O: every rank's piece back from the owner (one all_to_all)
         dtypes = [group["ns_dtype"] for _, group in entries]

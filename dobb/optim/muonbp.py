@@ -23,7 +23,7 @@ from torch import Tensor
 
 from dobb._dtensor import local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import group_argument
+from dobb.distributed.groups import check_group
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.batching import group_by
 from dobb.optim.muon import (
@@ -141,6 +141,7 @@ def block_muon_updates(
     adjust_lr: str,
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    batched: bool = True,
 ) -> None:
     """``block_muon_update`` of many local pieces sharing hyperparameters (``tilings[i]``:
     piece ``i``'s tiles): foreach kernels, and one NS5 per tile shape across all pieces."""
@@ -151,7 +152,7 @@ def block_muon_updates(
     blocks = [directions[i] if w else directions[i][t] for (i, t), w in zip(tiles, whole)]
     # O_b = NS5(N_b), each tile independently, batched by tile shape
     out_dtypes = [update_dtype(params[i].dtype, ns_dtype) for i, _ in tiles]
-    updates = batched_newton_schulz(blocks, out_dtypes, ns_steps, ns_dtype)
+    updates = batched_newton_schulz(blocks, out_dtypes, ns_steps, ns_dtype, batched=batched)
     # W_b <- W_b (1 - lr wd) - lr s(m_b, n_b) O_b: RMS matched by the tile's own shape
     apply_updates(
         [params[i] if w else params[i][t] for (i, t), w in zip(tiles, whole)],
@@ -189,17 +190,8 @@ class MuonBP(Muon):
     column-parallel weight on a 2 x 2 FSDP x TP mesh (5/4/5/4). Such a single-device run
     equals the sharded one.
 
-    Learning rates (the paper's rule, as far as we could read it: two stepsizes, each update
-    scaled by the square root of the dimensions of the matrix it orthogonalizes, matching
-    update RMS): ``lr`` is the full steps' rate, ``block_lr_ratio * lr`` the block steps',
-    and ``s`` is Muon's ``lr_scale`` applied to the full shape on full steps and to the
-    block's shape on block steps. With the default ``adjust_lr="match_rms_adamw"`` a block
-    update and a full update both have RMS ``0.2 lr`` (for an exactly orthogonal ``O``), so
-    ``block_lr_ratio=1`` (our default: the paper's theory lets the two rates differ, and
-    we could not read the ratio its experiments used) changes only the direction, not the
-    size. ``adjust_lr="spectral"`` applies Keller's
-    ``sqrt(max(1, m/n))`` the same way; it keeps the RMS for row blocks but not for column
-    blocks.
+    Learning rates: both step kinds are RMS-matched (``match_rms_adamw``), so by default a block
+    and a full update have RMS ``0.2 lr``; the reasoning and our deviations: ``docs/baselines.md``.
 
     Args (besides Muon's; see ``Muon``):
         lr: the full steps' learning rate (default 1e-3, AdamW's: with ``match_rms_adamw``
@@ -225,10 +217,6 @@ class MuonBP(Muon):
     exchange fall out of phase (one had no gradient on some step), the full step of those
     due runs over an exchange of just them, planned once (a collective) and kept.
 
-    Differences from the paper, all opt-out or harmless: Muon's momentum conventions
-    (EMA form and Nesterov, Keller's defaults; NS5 divides out the EMA's scale, so only
-    Nesterov changes the direction: ``nesterov=False`` gives the paper's heavy ball), and
-    decoupled weight decay multiplied by the step's own learning rate.
     """
 
     algorithm = "muonbp"
@@ -249,10 +237,10 @@ class MuonBP(Muon):
         ns_dtype: torch.dtype = torch.bfloat16,
         adjust_lr: str = "match_rms_adamw",
         replica_group=None,
-        data_parallel=None,
         nonfinite: str = "raise",
+        foreach: bool | None = None,
     ):
-        replica_group = group_argument("MuonBP", "replica_group", replica_group, data_parallel)
+        replica_group = check_group("MuonBP", "replica_group", replica_group)
         self._subset_exchanges: dict[tuple[int, ...], OwnerExchange] = {}
         defaults = dict(
             lr=lr,
@@ -269,7 +257,12 @@ class MuonBP(Muon):
         )
         # Muon's scaffolding with MuonBP's defaults (Muon.__init__ would set Muon's)
         OwnerExchangeOptimizer.__init__(
-            self, params, defaults, replica_group=replica_group, nonfinite=nonfinite
+            self,
+            params,
+            defaults,
+            replica_group=replica_group,
+            nonfinite=nonfinite,
+            foreach=foreach,
         )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -345,6 +338,7 @@ class MuonBP(Muon):
                 adjust_lr=adjust_lr,
                 ns_steps=ns_steps,
                 ns_dtype=ns_dtype,
+                batched=self.batched(pieces[0].device),
             )
 
     def _shared_step(self, exchange: OwnerExchange, entries: list[tuple[Tensor, dict]]) -> None:

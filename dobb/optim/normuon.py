@@ -22,7 +22,7 @@ from torch import Tensor
 
 from dobb._dtensor import local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import group_argument
+from dobb.distributed.groups import check_group
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import group_by, solo
 from dobb.optim.muon import (
@@ -95,6 +95,7 @@ def normuon_updates(
     eps: float,
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    batched: bool = True,
 ) -> None:
     """``normuon_update`` of many whole matrices sharing hyperparameters; ``params`` and the
     state in place. Muon's foreach momentum and update; per same-shape ``(b, m, n)`` stack
@@ -107,7 +108,7 @@ def normuon_updates(
         range(len(params)),
         lambda i: (
             (tuple(directions[i].shape), row_second_moments[i].dtype, directions[i].device)
-            + solo(i, directions[i].device)
+            + solo(i, batched)
         ),
     )
     for indices in stacks.values():
@@ -148,7 +149,6 @@ class NorMuon(OwnerExchangeOptimizer):
         ns_steps, ns_dtype: Muon's (5 steps in bf16; ``torch.float32`` for exact tests).
         replica_group: as Muon's: the DDP group (or mesh) over which replicas split the
             Newton-Schulz work; None: every replica does all of it.
-        data_parallel: deprecated spelling of ``replica_group``.
         nonfinite: ``"raise"`` or ``"skip"`` (see ``MatrixOptimizer``).
 
     Distributed (Muon's owner exchange): each rank forms ``N`` on its own piece, one
@@ -160,9 +160,7 @@ class NorMuon(OwnerExchangeOptimizer):
     ``||Ô||_F²`` over the distinct pieces (skipped when every rank holds whole matrices,
     as under DDP). The result equals the single-device update up to float rounding.
 
-    Where we chose: the paper's box is followed as written (target RMS 0.2); the authors'
-    code instead keeps ``||Ô||_F = ||O||_F`` and applies Muon's ``sqrt(max(1, m/n))``.
-    ``v`` is fp32 state of shape ``(m, 1)``, sharded like the rows of ``W``.
+    Where we chose against the authors' code: ``docs/baselines.md``.
     """
 
     algorithm = "normuon"
@@ -180,10 +178,10 @@ class NorMuon(OwnerExchangeOptimizer):
         eps: float = 1e-8,
         ns_dtype: torch.dtype = torch.bfloat16,
         replica_group=None,
-        data_parallel=None,
         nonfinite: str = "raise",
+        foreach: bool | None = None,
     ):
-        replica_group = group_argument("NorMuon", "replica_group", replica_group, data_parallel)
+        replica_group = check_group("NorMuon", "replica_group", replica_group)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -194,7 +192,9 @@ class NorMuon(OwnerExchangeOptimizer):
             eps=eps,
             ns_dtype=ns_dtype,
         )
-        super().__init__(params, defaults, replica_group=replica_group, nonfinite=nonfinite)
+        super().__init__(
+            params, defaults, replica_group=replica_group, nonfinite=nonfinite, foreach=foreach
+        )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -229,6 +229,7 @@ class NorMuon(OwnerExchangeOptimizer):
                 [local(state["momentum"]) for state in states],
                 [local(state["row_second_moment"]) for state in states],
                 **dict(zip(UPDATE_ARGS, hp)),
+                batched=self.batched(local(params[0]).device),
             )
         group_of = {p: g for g in groups for p in g["params"]}
         for exchange, params in self._exchanges:

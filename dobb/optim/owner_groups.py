@@ -49,10 +49,10 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
     # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
     data_parallel_option = "replica_group"
 
-    def __init__(self, params, defaults: dict[str, Any], *, replica_group, nonfinite: str):
+    def __init__(self, params, defaults: dict[str, Any], *, replica_group, nonfinite: str, foreach):
         self._replica_group = replica_group
         self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None  # set below
-        super().__init__(params, defaults, nonfinite=nonfinite)
+        super().__init__(params, defaults, nonfinite=nonfinite, foreach=foreach)
         self._plan_exchanges()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from dobb.blocks import block_stacks
 from dobb.eigensolve import jacobi_basis
 from dobb.optim.dion_core import dion_update, sketch_rows
 from dobb.optim.dobb import dobb_update
-from dobb.optim.dobb_variants import dobb_variant_update
+from dobb.optim.dobb_update import dobb_update_batched
 from dobb.optim.muon import newton_schulz
 from dobb.optim.muonbp import block_muon_update, block_tiles
 from dobb.optim.registry import OPTIMIZERS as REGISTRY
@@ -67,9 +67,9 @@ def test_two_sided_dobb_flops_match_the_implementation():
 
     def step():
         W, G, Mom = torch.zeros(8, 16), torch.randn(8, 16), torch.zeros(8, 16)
-        dobb_variant_update(
+        dobb_update_batched(
             [W], [G], [Mom], [torch.eye(4).repeat(1, 4, 1, 1)], stacks,
-            [torch.eye(4).repeat(1, 2, 1, 1)], rows,
+            row_bases=[torch.eye(4).repeat(1, 2, 1, 1)], row_stacks=rows,
             lr=1e-3, beta=0.9, nesterov=True, weight_decay=0.0, scale=0.2,
         )  # fmt: skip
 

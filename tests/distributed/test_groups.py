@@ -1,16 +1,11 @@
-"""The optimizers' process-group arguments: one name per meaning, the old spelling deprecated.
+"""The optimizers' process-group arguments: one name per meaning.
 
-``stats_group`` (Dobb), ``replica_group`` (Muon's family) and ``sync_group`` (Dion) replaced
-``data_parallel=``, which still works for one release with a ``DeprecationWarning`` that
-names the new argument and gives the same optimizer.
+``stats_group`` (Dobb), ``replica_group`` (Muon's family) and ``sync_group`` (Dion); the
+old spelling ``data_parallel=`` is gone.
 """
-
-import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-from multirank import run_ranks
 from torch import nn
 
 import dobb
@@ -48,35 +43,10 @@ def _steps(opt, model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def both_spellings(rank, world):
-    """Per optimizer: the warnings of the old spelling, and both spellings' parameters."""
-    results = {}
-    for name, new in NEW_NAME.items():
-        model = _model()
-        new_params = _steps(build_optimizer(name, model, **{new: dist.group.WORLD}), model)
-        model = _model()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            opt = build_optimizer(name, model, data_parallel=dist.group.WORLD)
-        old_params = _steps(opt, model)
-        messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
-        results[name] = (messages, all(map(torch.equal, new_params, old_params)))
-    return results
-
-
-@pytest.mark.timeout(120)
-def test_data_parallel_still_works_and_warns_with_the_new_name():
-    for results in run_ranks(both_spellings, 2, timeout=110):
-        for name, (messages, same) in results.items():
-            assert len(messages) == 1, (name, messages)
-            assert f"pass {NEW_NAME[name]}=" in messages[0], (name, messages)
-            assert same, f"{name}: data_parallel= and {NEW_NAME[name]}= train differently"
-
-
 @pytest.mark.parametrize("name", sorted(NEW_NAME))
-def test_both_spellings_at_once_is_an_error(name):
-    with pytest.raises(ValueError, match=f"pass {NEW_NAME[name]} only"):
-        build_optimizer(name, _model(), **{NEW_NAME[name]: object(), "data_parallel": object()})
+def test_the_old_spelling_is_refused(name):
+    with pytest.raises(TypeError, match="data_parallel"):
+        build_optimizer(name, _model(), data_parallel=None)
 
 
 @pytest.mark.parametrize("name", sorted(NEW_NAME))

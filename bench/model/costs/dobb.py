@@ -198,7 +198,7 @@ def row_stacks(matrix: Matrix, rows: int, row_blocks: int | None) -> tuple:
 
 
 def two_sided_ops(rows: int, n: int, stacks, rstacks) -> list[Kernel]:
-    """``dobb_variant_update`` with sign coefficients and ``_gradient_moments``'s row
+    """``dobb_update_batched``'s tile path with sign coefficients and the statistics' row
     moments on one ``(rows, n)`` piece (the momentum's two ops come before these).
 
     Row moments ``G_r G_rᵀ / n``: ``2 m n`` FLOPs per row. ``rotate`` on every tile of a

@@ -1,0 +1,241 @@
+"""Dobb's update on plain tensors (arXiv 2610.39412): the reference and the batched form.
+
+The paper's update rotates only the input side; the variants (off by default) add row
+blocks ``R_r`` with their own bases ``P_r`` (from the output side's second moment) and a
+second moment of the coefficients instead of their sign (SOAP's idea, on Dobb's bases):
+
+.. code-block:: text
+
+    M <- mu M + (1 - mu) G;   N = (1 - mu) G + mu M  (Nesterov)  or  N = M
+    C[R_r, I_b] = P_rᵀ N[R_r, I_b] Q_b                 (coefficients; P_r = I one-sided)
+    sign:   D = sign(C)
+    adam:   V <- beta2 V + (1 - beta2) (P_rᵀ G[R_r, I_b] Q_b)²   (kept in the eigenbasis)
+            D = C / (sqrt(V / (1 - beta2^t)) + eps)
+    U[R_r, I_b] = P_r D[R_r, I_b] Q_bᵀ
+    W <- W (1 - lr wd) - lr alpha U
+
+``dobb_update`` is one matrix (the reference); ``dobb_update_batched`` is ``n`` same-shape
+matrices in a fixed number of kernels (``Dobb(foreach=True)``, the default off the CPU);
+tests hold them together. A row block never straddles a row shard and an input block never
+straddles a column shard, so every product stays on the rank that holds the tile.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+from dobb.blocks import BlockStack
+from dobb.optim.batching import foreach_mul_
+
+COEFFICIENTS = ("sign", "adam")
+
+
+def dobb_update(
+    param: Tensor,
+    grad: Tensor,
+    momentum: Tensor,
+    bases: list[Tensor],
+    stacks: tuple[BlockStack, ...],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    scale: float,
+    row_bases: list[Tensor] | None = None,
+    row_stacks: tuple[BlockStack, ...] = (),
+    variance: Tensor | None = None,
+    step: float | None = None,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+) -> None:
+    """One Dobb update of a ``(rows, d_in)`` matrix (a whole matrix or a row shard): the
+    reference, which the batched form and every distributed path are held to.
+
+    ``bases[i]`` is ``(count, size, size)``: the orthonormal basis ``Q_b`` of each block in
+    ``stacks[i]``. The variants: ``row_bases[i]`` ``(count, m, m)``, the bases ``P_r`` of
+    ``row_stacks[i]`` (two-sided); ``variance`` ``V`` (Adam coefficients, ``beta2``,
+    ``eps``; ``step`` for the bias correction). Updates ``param``, ``momentum`` and
+    ``variance`` in place.
+    """
+    if row_stacks or variance is not None:  # the variants: the batched form on a batch of 1
+        dobb_update_batched(
+            [param], [grad], [momentum], [b[None] for b in bases], stacks,
+            lr=lr, beta=beta, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
+            row_bases=[b[None] for b in row_bases] if row_stacks else None,
+            row_stacks=row_stacks, variances=None if variance is None else [variance],
+            steps=[step], beta2=beta2, eps=eps,
+        )  # fmt: skip
+        return
+    grad = grad.to(momentum.dtype)
+    # M <- mu M + (1 - mu) G
+    momentum.lerp_(grad, 1 - beta)
+    # N = (1 - mu) G + mu M  (Nesterov),  else  N = M
+    direction = grad.lerp(momentum, beta) if nesterov else momentum
+    # W <- W (1 - lr wd)
+    param.mul_(1 - lr * weight_decay)
+    for basis, s in zip(bases, stacks, strict=True):
+        blocks = direction[:, s.start : s.stop].unflatten(1, (s.count, s.size)).transpose(0, 1)
+        # U_b = sign(N_b Q_b) Q_bᵀ   (count, rows, size)
+        update = torch.bmm(torch.bmm(blocks, basis).sign_(), basis.mT)
+        # W_b <- W_b - lr alpha U_b
+        target = param[:, s.start : s.stop].unflatten(1, (s.count, s.size))
+        target.add_(update.transpose(0, 1), alpha=-lr * scale)
+
+
+def dobb_update_batched(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    bases: list[Tensor],
+    stacks: tuple[BlockStack, ...],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    scale: float,
+    row_bases: list[Tensor] | None = None,
+    row_stacks: tuple[BlockStack, ...] = (),
+    variances: list[Tensor] | None = None,
+    steps: list[float] | None = None,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    transposed: bool = False,
+) -> None:
+    """``dobb_update`` for ``n`` matrices of one local shape, in a fixed number of kernels.
+
+    ``params``, ``grads`` and ``momenta`` (and ``variances``) hold ``n`` tensors of one
+    shape: ``(rows, d_in)``, or ``(d_in, rows)`` with ``transposed=True`` (GPT-2's
+    ``Conv1D``). ``bases[i]`` is ``(n, count, size, size)``: the bases of ``stacks[i]`` for
+    every matrix (``row_bases[i]`` likewise for ``row_stacks[i]``); ``steps`` are the
+    matrices' step counts. The paper's update is ``dobb_update``'s arithmetic, op for op, on
+    ``(n, ...)`` stacks; the variants run on tiles (``rotate``). Updates in place.
+    """
+    if row_stacks or variances is not None:
+        _rotated_update(
+            params, grads, momenta, bases, stacks, row_bases, row_stacks, variances, steps,
+            lr=lr, beta=beta, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
+            beta2=beta2, eps=eps, transposed=transposed,
+        )  # fmt: skip
+        return
+    n, dtype = len(params), momenta[0].dtype
+    if grads[0].dtype != dtype:  # e.g. bf16 gradients, fp32 momentum
+        grads = torch.stack(grads).to(dtype).unbind(0)
+    # M <- mu M + (1 - mu) G
+    torch._foreach_lerp_(momenta, grads, 1 - beta)
+    # N = (1 - mu) G + mu M  (Nesterov),  else  N = M
+    direction = torch.stack(torch._foreach_lerp(grads, momenta, beta) if nesterov else momenta)
+    direction = direction.mT if transposed else direction  # (n, rows, d_in)
+    rows, d_in = direction.shape[1:]
+    update = direction.new_empty(n, rows, d_in)
+    for basis, s in zip(bases, stacks, strict=True):
+        blocks = direction[..., s.start : s.stop].unflatten(2, (s.count, s.size)).transpose(1, 2)
+        blocks = blocks.reshape(n * s.count, rows, s.size)  # (n count, rows, size)
+        basis = basis.reshape(n * s.count, s.size, s.size)
+        # U_b = sign(N_b Q_b) Q_bᵀ
+        block_update = torch.bmm(torch.bmm(blocks, basis).sign_(), basis.mT)
+        target = update[..., s.start : s.stop].unflatten(2, (s.count, s.size))
+        target.copy_(block_update.unflatten(0, (n, s.count)).transpose(1, 2))
+    update = update.mT if transposed else update
+    # W <- W (1 - lr wd) - lr alpha U
+    if weight_decay:
+        foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_add_(params, update.unbind(0), alpha=-lr * scale)
+
+
+def _tiles(x: Tensor, rows: BlockStack | None, cols: BlockStack) -> Tensor:
+    """The tiles of ``x`` ``(n, d_out, d_in)`` as a view ``(n, R, B, m, s)``: ``R`` row blocks
+    of ``m`` rows (``R = 1``, ``m = d_out`` without row blocks) by ``B`` input blocks of
+    ``s`` columns."""
+    if rows is not None:
+        x = x[:, rows.start : rows.stop].unflatten(1, (rows.count, rows.size))
+    else:
+        x = x.unsqueeze(1)
+    x = x[..., cols.start : cols.stop].unflatten(-1, (cols.count, cols.size))
+    return x.transpose(2, 3)
+
+
+def _pairs(row_stacks, col_stacks):
+    """Every (row stack index, row stack, column stack index, column stack) pair."""
+    rows = list(enumerate(row_stacks)) if row_stacks else [(None, None)]
+    return [(i, r, j, c) for i, r in rows for j, c in enumerate(col_stacks)]
+
+
+def rotate(
+    x: Tensor,
+    col_bases: list[Tensor],
+    col_stacks: tuple[BlockStack, ...],
+    row_bases: list[Tensor] | None = None,
+    row_stacks: tuple[BlockStack, ...] = (),
+    *,
+    into: bool = True,
+) -> Tensor:
+    """``P_rᵀ x Q_b`` on every tile (``into``), or ``P_r x Q_bᵀ`` (back), laid out like ``x``.
+
+    ``x`` is ``(n, d_out, d_in)``; ``col_bases[j]`` is ``(n, count, s, s)`` for
+    ``col_stacks[j]`` and ``row_bases[i]`` ``(n, count, m, m)`` for ``row_stacks[i]``.
+    """
+    out = torch.empty_like(x)
+    for i, rows, j, cols in _pairs(row_stacks, col_stacks):
+        q = col_bases[j][:, None]  # (n, 1, B, s, s)
+        tile = _tiles(x, rows, cols) @ (q if into else q.mT)
+        if rows is not None:
+            p = row_bases[i][:, :, None]  # (n, R, 1, m, m)
+            tile = (p.mT if into else p) @ tile
+        _tiles(out, rows, cols).copy_(tile)
+    return out
+
+
+def _rotated_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    col_bases: list[Tensor],
+    col_stacks: tuple[BlockStack, ...],
+    row_bases: list[Tensor] | None = None,
+    row_stacks: tuple[BlockStack, ...] = (),
+    variances: list[Tensor] | None = None,
+    steps: list[float] | None = None,
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    scale: float,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    transposed: bool = False,
+) -> None:
+    """The variants' update (row bases and/or Adam coefficients) for ``n`` matrices, on
+    tiles: ``rotate`` into the bases, the coefficients, ``rotate`` back."""
+    dtype = momenta[0].dtype
+    if grads[0].dtype != dtype:
+        grads = [g.to(dtype) for g in grads]
+    torch._foreach_lerp_(momenta, grads, 1 - beta)  # M <- mu M + (1 - mu) G
+    direction = torch._foreach_lerp(grads, momenta, beta) if nesterov else momenta
+    orient = (lambda t: t.mT) if transposed else (lambda t: t)  # noqa: E731
+    bases = (col_bases, col_stacks, row_bases, row_stacks)
+    coefficients = rotate(orient(torch.stack(direction)), *bases)
+    if variances is None:
+        coefficients.sign_()
+    else:
+        projected = rotate(orient(torch.stack(grads)), *bases)
+        variance = torch.stack([orient(v) for v in variances])
+        variance.lerp_(projected.square_(), 1 - beta2)
+        torch._foreach_copy_([orient(v) for v in variances], list(variance.unbind(0)))
+        correction = 1 - beta2 ** torch.tensor(steps, dtype=dtype, device=variance.device)
+        denominator = (variance / correction[:, None, None]).sqrt_().add_(eps)
+        coefficients.div_(denominator)
+    update = orient(rotate(coefficients, *bases, into=False))
+    if weight_decay:  # W <- W (1 - lr wd) - lr alpha U
+        foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_add_(params, update.unbind(0), alpha=-lr * scale)
+
+
+def update_alpha(update_scale: float | str, d_in: int) -> float:
+    """``alpha`` of ``update_scale`` for a matrix with (global) input width ``d_in``."""
+    if update_scale == "muon":
+        return 1.0 / math.sqrt(d_in)
+    return {"adamw": 0.2, "lion": 1.0}.get(update_scale, update_scale)
