@@ -46,10 +46,6 @@ class Parallelism:
     dp_rank: int = 0
     dp_size: int = 1
 
-    @property
-    def is_main(self) -> bool:
-        return not dist.is_initialized() or dist.get_rank() == 0
-
 
 def init_distributed(timeout: float | None = None) -> torch.device:
     """Join the ``torchrun`` job if there is one (gloo on CPU, nccl on CUDA).

@@ -19,13 +19,7 @@ A run never replaces another: an `out_dir` that already holds a run's files is r
 time (`dobb.train.lock`). Failures the user can fix (data, optimizer options, layout,
 checkpoints) are raised as `RunError` with a one-line message.
 
-Resume rule: a resume restores the model, the optimizer state, the EMA, the RNG state and
-the step (the data position); the settings in `RESUMABLE` (learning rates, weight decay,
-steps, schedule, clipping, evaluation, checkpointing, layout) may differ from the
-checkpoint's run and then take effect from the resumed step on, and any other setting
-that differs (model, data, seed, optimizer and its other options) stops the run with one
-line naming the field and the fix. The records say what was used: `run.json` is this
-run's config (the earlier runs' under "previous"), each metrics record its step's lr.
+Resume rule: `dobb.train.resume` (what a resume restores, which settings it may change).
 
 Rank 0 writes to `cfg.out_dir`:
 
@@ -42,7 +36,6 @@ Rank 0 writes to `cfg.out_dir`:
     checkpoints/   DCP checkpoints (see dobb.train.checkpoint)
 """
 
-import json
 import math
 import os
 import platform
@@ -68,8 +61,6 @@ from tqdm import tqdm
 from dobb._dtensor import DTensor
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.train.checkpoint import (
-    CheckpointError,
-    intact_checkpoint,
     load_checkpoint,
     read_metadata,
     save_checkpoint,
@@ -81,18 +72,8 @@ from dobb.train.errors import RunError, RunWarning
 from dobb.train.lock import OutDirLock
 from dobb.train.model import GPT, gpt_config
 from dobb.train.parallel import Parallelism, init_distributed, parallelize
-
-# Config fields a resume may change: they take effect from the resumed step on. Any other
-# field that differs from the checkpoint's run stops the resume (`resume_conflict`).
-RESUMABLE = frozenset(
-    {"lr", "scalar_lr", "steps", "warmup_steps", "decay", "min_lr_ratio", "grad_clip"}
-    | {"eval_interval", "eval_batches", "eval_ema", "grad_accum", "layout", "tensor_parallel"}
-    | {"checkpoint_interval", "keep_checkpoints", "out_dir", "resume", "progress"}
-    | {"data_cache", "timeout"}
-)
-RESUMABLE_OPTIONS = frozenset({"weight_decay", "nonfinite"})  # of optimizer_options
-# optimizer group keys set from this run's config on resume; the rest must match the state
-RESUMABLE_GROUP_KEYS = frozenset({"lr", "initial_lr", "weight_decay"})
+from dobb.train.resume import RUN_FILES, apply_resumed_settings, earlier_corpus, start_point
+from dobb.train.runlog import RunLog
 
 
 def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
@@ -131,69 +112,6 @@ def distributed_options(name: str, parallelism: Parallelism) -> dict[str, Any]:
 def load_data(spec: str, val_spec, val_fraction, tokenizer, cache_dir) -> TokenStream:
     """`TokenStream.load`, cached per process (compare runs and tests load the corpus once)."""
     return TokenStream.load(spec, val_fraction, val_spec, tokenizer, cache_dir)
-
-
-RUN_FILES = ("run.json", "metrics.jsonl", "summary.json", "checkpoints")  # a run's files
-
-
-def resume_conflict(cfg: TrainConfig, saved: dict[str, Any], checkpoint: Path) -> str | None:
-    """Why `cfg` cannot resume the run whose config was `saved` (a one-line message naming
-    the field and the fix), or None: every field outside `RESUMABLE` is the same."""
-    fix = "or start a new run in another out_dir"
-    current = cfg.to_dict()
-    for key, value in current.items():
-        if key in RESUMABLE or key not in saved:  # a field newer than the checkpoint
-            continue
-        old = saved[key]
-        if key == "optimizer_options":
-            names = sorted((set(old) | set(value)) - RESUMABLE_OPTIONS)
-            for name in (n for n in names if old.get(n) != value.get(n)):
-                was = f"{name}={old[name]!r}" if name in old else f"no {name}"
-                return (
-                    f"resume: optimizer_options.{name} is {value.get(name, 'unset')!r} but "
-                    f"{checkpoint} was saved with {was}; a resume may change only "
-                    f"optimizer_options {sorted(RESUMABLE_OPTIONS)}: set it as saved, {fix}"
-                )
-        elif old != value:
-            return (
-                f"resume: {key} is {value!r} but {checkpoint} was saved with {key}={old!r}; a "
-                f"resume may change only {', '.join(sorted(RESUMABLE))} and optimizer_options "
-                f"{', '.join(sorted(RESUMABLE_OPTIONS))}: set {key}={old!r}, {fix}"
-            )
-    return None
-
-
-def start_point(cfg: TrainConfig) -> Path | None:
-    """The checkpoint a run of `cfg` resumes from, or None to start at step 0.
-
-    Without `resume`, an `out_dir` holding any of `RUN_FILES` is refused (a run is never
-    silently replaced). With it, the newest intact checkpoint (damaged ones skipped with
-    a warning; none intact: `CheckpointError`), or None if there is no checkpoint; a
-    `cfg` that differs from the checkpoint's run outside `RESUMABLE` is a `ConfigError`,
-    as is `steps` below the checkpoint's step.
-    """
-    out = Path(cfg.out_dir)
-    if cfg.resume:
-        found = intact_checkpoint(out / "checkpoints")
-        if found is None and any((out / name).exists() for name in RUN_FILES):
-            warnings.warn(f"{out} has no checkpoint to resume; starting over", RunWarning, 2)
-        if found is not None:
-            meta = read_metadata(found)
-            if conflict := resume_conflict(cfg, meta.get("config", {}), found):
-                raise ConfigError(conflict)
-            if cfg.steps < meta["step"]:
-                raise ConfigError(
-                    f"resume: steps={cfg.steps} is below the step of {found} ({meta['step']}); "
-                    f"set steps >= {meta['step']}, or start a new run in another out_dir"
-                )
-        return found
-    held = [name for name in RUN_FILES if (out / name).exists()]
-    if held:
-        raise RunError(
-            f"out_dir {str(out)!r} already holds a run ({', '.join(held)}); pass resume=true to "
-            "continue it, or choose another out_dir (runs are never overwritten)"
-        )
-    return None
 
 
 def _on_rank0(decide: Callable[[], Any]) -> Any:
@@ -343,89 +261,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     return total.item()
 
 
-def _finite_or_none(record: dict[str, Any]) -> dict[str, Any]:
-    """`record` with NaN and infinite numbers as None (JSON has no NaN: `null`)."""
-    return {
-        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
-    }
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    part = path.with_name(path.name + ".part")
-    part.write_text(text)
-    os.replace(part, path)
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of `metrics.jsonl`; a line that is not a JSON record (torn by a full
-    disk or a kill mid-append) is dropped with a `RunWarning` naming its line."""
-    records = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError("not a step record")
-        except ValueError:
-            warnings.warn(
-                f"{path}: line {number} is not a complete record ({line[:40]!r}); dropped",
-                RunWarning,
-                2,
-            )
-            continue
-        records.append(record)
-    return records
-
-
-class RunLog:
-    """Rank 0's files in `out_dir`: run.json, metrics.jsonl, summary.json (other ranks: no-op).
-
-    Nothing is written until every record to keep has been read. A write that fails (a
-    full disk) is a `RunError`: the run can resume from its last checkpoint.
-    """
-
-    def __init__(self, out: Path, enabled: bool, info: dict[str, Any], resumed_step: int | None):
-        self.enabled, self.out, self.time_s, self.skipped = enabled, out, 0.0, 0
-        if not enabled:
-            return
-        path, run_json = out / "metrics.jsonl", out / "run.json"
-        records = read_records(path) if resumed_step and path.exists() else []
-        # after a resume, drop the records of steps that are about to be redone
-        kept = [r for r in records if r["step"] <= resumed_step]
-        if resumed_step and run_json.exists():  # the earlier parts' records stay
-            try:
-                earlier = json.loads(run_json.read_text())
-                info = info | {"previous": earlier.pop("previous", []) + [earlier]}
-            except ValueError:
-                warnings.warn(f"{run_json} is unreadable; replaced", RunWarning, 2)
-        self._guard(lambda: (out / "summary.json").unlink(missing_ok=True))  # written at the end
-        self._guard(lambda: _write_atomic(run_json, json.dumps(info, indent=1)))
-        self._guard(lambda: _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept)))
-        self.time_s = kept[-1]["time_s"] if kept else 0.0  # training time so far
-        self.skipped = sum(1 for r in kept if r.get("skipped"))
-        self.metrics = self._guard(lambda: open(path, "a"))
-
-    def _guard(self, write: Callable[[], Any]) -> Any:
-        try:
-            return write()
-        except OSError as e:
-            raise RunError(
-                f"writing the run's logs in {self.out} failed ({e.strerror}: {e.filename}); "
-                "free disk space (or fix out_dir), then rerun with resume=true"
-            ) from None
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            self.skipped += bool(record.get("skipped"))
-            line = json.dumps(_finite_or_none(record), allow_nan=False) + "\n"
-            self._guard(lambda: (self.metrics.write(line), self.metrics.flush()))
-
-    def finish(self, summary: dict[str, Any]) -> None:
-        if self.enabled:
-            self.metrics.close()
-            text = json.dumps(_finite_or_none(summary), indent=1, allow_nan=False)
-            self._guard(lambda: _write_atomic(self.out / "summary.json", text))
-
-
 def build_model(cfg: TrainConfig, vocab_size: int, device) -> tuple[nn.Module, Parallelism]:
     """The GPT of `cfg` (vocab from the data) on `device`, with `cfg.layout` applied.
 
@@ -502,31 +337,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             lock.release(RUN_FILES)
 
 
-def apply_resumed_settings(opt, scheduler: LambdaLR, fresh: list[dict], checkpoint: Path) -> None:
-    """After loading a checkpoint: this run's settings for `RESUMABLE_GROUP_KEYS` (the
-    groups as `fresh`, built from this config, had them) and the scheduler's base rates;
-    `CheckpointError` naming the first other group setting that differs from the state's.
-
-    The lr of the resumed step is this schedule's: `initial_lr * multiplier(last_epoch)`.
-    """
-    for index, (group, new) in enumerate(zip(opt.param_groups, fresh, strict=True)):
-        for key in sorted(set(group) | set(new)):
-            if key in RESUMABLE_GROUP_KEYS or key in ("params", "param_names"):
-                continue
-            if group.get(key) != new.get(key):
-                raise CheckpointError(
-                    f"{checkpoint}: its optimizer's param_groups[{index}] has {key}="
-                    f"{group.get(key)!r}, this run's optimizer {key}={new.get(key)!r}; resume "
-                    "with the optimizer options it was saved with, or choose another out_dir"
-                )
-        for key in RESUMABLE_GROUP_KEYS & set(new):
-            group[key] = new[key]
-    scheduler.base_lrs = [group["initial_lr"] for group in opt.param_groups]
-    for group, base, rule in zip(opt.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * rule(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in opt.param_groups]
-
-
 def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: bool) -> dict:
     rank, world_size = _world()
     out, checkpoints = Path(cfg.out_dir), Path(cfg.out_dir) / "checkpoints"
@@ -540,7 +350,7 @@ def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: b
     except (OSError, ValueError, ModuleNotFoundError) as e:  # data.py's messages name the fix
         raise RunError(str(e)) from e
     meta = read_metadata(resumed) if resumed is not None else {}
-    saved_corpus = (meta.get("corpus") or _earlier_corpus(out)) if resumed is not None else None
+    saved_corpus = (meta.get("corpus") or earlier_corpus(out)) if resumed is not None else None
     if saved_corpus and saved_corpus.get("sha256") != data.corpus.sha256:
         raise ConfigError(
             f"resume: data {cfg.data!r} has changed since {resumed} was saved (sha256 "
@@ -688,11 +498,3 @@ def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: b
         dist.barrier()
         dist.destroy_process_group()
     return summary
-
-
-def _earlier_corpus(out: Path) -> dict[str, Any] | None:
-    """The corpus `run.json` recorded (checkpoints older than their own "corpus" entry)."""
-    try:
-        return json.loads((out / "run.json").read_text()).get("corpus")
-    except (OSError, ValueError):
-        return None
