@@ -1,6 +1,6 @@
-"""The README links only to files in the repository, and each figure on its front page
-("Where it stands") and in its list of reports ("Speed, communication, evidence") is
-quoted from a file that the same bullet links to."""
+"""The README and the docs link only to files in the repository, and each figure of the
+front page's table ("Where it stands") and of the reports' list (docs/evidence.md) is
+quoted from a file that the same row or bullet links to."""
 
 import re
 from pathlib import Path
@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # a number on its own (not part of a name such as H200 or gpt2): 836,736  2.2795  +135%  1.64
 NUMBER = re.compile(r"(?<![\w.])\d+(?:[,.]\d+)*")
@@ -32,26 +33,44 @@ def bullets(text: str) -> list[str]:
     return items
 
 
-def test_relative_links_point_at_files_in_the_repository():
-    targets = [t.split("#")[0] for t in LINK.findall(README.read_text()) if "://" not in t]
-    assert targets
-    missing = [t for t in targets if not (ROOT / t).exists()]
-    assert not missing, f"README links to files that are not in the repository: {missing}"
-    ignored = [t for t in targets if Path(t).parts[:1] == ("runs",)]
-    assert not ignored, f"README links into runs/, which git ignores: {ignored}"
+def table_rows(text: str) -> list[str]:
+    """The body rows of the Markdown tables in ``text`` (header and rule rows dropped)."""
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    return [r for i, r in enumerate(rows) if i > 1 and not set(r) <= set("|-: ")]
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
+def test_relative_links_point_at_files_in_the_repository(page):
+    links = [t.split("#")[0] for t in LINK.findall(page.read_text()) if "://" not in t]
+    targets = [(page.parent / t).resolve() for t in links if t]
+    missing = [str(t.relative_to(ROOT)) for t in targets if not t.exists()]
+    assert not missing, f"{page.name} links to files that are not in the repository: {missing}"
+    ignored = [t for t in targets if t.relative_to(ROOT).parts[:1] == ("runs",)]
+    assert not ignored, f"{page.name} links into runs/, which git ignores: {ignored}"
+
+
+def test_the_docs_are_linked_from_the_readme():
+    linked = {(ROOT / t).resolve() for t in LINK.findall(README.read_text()) if "://" not in t}
+    assert DOCS and all(page.resolve() in linked for page in DOCS)
 
 
 @pytest.mark.parametrize(
-    "title, least", [("Where it stands", 6), ("Speed, communication, evidence", 4)]
+    "page, items, least",
+    [
+        (README, lambda text: table_rows(section(text, "Where it stands")), 8),
+        (ROOT / "docs" / "evidence.md", bullets, 4),
+    ],
+    ids=["front page", "reports"],
 )
-def test_figures_are_quoted_from_the_linked_files(title, least):
-    items = bullets(section(README.read_text(), title))
+def test_figures_are_quoted_from_the_linked_files(page, items, least):
+    items = items(page.read_text())
     assert len(items) >= least
     for item in items:
         links = LINK.findall(item)
         prose = LINK.sub("]", item)  # link targets are not figures
         numbers = [n for n in NUMBER.findall(prose) if n not in SMALL_COUNTS]
-        files = [ROOT / t for t in links if "://" not in t and (ROOT / t).is_file()]
+        files = [(page.parent / t) for t in links if "://" not in t]
+        files = [f for f in files if f.is_file()]
         if not files:  # a bullet of figures must cite a file, or an outside source
             assert not numbers or any("://" in t for t in links), item
             continue
