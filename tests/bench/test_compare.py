@@ -101,3 +101,17 @@ def test_a_run_logged_before_eval_ema_existed_is_the_same_config(tmp_path, monke
     assert compare.run(cfg, log=lambda *_: None) == {"final_val_loss": 1.5}
     with pytest.raises(FileExistsError, match=r"different config \(eval_ema\)"):
         compare.run(replace(cfg, eval_ema=0.9), log=lambda *_: None)
+
+
+def test_the_collective_timeout_does_not_change_what_a_run_computes(tmp_path, monkeypatch):
+    """A run logged before `timeout` existed, or with another one, is the same config: the
+    committed study's runs are reused by `python -m bench study`, not refused."""
+    cfg = compare.run_config(compare.base_config(quick=True), "adamw", None, tmp_path)
+    out = tmp_path / "runs" / compare.run_name("adamw", cfg.lr)
+    out.mkdir(parents=True)
+    old = {k: v for k, v in cfg.to_dict().items() if k != "timeout"}
+    (out / "run.json").write_text(json.dumps({"config": old}))
+    (out / "summary.json").write_text(json.dumps({"final_val_loss": 1.5}))
+    monkeypatch.setattr(compare, "train", lambda cfg: pytest.fail("retrained a finished run"))
+    for timeout in (cfg.timeout, 30.0):
+        assert compare.run(replace(cfg, timeout=timeout), log=lambda *_: None)["final_val_loss"]
