@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bench.model.costs import adamw, dion, dion2, dobb, muon, muonbp, normuon
+from bench.model.costs import adamw, dion, dion2, dobb, muon, muonbp, nordion2, normuon
 from dobb.optim.registry import OptimizerEntry, get_entry
 
 # Two-sided Dobb's row blocks per matrix in the call-time runs: the rows one rank holds under
@@ -102,6 +102,7 @@ LAB: dict[str, LabEntry] = {
         LabEntry("blockmuon", "BlockMuon", muonbp, {"row_blocks": 4}, tables=frozenset()),
         LabEntry("normuon", "NorMuon", normuon, **_ROW_ONLY),
         LabEntry("dion2", "Dion2", dion2, {"row_blocks": 4}, **_ROW_ONLY),
+        LabEntry("nordion2", "NorDion2", nordion2, {"row_blocks": 4}, **_ROW_ONLY),
         LabEntry("adamw", "AdamW", adamw, tables=frozenset({"calltime"})),
     )
 }

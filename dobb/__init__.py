@@ -9,6 +9,7 @@ from dobb.optim import (
     Muon,
     MuonBP,
     NonFiniteGradientError,
+    NorDion2,
     NorMuon,
     build_optimizer,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "Muon",
     "MuonBP",
     "NonFiniteGradientError",
+    "NorDion2",
     "NorMuon",
     "build_optimizer",
     "param_groups",

@@ -1,13 +1,8 @@
 """The `dobb` command.
 
-    dobb train [CONFIG.yaml] [key=value ...]     train one model (torchrun for several ranks)
-
-`python -m dobb` is the same command. A config is a YAML path or the name of one shipped
-with dobb (`configs/tiny.yaml` works from any directory). A failure the user can fix (bad
-config, data, optimizer options, damaged checkpoints, an `out_dir` in use, a layout
-without torchrun) prints one line, `dobb: error: <what, and how to fix it>`, and exits
-with status 2; `--debug` or DOBB_DEBUG=1 shows its traceback too. Any other error is a
-bug and shows its traceback.
+`dobb train [CONFIG.yaml] [key=value ...]` (also `python -m dobb`). A failure the user can
+fix prints one line, `dobb: error: <what, and how to fix it>`, and exits with status 2
+(`--debug` or DOBB_DEBUG=1: its traceback too); any other error is a bug.
 """
 
 import argparse

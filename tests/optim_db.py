@@ -50,23 +50,32 @@ SMALL_INPUTS: dict[str, tuple[dict[str, Any], ...]] = {
         {},
         {"ns_dtype": torch.float32, "nesterov": False},
         {"adjust_lr": "match_rms_adamw", "weight_decay": 0.1},
+        {"ns_coefficients": "polar_express", "ns_steps": 7},
     ),
     "muonbp": (
         {},
         {"row_blocks": 2, "period": 2, "block_lr_ratio": 0.5},
         {"col_blocks": (2, 2), "period": None, "ns_dtype": torch.float32},
         {"adjust_lr": "spectral", "row_blocks": 4, "period": 1, "weight_decay": 0.1},
+        {"ns_coefficients": "polar_express", "row_blocks": 2, "period": 2},
     ),
     "blockmuon": ({}, {"row_blocks": 2, "col_blocks": 2}),
     "normuon": (
         {},
         {"ns_dtype": torch.float32, "nesterov": True},
         {"beta2": 0.0, "eps": 1e-10, "weight_decay": 0.1},
+        {"ns_coefficients": "polar_express"},
     ),
     "dion2": (
         {},
         {"fraction": 1.0, "ef_decay": 0.0, "ns_dtype": torch.float32},
         {"fraction": 0.1, "row_blocks": (2, 2), "weight_decay": 0.0},
+        {"ns_coefficients": "polar_express"},
+    ),
+    "nordion2": (
+        {},
+        {"fraction": 1.0, "ef_decay": 0.0, "ns_dtype": torch.float32, "beta2": 0.0},
+        {"fraction": 0.1, "row_blocks": (2, 2), "eps": 1e-10, "ns_coefficients": "quintic"},
     ),
     "adamw": ({}, {"weight_decay": 0.1}),
 }
@@ -98,6 +107,7 @@ ERROR_INPUTS: dict[str, tuple[ErrorInput, ...]] = {
         ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
         ErrorInput({"ns_dtype": torch.int32}, ValueError, "invalid ns_dtype"),
         ErrorInput({"adjust_lr": "sqrt"}, ValueError, "invalid adjust_lr"),
+        ErrorInput({"ns_coefficients": "Polar Express"}, ValueError, "invalid ns_coefficients"),
     ),
     "muonbp": MATRIX_ERRORS
     + (
@@ -122,6 +132,16 @@ ERROR_INPUTS: dict[str, tuple[ErrorInput, ...]] = {
         ErrorInput({"ef_decay": 1.5}, ValueError, "invalid ef_decay"),
         ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
         ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
+        ErrorInput({"ns_coefficients": "cubic"}, ValueError, "invalid ns_coefficients"),
+    ),
+    "nordion2": MATRIX_ERRORS
+    + (
+        ErrorInput({"fraction": 1.5}, ValueError, "invalid fraction"),
+        ErrorInput({"ef_decay": -0.5}, ValueError, "invalid ef_decay"),
+        ErrorInput({"beta2": 1.0}, ValueError, "invalid beta2"),
+        ErrorInput({"eps": 0.0}, ValueError, "invalid eps"),
+        ErrorInput({"row_blocks": (2, 0)}, ValueError, "invalid row_blocks"),
+        ErrorInput({"ns_coefficients": "cubic"}, ValueError, "invalid ns_coefficients"),
     ),
     "adamw": (
         ErrorInput({"lr": -1.0}, ValueError, "Invalid learning rate"),

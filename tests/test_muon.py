@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from dobb.optim.muon import Muon, lr_scale, newton_schulz
+from dobb.optim import dion2 as dion2_module
+from dobb.optim import muon as muon_module
+from dobb.optim import muonbp as muonbp_module
+from dobb.optim import nordion2 as nordion2_module
+from dobb.optim import normuon as normuon_module
+from dobb.optim.muon import POLAR_EXPRESS, Muon, lr_scale, newton_schulz
+from dobb.optim.registry import build_optimizer
 
 SHAPES = [(64, 32), (32, 64)]  # tall (transposed inside NS) and wide
 
@@ -19,18 +25,24 @@ def with_condition_number(shape, cond, seed=0):
     return U @ torch.diag(torch.logspace(0, -math.log10(cond), k)) @ V.T
 
 
+# the documented bands (newton_schulz), with room for bf16 rounding: Keller's quintic about
+# [0.7, 1.2], Polar Express about [0.85, 1.15]
+BANDS = {"quintic": (0.65, 1.25), "polar_express": (0.8, 1.18)}
+
+
+@pytest.mark.parametrize("coefficients", list(BANDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", ["gaussian", "condition 100"])
-def test_newton_schulz_singular_values_in_band(kind, shape, dtype):
+def test_newton_schulz_singular_values_in_band(kind, shape, dtype, coefficients):
     G = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     if kind != "gaussian":
         G = with_condition_number(shape, 100.0)
-    out = newton_schulz(G, dtype=dtype)
+    out = newton_schulz(G, dtype=dtype, coefficients=coefficients)
     assert out.dtype == dtype and out.shape == G.shape
     s = torch.linalg.svdvals(out.float())
-    # NS5 with Keller's coefficients lands every singular value in about [0.7, 1.2]
-    assert 0.65 < s.min() and s.max() < 1.25, (s.min(), s.max())
+    low, high = BANDS[coefficients]
+    assert low < s.min() and s.max() < high, (s.min(), s.max())
     # ... with the singular vectors of G: out ≈ U S' Vᵀ, so Uᵀ out V is diagonal
     U, _, Vh = torch.linalg.svd(G, full_matrices=False)
     core = U.T @ out.float() @ Vh.T
@@ -47,6 +59,53 @@ def test_newton_schulz_batched_equals_one_by_one():
 
 def test_newton_schulz_of_zero_is_zero():
     assert not newton_schulz(torch.zeros(8, 4)).any()
+
+
+def polar_express_float64(G, steps):
+    """Polar Express (arXiv 2505.16932) written out in float64: X / (1.02 ||X||_F + eps),
+    then step i's quintic from the table (later steps repeat its last)."""
+    X = G.double()
+    tall = X.shape[0] > X.shape[1]
+    X = X.T if tall else X
+    X = X / (1.02 * X.norm() + 1e-7)
+    for i in range(steps):
+        a, b, c = POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)]
+        A = X @ X.T
+        X = a * X + b * A @ X + c * A @ A @ X
+    return X.T if tall else X
+
+
+@pytest.mark.parametrize("steps", [3, 5, 7])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_polar_express_matches_its_float64_transcription(shape, steps):
+    G = with_condition_number(shape, 50.0).double()
+    out = newton_schulz(G, steps, torch.float64, "polar_express")
+    torch.testing.assert_close(out, polar_express_float64(G, steps), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["muon", "muonbp", "blockmuon", "normuon", "dion2", "nordion2"])
+def test_ns_coefficients_reach_every_newton_schulz_call(name, monkeypatch):
+    """Each Muon-family optimizer hands its group's ``ns_coefficients`` to every
+    Newton-Schulz call; Muon's default is Keller's quintic, NorDion2's Polar Express."""
+    seen = []
+
+    def spy(G, steps=5, dtype=torch.bfloat16, coefficients="quintic"):
+        seen.append(coefficients)
+        return newton_schulz(G, steps, dtype, coefficients)
+
+    for module in (muon_module, muonbp_module, normuon_module, dion2_module, nordion2_module):
+        monkeypatch.setattr(module, "newton_schulz", spy)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 8))
+    default = "polar_express" if name == "nordion2" else "quintic"
+    for coefficients in (None, "polar_express", "quintic"):
+        seen.clear()
+        options = {} if coefficients is None else {"ns_coefficients": coefficients}
+        opt = build_optimizer(name, model, **options)
+        for _ in range(2):
+            model(torch.randn(4, 8)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert seen and set(seen) == {coefficients or default}, seen
 
 
 def run_pair(shape, ours, theirs, steps=5):

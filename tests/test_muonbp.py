@@ -95,9 +95,9 @@ def record_newton_schulz(monkeypatch, replacement=None):
     """Record the input shape of every Newton-Schulz call, Muon's and the block step's."""
     shapes = []
 
-    def spy(G, steps=5, dtype=torch.bfloat16):
+    def spy(G, steps=5, dtype=torch.bfloat16, coefficients="quintic"):
         shapes.append(tuple(G.shape))
-        return (replacement or newton_schulz)(G, steps, dtype)
+        return (replacement or newton_schulz)(G, steps, dtype, coefficients)
 
     monkeypatch.setattr(muon_module, "newton_schulz", spy)
     monkeypatch.setattr(muonbp_module, "newton_schulz", spy)
@@ -112,7 +112,7 @@ def test_a_full_step_every_period_starting_with_the_first(monkeypatch):
     assert int(next(iter(opt.state.values()))["step"]) == 7
 
 
-def exact_polar(G, steps, dtype):
+def exact_polar(G, steps, dtype, coefficients):
     """U Vᵀ exactly (every singular value 1), in place of NS5's approximation."""
     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
     return (U @ Vh).to(dtype)

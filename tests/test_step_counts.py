@@ -13,7 +13,7 @@ from opcount import count_step, tiny_gpt
 from dobb.blocks import block_stacks
 from dobb.optim.registry import build_optimizer
 
-BATCHED = ["dobb", "dobb2s", "muon", "muonbp", "blockmuon", "dion", "normuon", "dion2"]
+BATCHED = ["dobb", "dobb2s", "muon", "muonbp", "blockmuon", "dion", "normuon", "dion2", "nordion2"]
 
 
 @pytest.mark.parametrize("name", BATCHED)
@@ -64,7 +64,7 @@ def test_batched_refresh_reads_the_host_only_for_the_non_finite_check(method, wa
     assert counter.host_reads == 1
 
 
-@pytest.mark.parametrize("name", ["dobb", "dobb2s", "muon", "muonbp", "dion", "normuon", "dion2"])
+@pytest.mark.parametrize("name", [n for n in BATCHED if n != "blockmuon"])
 def test_cpu_path_matrix_by_matrix_equals_the_batched_path(name, monkeypatch):
     """On CPU the optimizers update matrix by matrix (stacking copies cost more than the
     launches they save there); both paths give the same parameters."""

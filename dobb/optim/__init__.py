@@ -6,6 +6,7 @@ from dobb.optim.dion2 import Dion2, dion2_update
 from dobb.optim.dobb import Dobb, dobb_update
 from dobb.optim.muon import Muon, muon_update, newton_schulz
 from dobb.optim.muonbp import MuonBP, block_muon_update
+from dobb.optim.nordion2 import NorDion2, nordion2_update
 from dobb.optim.normuon import NorMuon, normuon_update
 from dobb.optim.registry import OPTIMIZERS, build_optimizer, get_entry
 
@@ -18,6 +19,7 @@ __all__ = [
     "Muon",
     "MuonBP",
     "NonFiniteGradientError",
+    "NorDion2",
     "NorMuon",
     "block_muon_update",
     "build_optimizer",
@@ -27,5 +29,6 @@ __all__ = [
     "get_entry",
     "muon_update",
     "newton_schulz",
+    "nordion2_update",
     "normuon_update",
 ]

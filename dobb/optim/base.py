@@ -43,16 +43,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     Args (shared by all subclasses):
         nonfinite: ``"raise"`` (default) raises ``NonFiniteGradientError`` naming the first
-            bad parameter; ``"skip"`` skips the whole step. Either way no state changes and
-            the batch's pending statistics are dropped: the next clean batch steps normally.
-            The check reads only this rank's shards and communicates nothing, so under
-            FSDP or TP ranks can disagree; to skip consistently, decide on every rank from a
-            global quantity (``torch.nn.utils.clip_grad_norm_`` returns the all-reduced
-            total norm: skip ``step()`` when it is not finite).
-        foreach: stack same-shape matrices into shared kernels (``(n, m, k)`` bmm and
-            foreach ops: a step's kernel count depends on the shapes, not the number of
-            matrices). None (default): on every device but the CPU; both paths compute the
-            same update (a test holds them together).
+            bad parameter; ``"skip"`` skips the whole step; either way no state changes. The
+            check is per rank (to skip on every rank: ``docs/baselines.md``).
+        foreach: stack same-shape matrices into shared kernels. None (default): on every
+            device but the CPU; both paths compute the same update.
     """
 
     algorithm: str

@@ -1,13 +1,6 @@
-"""Group tensors that can share kernels, so a step costs O(groups) kernels, not O(tensors).
-
-Whether an optimizer stacks same-shape matrices is its ``foreach`` option
-(``MatrixOptimizer.batched``): on by default off the CPU, where a launch costs more than
-the stacking copies; on CPU one matrix at a time (a GPT-2 XL block's Dobb projections:
-35-46 ms matrix by matrix, 90-105 ms stacked).
-
-Same-shape matrices stack into one ``(n, m, k)`` batch; tensors of one dtype and device
-with the same hyperparameters share ``torch._foreach_*`` calls. ``group_by`` finds such
-groups; ``stack_apply`` runs a batched function once per same-shape stack.
+"""Group tensors that can share kernels, so a step costs O(groups) kernels, not O(tensors):
+``group_by`` finds same-shape, same-dtype groups, ``stack_apply`` runs a batched function
+once per stack (on by default off the CPU: ``MatrixOptimizer.batched``).
 """
 
 from collections.abc import Callable, Hashable, Iterable
@@ -42,11 +35,8 @@ def stack_apply(
 ) -> list[Tensor]:
     """``[fn(t, key(i)) for i, t in enumerate(tensors)]``, as one call per same-shape stack.
 
-    Tensors of one shape, dtype, device and ``key(i)`` (e.g. hyperparameters) stack into
-    ``(n, *shape)`` (each tensor alone unless ``batched``); ``fn(stack, k)`` must treat each
-    slice on its own and return ``(n, *shape')``. A group of one is passed unstacked
-    (``shape``, not ``(1, *shape)``).
-    Results of a stack are views of its output.
+    Tensors of one shape, dtype, device and ``key(i)`` stack into ``(n, *shape)`` (unless
+    not ``batched``; a group of one is passed unstacked); ``fn`` treats each slice alone.
     """
     groups = group_by(
         range(len(tensors)),

@@ -39,10 +39,8 @@ class Dion(MatrixOptimizer):
           Q <- ColumnNormalize(R)
           W <- W (1 - lr wd) - lr sqrt(d_out/d_in) P Qᵀ
 
-    The momentum buffer accumulates gradients (``B = M + G``, not an EMA); the error
-    feedback removes a ``1 - mu`` fraction of what the update used. Parameter groups with
-    ``algorithm="adamw"`` or ``"lion"`` (see ``dobb.param_groups``) take the embeddings, the
-    LM head, norms and biases.
+    ``M`` accumulates gradients (not an EMA); the feedback removes ``1 - mu`` of what the
+    update used. ``algorithm="adamw"``/``"lion"`` groups take the other parameters.
 
     Args:
         params: parameters or parameter groups.
@@ -58,23 +56,14 @@ class Dion(MatrixOptimizer):
         orthogonalize: ``"qr"`` (Householder QR, default) or ``"cholesky_qr"``
             (randomized Cholesky QR, the paper's fast distributed form; falls back to
             Householder QR if a Cholesky factorization fails).
-        seed: base seed of ``Q_0`` and of the sketches. ``Q_0`` is drawn from a generator
-            seeded by ``seed`` and the matrix's name; the sketch of a step from one seeded
-            by ``seed``, the matrix's shape, ``r`` and the step, so same-shape matrices
-            share it (one draw per stack; each sees a Gaussian ``S`` independent of its
-            ``P``, all the preconditioner asks) and data-parallel replicas agree.
-        sync_group: None (gradients already averaged, as a harness's DDP or FSDP does), or
-            the replicas whose gradients of Dion's matrices are left unaveraged (a
-            ProcessGroup for DDP, a DeviceMesh of data axes for HSDP): Dion then runs the
-            paper's compressed sync, averaging ``P`` and ``R`` instead of the gradients
-            (how to set it up: ``docs/distributed.md``).
+        seed: base seed of ``Q_0`` (with the matrix's name) and of the sketches (with the
+            shape, ``r`` and the step: shared by same-shape matrices and by replicas).
+        sync_group: None (gradients averaged), or the replicas whose gradients are left
+            unaveraged: Dion then averages ``P`` and ``R`` (``docs/distributed.md``).
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients (checked per rank).
 
-    Sharding: DTensor parameters are updated from their placements (FSDP ``Shard(0)``, TP
-    ``Shard(0)``/``Shard(1)``, FSDP x TP, uneven or empty shards), with the single-device
-    result up to float rounding: one all-reduce per mesh axis and round of the power
-    iteration. The rounds, and where we differ from microsoft/dion's code:
-    ``docs/baselines.md``.
+    Sharding: DTensors (FSDP, TP, FSDP x TP, uneven shards) equal one device, with one
+    all-reduce per mesh axis and round (the rounds, our choices: ``docs/baselines.md``).
     """
 
     algorithm = "dion"

@@ -1,21 +1,12 @@
-"""Dion2: orthonormalize a selected fraction of the momentum's rows, feed back the rest.
-
-Ahn, Amsel, Langford, "Dion2: A Simple Method to Shrink Matrix in Muon",
-https://arxiv.org/abs/2512.16928. Each step adds the gradient to an error-feedback
-momentum, picks the rows of largest norm, orthonormalizes only those (Muon's Newton-Schulz
-on a ``k x n`` matrix instead of ``m x n``), updates only those rows of the weight and
-decays only those rows of the momentum; the other rows keep accumulating.
-
-The functional core is ``dion2_direction`` (momentum, selection, selective decay) and
-``apply_rows`` (the sparse weight update) around Muon's ``newton_schulz``; ``dion2_update``
-runs them on one matrix (the reference). Unshared matrices run ``dion2_updates``, its
-batched form: one selection and one NS5 per stack of same-shape matrices. Sharded, each
-rank selects among its own rows and only the selected rows travel to the matrix's owner
-and back, through Muon's ``OwnerExchange`` on the ``k x n`` matrix of selected rows.
+"""Dion2 (Ahn, Amsel, Langford, https://arxiv.org/abs/2512.16928): orthonormalize a
+selected fraction of the momentum's rows, feed back the rest. ``dion2_update`` is the
+per-matrix reference, ``dion2_updates`` the batched form; sharded, only the selected rows
+travel to each matrix's owner and back (design notes: ``docs/baselines.md``).
 """
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +19,7 @@ from dobb.distributed.groups import check_group
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, solo
-from dobb.optim.muon import NS_STEPS, newton_schulz, validate_newton_schulz
+from dobb.optim.muon import NS_KEYS, NS_STEPS, newton_schulz, validate_newton_schulz
 from dobb.optim.muonbp import chunk_sizes
 from dobb.optim.owner_groups import OwnerExchangeOptimizer, shared_buckets
 
@@ -92,11 +83,12 @@ def dion2_update(
     scale: float,
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: str = "quintic",
 ) -> None:
     """One Dion2 update of a local piece of whole rows; ``param`` and ``momentum`` in place."""
     rows, selected = dion2_direction(grad, momentum, blocks, fraction=fraction, ef_decay=ef_decay)
     # O = NS5(M_S)
-    update = newton_schulz(selected, ns_steps, ns_dtype)
+    update = newton_schulz(selected, ns_steps, ns_dtype, ns_coefficients)
     apply_rows(param, rows, update, lr=lr, weight_decay=weight_decay, scale=scale)
 
 
@@ -113,7 +105,9 @@ def dion2_updates(
     scales: list[float],
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: str = "quintic",
     batched: bool = True,
+    normalize: Callable[[list[int], Tensor, Tensor], Tensor] | None = None,
 ) -> None:
     """``dion2_update`` of many local pieces sharing hyperparameters (``blocks[i]``,
     ``scales[i]``: piece ``i``'s); ``params`` and ``momenta`` in place.
@@ -123,6 +117,7 @@ def dion2_updates(
     decays them, runs NS5 on the ``(b, k, n)`` selected rows and updates them at once. The
     row indices of slice ``j`` are offset by ``j m`` into the ``(b m, n)`` view of the
     stack, so the gather, the decay and the update are the reference's row ops.
+    ``normalize(indices, rows, O)``, if given, maps a stack's ``(b, k, n)`` O to its update.
     """
     if not params:
         return
@@ -156,7 +151,11 @@ def dion2_updates(
         # M_S <- ef_decay M_S   (the unselected rows keep all of M: error feedback)
         M.view(-1, n).index_copy_(0, flat, selected * ef_decay)
         # O = NS5(M_S), one per stack of (k, n) selected rows
-        update = newton_schulz(selected.view(len(indices), -1, n), ns_steps, ns_dtype)
+        update = newton_schulz(
+            selected.view(len(indices), -1, n), ns_steps, ns_dtype, ns_coefficients
+        )
+        if normalize is not None:
+            update = normalize(indices, rows, update)
         # W_S <- W_S - lr s O
         W.view(-1, n).index_add_(0, flat, update.reshape(-1, n).to(param_dtype), alpha=-lr * scale)
         targets += [momenta[i] for i in indices] + [params[i] for i in indices]
@@ -184,29 +183,20 @@ class Dion2(OwnerExchangeOptimizer):
 
     Args:
         params: parameters or groups (``algorithm="adamw"``/``"lion"`` for the rest).
-        lr: learning rate, in units of spectral norm per update of the selected rows
-            (default 0.01, the authors' code's).
-        fraction: ``f``, the fraction of rows selected per block (default 0.25, the
-            authors' code's; the paper's headline setting).
+        lr: in spectral norm per update of the selected rows (default 0.01, the authors').
+        fraction: ``f`` of the rows selected per block (default 0.25, the authors').
         ef_decay: decay of the selected rows of ``M`` (default 0.95, the authors' code's).
         weight_decay: decoupled, multiplied by ``lr`` (default 0.01, the authors' code's).
-        ns_steps, ns_dtype: Muon's Newton-Schulz (5 quintic steps in bf16).
-        row_blocks: selection blocks of each local piece: an integer, or a tuple for nested
-            splits, cut like ``torch.chunk`` (see ``dobb.optim.muonbp.chunk_sizes``).
-            Default 1: a rank's shard selects among its own rows. On one device,
-            ``row_blocks=4`` makes the selection an FSDP run over 4 ranks makes.
+        ns_steps, ns_dtype, ns_coefficients: Muon's Newton-Schulz (5 quintic steps in bf16).
+        row_blocks: selection blocks of each local piece, cut as ``chunk_sizes`` (default 1;
+            on one device ``row_blocks=4`` selects as FSDP over 4 ranks does).
         replica_group: as Muon's: the DDP group (or mesh) over which replicas split the
             Newton-Schulz work; None: every replica does all of it.
         nonfinite: ``"raise"`` or ``"skip"`` (see ``MatrixOptimizer``).
 
-    Distributed: each rank selects among its own rows (the authors' ``"local"`` scope),
-    so nothing but the selected rows moves: one ``all_to_all`` sends each rank's
-    ``k_local x n`` rows to the matrix's owner (skipped under DDP, where every rank holds
-    the whole matrix), the owner runs ``NS5`` on the stacked ``k x n`` rows (in row
-    order), and one ``all_to_all`` returns each rank its rows of ``O``. Pieces must hold
-    whole rows (DDP, FSDP ``Shard(0)``, HSDP, column-parallel TP); a ``Shard(1)``
-    parameter raises ``NotImplementedError``. The selection sizes are planned at
-    construction from ``fraction`` and ``row_blocks``; changing either later raises.
+    Distributed: each rank selects among its own rows (the authors' ``"local"`` scope);
+    one ``all_to_all`` sends them to the matrix's owner (none under DDP), one returns its
+    rows of ``O``. Whole rows only (a ``Shard(1)`` parameter raises): ``docs/baselines.md``.
 
     Where we chose against the authors' code: ``docs/baselines.md``.
     """
@@ -223,6 +213,7 @@ class Dion2(OwnerExchangeOptimizer):
         ns_steps: int = NS_STEPS,
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
+        ns_coefficients: str = "quintic",
         row_blocks: int | tuple[int, ...] = 1,
         replica_group=None,
         nonfinite: str = "raise",
@@ -236,6 +227,7 @@ class Dion2(OwnerExchangeOptimizer):
             weight_decay=weight_decay,
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
+            ns_coefficients=ns_coefficients,
             row_blocks=row_blocks,
         )
         super().__init__(
@@ -293,6 +285,12 @@ class Dion2(OwnerExchangeOptimizer):
                 placements.append(MatrixPlacement(shape, rows, torch.arange(p.shape[1])))
             self._exchanges.append((OwnerExchange(placements, owners), params))
 
+    # the group keys that enter the math: matrices agreeing on them share kernels
+    update_keys = ("lr", "fraction", "ef_decay", "weight_decay", *NS_KEYS)
+
+    def _hyperparameters(self, group: dict[str, Any]) -> tuple:
+        return tuple(group[key] for key in self.update_keys) + (_splits(group["row_blocks"]),)
+
     # ------------------------------------------------------------------ step
     def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         return {"momentum": torch.zeros_like(param, dtype=state_dtype(param))}
@@ -301,7 +299,7 @@ class Dion2(OwnerExchangeOptimizer):
         shared = self._shared()
         entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
         # matrices no other rank shares: one dion2_updates per set of hyperparameters
-        for _, indices in group_by(entries, lambda e: _hyperparameters(e[2])).items():
+        for _, indices in group_by(entries, lambda e: self._hyperparameters(e[2])).items():
             params, group = [entries[i][0] for i in indices], entries[indices[0]][2]
             dion2_updates(
                 [local(p) for p in params],
@@ -315,7 +313,9 @@ class Dion2(OwnerExchangeOptimizer):
                 scales=[row_scale(p.shape) for p in params],
                 ns_steps=group["ns_steps"],
                 ns_dtype=group["ns_dtype"],
+                ns_coefficients=group["ns_coefficients"],
                 batched=self.batched(local(params[0]).device),
+                normalize=self._normalizer([entries[i][1] for i in indices], group),
             )
         group_of = {p: g for g in groups for p in g["params"]}
         for exchange, params in self._exchanges:
@@ -355,13 +355,20 @@ class Dion2(OwnerExchangeOptimizer):
         whole = exchange.gather(selected)
         # O = NS5(M_S), for the matrices this rank owns
         results = {
-            j: newton_schulz(S, entries[j][1]["ns_steps"], entries[j][1]["ns_dtype"])
-            for j, S in whole.items()
+            j: newton_schulz(S, *(entries[j][1][k] for k in NS_KEYS)) for j, S in whole.items()
         }
         # O: every rank's rows back from the owner (one all_to_all)
         dtypes = [group["ns_dtype"] for _, group in entries]
         buffer_dtype = functools.reduce(torch.promote_types, dtypes)
         updates = exchange.scatter(results, buffer_dtype, selected[0].device)
+        self._apply_selected(exchange, entries, indices, updates)
+
+    def _normalizer(self, states: list[dict], group: dict[str, Any]):
+        """``dion2_updates``' ``normalize`` for matrices with ``states`` (Dion2: none)."""
+        return None
+
+    def _apply_selected(self, exchange, entries, indices, updates) -> None:
+        """``W_S <- W_S - lr s O`` for each shared matrix from its rows of ``O``."""
         for (p, group), rows, update in zip(entries, indices, updates):
             if rows is None:
                 continue
@@ -373,13 +380,6 @@ class Dion2(OwnerExchangeOptimizer):
                 weight_decay=group["weight_decay"],
                 scale=row_scale(p.shape),
             )
-
-
-def _hyperparameters(group: dict[str, Any]) -> tuple:
-    """The group keys that enter the math (``row_blocks`` as a tuple): matrices agreeing
-    on them share kernels."""
-    keys = ("lr", "fraction", "ef_decay", "weight_decay", "ns_steps", "ns_dtype")
-    return tuple(group[key] for key in keys) + (_splits(group["row_blocks"]),)
 
 
 def _splits(row_blocks) -> tuple:

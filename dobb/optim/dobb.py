@@ -78,20 +78,14 @@ class Dobb(MatrixOptimizer):
         block_size: instead of ``num_blocks``: blocks of at most this many columns
             (``B = ceil(d_in / block_size)`` per matrix; the paper's 16 blocks at GPT-2 XL
             are blocks of 100 and 400). Overrides ``num_blocks`` when set.
-        two_sided: also rotate the output side (``dobb.optim.dobb_update``): row blocks
-            ``R_r`` with eigenbases ``P_r`` of their own second moment, and
-            ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``. Off by default (the paper's
-            update). Needs no communication in ``step()`` in any layout: a row block lies in
-            one row shard, and its moments come from ``row_stats``.
+        two_sided: also rotate the output side: row blocks ``R_r`` with bases ``P_r``,
+            ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ`` (off: the paper's update).
         row_blocks: with ``two_sided``: row blocks per matrix (near-equal, and each inside one
             row shard, else construction raises); None (default): one block per rank's rows
             (the whole matrix in one process).
-        row_stats: with ``two_sided``, where ``P_r``'s moments come from: ``"gradients"``
-            (default): ``G_r G_rᵀ / d_in`` of the rank's rows (Shampoo's left factor; no
-            communication, but an average over the TP ranks under row-parallel TP);
-            ``"outputs"``: the layer's output-gradient moments ``E[δ_rᵀ δ_r]`` from a backward
-            hook (K-FAC's), averaged over ``stats_group``; not for rows split over data ranks
-            (FSDP). Two-sided Dobb does not support FSDP x TP's strided rows.
+        row_stats: with ``two_sided``, ``P_r``'s moments: ``"gradients"`` (default,
+            ``G_r G_rᵀ / d_in``, Shampoo's left factor) or ``"outputs"`` (``E[δ_rᵀ δ_r]``
+            from a backward hook, K-FAC's; not under FSDP). No FSDP x TP strided rows.
         coefficients: ``"sign"`` (default) or ``"adam"``: ``C / (sqrt(V_hat) + 1e-8)``, ``V``
             a bias-corrected EMA (``coefficient_beta``) of the squared projected gradient,
             kept in the eigenbasis as SOAP does; its RMS is below 1, so it usually wants
@@ -102,39 +96,26 @@ class Dobb(MatrixOptimizer):
         update_scale: ``alpha``: a number, or ``"adamw"`` (0.2), ``"lion"`` (1.0), or
             ``"muon"`` (``1/sqrt(d_in)``: the RMS of Muon's spectrally scaled orthogonal
             update ``sqrt(max(1, d_out/d_in)) U Vᵀ``).
-        basis_method: how bases are refreshed (``dobb.eigensolve``, all blocks of a size in
-            one call): ``"auto"`` (default: ``"eigh"`` on CPU, ``"jacobi"`` on CUDA, where
-            ``eigh`` loops over blocks), ``"eigh"`` (the reference), ``"jacobi"`` (batched
-            Jacobi sweeps warm-started from the previous basis), ``"cholqr"`` / ``"power_qr"``
-            (one warm-started orthogonal-iteration step with Cholesky-QR / Householder QR),
-            ``"cupy"`` (CuPy's batched ``eigh``); see ``dobb.eigensolve`` for cold starts
-            and the guard.
+        basis_method: the refresh (``dobb.eigensolve``): ``"auto"`` (default: ``"eigh"`` on
+            CPU, ``"jacobi"`` on CUDA), ``"eigh"``, ``"jacobi"``, ``"cholqr"``, ``"power_qr"``
+            (warm-started from the previous basis) or ``"cupy"``.
         basis_source: ``"activations"`` (Dobb). Controls for ablations: ``"gradients"``
             (eigenbases of the blocks of ``E[Gᵀ G]``, unsharded matrices only), ``"random"``
             (a fixed random orthogonal basis per block), ``"identity"`` (Signum).
-        missing_stats: ``"raise"`` (default) if a Dobb matrix has no statistics at a step
-            with ``lr > 0``; ``"identity"`` keeps the current basis (identity before any
-            statistics: Signum). A zero-``lr`` step never needs statistics (DCP issues one
-            to build optimizer state).
-        stats_group: the ranks that see different tokens (``dobb.distributed.groups``):
-            None (one process), a ProcessGroup (DDP), or a DeviceMesh whose every axis is a
-            data axis, e.g. the FSDP mesh or ``mesh["data_replicate", "data_shard"]`` (HSDP,
-            FSDP x TP); never the TP axis. Statistics ``C_b`` are averaged over it.
+        missing_stats: ``"raise"`` (default) if a matrix has no statistics at a step with
+            ``lr > 0``; ``"identity"`` keeps the current basis (Signum before any).
+        stats_group: the ranks that see different tokens, over which ``C_b`` are averaged:
+            None, a ProcessGroup (DDP) or a DeviceMesh of data axes only (never TP).
         stats_sync: ``"refresh"`` (default) averages ``C_b`` only when bases are refreshed
             (exact: the EMA is linear, so averaging later gives the same result);
             ``"step"`` averages every step.
-        shard_refresh: with ``stats_group``, each rank of its innermost axis computes
-            ~1/P of the bases and one all-gather shares them (default True): the refresh
-            costs 1/P per rank, and every replica holds bit-identical bases. False: every
-            rank computes all bases itself (no communication besides the statistics).
+        shard_refresh: with ``stats_group``, each rank computes ~1/P of the bases and one
+            all-gather shares them (default True); False: every rank computes all.
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients or statistics (checked
             per rank: under sharding, rely on a global grad-norm check to skip in step).
 
-    Sharding: DTensor parameters are updated on their local shard. Row shards (FSDP
-    ``Shard(0)``, column-parallel TP) need nothing; column shards (row-parallel TP
-    ``Shard(1)``) must hold whole blocks, else construction raises. ``state_dict()``
-    averages the statistics first (a collective when ``stats_group`` is set), so that a
-    checkpoint holds one consistent copy.
+    Sharding: each shard updates alone; column shards must hold whole blocks (else
+    construction raises). ``state_dict()`` averages the statistics first (a collective).
     """
 
     algorithm = "dobb"

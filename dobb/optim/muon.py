@@ -1,16 +1,8 @@
-"""Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024).
-
-A faithful baseline of https://github.com/KellerJordan/Muon (post:
-https://kellerjordan.github.io/posts/muon/): SGD with Nesterov momentum whose update is
-replaced by (approximately) the nearest semi-orthogonal matrix, computed with five quintic
-Newton-Schulz iterations in bfloat16. The update is three pure steps on local tensors
-(``nesterov_direction``, ``newton_schulz``, ``apply_update``); ``muon_update`` runs them in
-a row on one matrix (the reference). The optimizer runs their batched forms
-(``nesterov_directions``, ``batched_newton_schulz``, ``apply_updates``; ``muon_updates``
-on one device): foreach kernels over all matrices and one Newton-Schulz per stack of
-same-shape matrices, so a step costs O(shapes) kernels, not O(matrices), as Keller's and
-the Dion authors' implementations batch. The distributed path runs the same three with
-the direction gathered to one owner rank per matrix in between (``OwnerExchange``).
+"""Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024), a faithful baseline
+of https://github.com/KellerJordan/Muon: SGD with Nesterov momentum whose update is replaced
+by (about) the nearest semi-orthogonal matrix, 5 quintic Newton-Schulz steps in bfloat16.
+``muon_update`` is the per-matrix reference, ``muon_updates`` the batched form; the
+distributed path gathers each direction to an owner rank (design notes: docs/baselines.md).
 """
 
 import functools
@@ -31,32 +23,50 @@ from dobb.optim.owner_groups import OwnerExchangeOptimizer
 # Quintic Newton-Schulz coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, chosen to
 # maximize the slope at zero: https://github.com/KellerJordan/Muon/blob/00ba60d3a0d188993831f86e4d62597bb0e9b21c/muon.py#L21
 NS_A, NS_B, NS_C = 3.4445, -4.7750, 2.0315
+# Polar Express (Amsel et al., arXiv 2505.16932): each of 5 steps' optimal quintic, safety
+# factor 1.02 baked in, as microsoft/dion's polar_express.py (and modded-nanogpt) use them
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# name -> (per-step (a, b, c), later steps repeating the last; the safety s of X / (s ||X||_F))
+NS_COEFFICIENTS = {"quintic": (((NS_A, NS_B, NS_C),), 1.0), "polar_express": (POLAR_EXPRESS, 1.02)}
 NS_STEPS = 5
 NS_EPS = 1e-7  # added to the Frobenius norm before dividing (Keller's value)
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 ADJUST_LR_MODES = ("spectral", "match_rms_adamw")
 
 
-def newton_schulz(G: Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def newton_schulz(
+    G: Tensor, steps=NS_STEPS, dtype=torch.bfloat16, coefficients="quintic"
+) -> Tensor:
     """Approximate the orthogonal polar factor ``U Vᵀ`` of ``G = U S Vᵀ`` (returned in ``dtype``).
 
-    The coefficients push every singular value towards 1 as fast as possible rather than
-    converging exactly, so the result is ``U S' Vᵀ`` with ``S'`` roughly in ``[0.7, 1.2]``
-    (for singular values not far below ``||G||_F / 100``), which does not hurt training.
+    ``"quintic"`` (Keller's) pushes every singular value towards 1 as fast as possible
+    rather than converging exactly: ``U S' Vᵀ`` with ``S'`` roughly in ``[0.7, 1.2]`` (for
+    singular values not far below ``||G||_F / 100``). ``"polar_express"`` changes the
+    polynomial each step (``NS_COEFFICIENTS``); its 5 steps land ``S'`` in about
+    ``[0.85, 1.15]`` for singular values down to ``||G||_F / 1000``.
     """
+    table, safety = NS_COEFFICIENTS[coefficients]
     X = G.to(dtype)
     tall = G.shape[-2] > G.shape[-1]
     if tall:  # iterate on the wide orientation so X Xᵀ is the smaller Gram matrix
         X = X.mT
-    # X <- X / (||X||_F + eps)   (every singular value <= 1)
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)
+    # X <- X / (s ||X||_F + eps)   (every singular value <= 1 / s)
+    norm = X.norm(dim=(-2, -1), keepdim=True)
+    X = X / ((norm if safety == 1.0 else norm * safety) + NS_EPS)
     fma = torch.addmm if X.ndim == 2 else torch.baddbmm  # one matrix or a (batch, m, n) stack
-    for _ in range(steps):
+    for step in range(steps):
+        a, b, c = table[min(step, len(table) - 1)]
         A = X @ X.mT
         # B = b A + c A²
-        B = fma(A, A, A, beta=NS_B, alpha=NS_C)
+        B = fma(A, A, A, beta=b, alpha=c)
         # X <- a X + B X
-        X = fma(X, B, X, beta=NS_A)
+        X = fma(X, B, X, beta=a)
     return X.mT if tall else X
 
 
@@ -104,11 +114,12 @@ def muon_update(
     scale: float,
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: str = "quintic",
 ) -> None:
     """One Muon update of a whole ``(d_out, d_in)`` matrix; ``param`` and ``momentum`` in place."""
     direction = nesterov_direction(grad, momentum, beta=beta, nesterov=nesterov)
     # O = NS5(N) ≈ U Vᵀ
-    update = newton_schulz(direction, ns_steps, ns_dtype)
+    update = newton_schulz(direction, ns_steps, ns_dtype, ns_coefficients)
     apply_update(param, update, lr=lr, weight_decay=weight_decay, scale=scale)
 
 
@@ -141,6 +152,7 @@ def batched_newton_schulz(
     out_dtypes: list[torch.dtype],
     steps: int = NS_STEPS,
     dtype: torch.dtype = torch.bfloat16,
+    coefficients: str = "quintic",
     *,
     batched: bool = True,
 ) -> list[Tensor]:
@@ -148,7 +160,7 @@ def batched_newton_schulz(
     ``(n, m, k)`` stack, each matrix still normalized by its own Frobenius norm."""
     return stack_apply(
         directions,
-        lambda N, out_dtype: newton_schulz(N, steps, dtype).to(out_dtype),
+        lambda N, out_dtype: newton_schulz(N, steps, dtype, coefficients).to(out_dtype),
         key=lambda i: out_dtypes[i],
         batched=batched,
     )
@@ -186,6 +198,7 @@ def muon_updates(
     scales: list[float],
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: str = "quintic",
     batched: bool = True,
 ) -> None:
     """``muon_update`` of many whole matrices sharing hyperparameters (``scales[i]``: matrix
@@ -194,16 +207,24 @@ def muon_updates(
     directions = nesterov_directions(grads, momenta, beta=beta, nesterov=nesterov)
     # O = NS5(N), batched by shape; cast to W's precision for the update (a widening: exact)
     out_dtypes = [update_dtype(p.dtype, ns_dtype) for p in params]
-    updates = batched_newton_schulz(directions, out_dtypes, ns_steps, ns_dtype, batched=batched)
+    updates = batched_newton_schulz(
+        directions, out_dtypes, ns_steps, ns_dtype, ns_coefficients, batched=batched
+    )
     apply_updates(params, updates, lr=lr, weight_decay=weight_decay, scales=scales)
 
 
 def validate_newton_schulz(group: dict[str, Any]) -> None:
-    """A group's ``ns_steps`` (an integer >= 1) and ``ns_dtype`` (one of ``NS_DTYPES``)."""
+    """A group's ``ns_steps`` (an integer >= 1), ``ns_dtype`` (one of ``NS_DTYPES``) and
+    ``ns_coefficients`` (a name of ``NS_COEFFICIENTS``)."""
     if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
         raise ValueError(f"invalid ns_steps: {group['ns_steps']!r} (must be an integer >= 1)")
     if group["ns_dtype"] not in NS_DTYPES:
         raise ValueError(f"invalid ns_dtype: {group['ns_dtype']!r} (one of {NS_DTYPES})")
+    if group["ns_coefficients"] not in NS_COEFFICIENTS:
+        coefficients = group["ns_coefficients"]
+        raise ValueError(
+            f"invalid ns_coefficients: {coefficients!r} (one of {list(NS_COEFFICIENTS)})"
+        )
 
 
 class Muon(OwnerExchangeOptimizer):
@@ -216,8 +237,7 @@ class Muon(OwnerExchangeOptimizer):
           O = NS5(N)                 5 quintic Newton-Schulz steps on N / ||N||_F, in bf16
           W <- W (1 - lr wd) - lr s O,   s = sqrt(max(1, d_out/d_in))  ("spectral")
 
-    Parameter groups with ``algorithm="adamw"`` or ``"lion"`` (see ``dobb.param_groups``)
-    take the embeddings, the LM head, norms and biases: "Muon should only be used for
+    ``algorithm="adamw"``/``"lion"`` groups take the rest: "Muon should only be used for
     hidden weight layers."
 
     Args:
@@ -228,14 +248,13 @@ class Muon(OwnerExchangeOptimizer):
         ns_steps: Newton-Schulz iterations (default 5).
         ns_dtype: dtype of the iteration: ``torch.bfloat16`` (default, Keller's) or a wider
             one such as ``torch.float32`` (a deviation, for exact comparisons).
+        ns_coefficients: ``"quintic"`` (default, Keller's) or ``"polar_express"`` (see
+            ``newton_schulz``; the Dion authors' default; a deviation).
         adjust_lr: ``"spectral"`` (default, Keller's ``sqrt(max(1, d_out/d_in))``) or
             ``"match_rms_adamw"`` (``0.2 sqrt(max(d_out, d_in))``, Moonshot's; a deviation).
-        replica_group: for plain (non-DTensor) parameters replicated by DDP
-            (``dobb.distributed.groups``): None (every replica orthogonalizes every matrix,
-            no communication), or the ProcessGroup (or DeviceMesh) of the replicas, which
-            then share the work as Keller's distributed Muon does. Gradients must already be
-            averaged (DDP does that). DTensor parameters always share the work over their
-            own mesh.
+        replica_group: for plain parameters replicated by DDP with averaged gradients: None
+            (every replica does all the work) or their ProcessGroup (or DeviceMesh), which
+            then share it as Keller's distributed Muon does; DTensors share over their mesh.
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients (checked per rank: under
             sharding, rely on a global grad-norm check to skip a step on every rank).
 
@@ -256,6 +275,7 @@ class Muon(OwnerExchangeOptimizer):
         ns_steps: int = NS_STEPS,
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
+        ns_coefficients: str = "quintic",
         adjust_lr: str = "spectral",
         replica_group=None,
         nonfinite: str = "raise",
@@ -269,6 +289,7 @@ class Muon(OwnerExchangeOptimizer):
             weight_decay=weight_decay,
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
+            ns_coefficients=ns_coefficients,
             adjust_lr=adjust_lr,
         )
         super().__init__(
@@ -309,7 +330,7 @@ class Muon(OwnerExchangeOptimizer):
         for hp, indices in group_by(
             entries, lambda e: _hyperparameters(e[2], *UPDATE_KEYS)
         ).items():
-            lr, beta, nesterov, weight_decay, ns_steps, ns_dtype, adjust_lr = hp
+            lr, beta, nesterov, weight_decay, ns_steps, ns_dtype, coefficients, adjust_lr = hp
             params = [entries[i][0] for i in indices]
             muon_updates(
                 [local(p) for p in params],
@@ -322,6 +343,7 @@ class Muon(OwnerExchangeOptimizer):
                 scales=[lr_scale(p.shape, adjust_lr) for p in params],
                 ns_steps=ns_steps,
                 ns_dtype=ns_dtype,
+                ns_coefficients=coefficients,
                 batched=self.batched(local(params[0]).device),
             )
 
@@ -358,7 +380,7 @@ class Muon(OwnerExchangeOptimizer):
         results = stack_apply(
             [whole[j] for j in owned],
             lambda N, hp: newton_schulz(N, *hp),
-            key=lambda i: _hyperparameters(entries[owned[i]][1], "ns_steps", "ns_dtype"),
+            key=lambda i: _hyperparameters(entries[owned[i]][1], *NS_KEYS),
             batched=self.batched(directions[0].device),
         )
         # O: every rank's piece back from the owner (one all_to_all)
@@ -379,7 +401,8 @@ class Muon(OwnerExchangeOptimizer):
 
 
 # Group keys that enter the math: matrices agreeing on them share kernels.
-UPDATE_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_dtype", "adjust_lr")
+NS_KEYS = ("ns_steps", "ns_dtype", "ns_coefficients")  # newton_schulz's arguments
+UPDATE_KEYS = ("lr", "momentum", "nesterov", "weight_decay", *NS_KEYS, "adjust_lr")
 MOMENTUM_KEYS = ("momentum", "nesterov")
 
 

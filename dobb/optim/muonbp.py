@@ -1,17 +1,8 @@
-"""MuonBP: Muon with block-periodic orthogonalization (Khaled et al., arXiv 2510.16981).
-
-Most steps orthogonalize each device's own block of the momentum independently, with no
-communication ("block steps"); every ``period``-th step orthogonalizes the whole matrix as
-Muon does ("full steps", through Muon's owner exchange). The two kinds of step have their
-own learning rates, each scaled by the dimensions of the matrix it orthogonalizes, so that
-block and full updates have the same RMS. ``period=1`` is Muon; ``period=None`` never
-takes a full step (BlockMuon).
-
-Everything but the block step is Muon's (``dobb.optim.muon``): momentum, Newton-Schulz, the
-update and the shared-matrix exchange. This module adds the tiling of a local piece into
-blocks, the block step on those tiles (``block_muon_update``, the reference, and
-``block_muon_updates``, which batches same-shape tiles across all matrices), and the choice
-of step.
+"""MuonBP (Khaled et al., arXiv 2510.16981): Muon whose steps orthogonalize each device's
+block alone, without communication, except every ``period``-th, a full step through Muon's
+exchange; each kind's learning rate scaled by the shape it orthogonalizes, so both updates
+have the same RMS. ``block_muon_update`` is the reference of a block step,
+``block_muon_updates`` its batched form.
 """
 
 import itertools
@@ -49,9 +40,7 @@ def chunk_sizes(size: int, splits: Sequence[int]) -> list[int]:
     """Sizes of ``size`` indices split like ``torch.chunk`` into ``splits[0]`` parts, each
     part into ``splits[1]`` parts, and so on (outer split first); empty parts are kept.
 
-    This is how FSDP2 and DTensor's ``Shard`` lay out a dim (18 over 4: 5/5/5/3; 3 over 4:
-    1/1/1/0), and nested splits are a 2-D mesh's ``_StridedShard`` (18 over TP 2, then
-    FSDP 2: 5/4/5/4).
+    As FSDP2's ``Shard`` (18 over 4: 5/5/5/3); nested: ``_StridedShard`` (18: 5/4/5/4).
     """
     sizes = [size]
     for parts in splits:
@@ -71,7 +60,7 @@ def block_tiles(shape: tuple[int, int], row_blocks, col_blocks) -> list[Tile]:
 
 
 def block_newton_schulz(
-    N: Tensor, tiles: list[Tile], steps: int = NS_STEPS, dtype: torch.dtype = torch.bfloat16
+    N: Tensor, tiles: list[Tile], steps=NS_STEPS, dtype=torch.bfloat16, coefficients="quintic"
 ) -> list[Tensor | None]:
     """``NS5`` of each tile of ``N`` on its own (None for an empty tile).
 
@@ -84,10 +73,12 @@ def block_newton_schulz(
     out: list[Tensor | None] = [None] * len(tiles)
     for indices in shapes.values():
         if len(indices) == 1:
-            out[indices[0]] = newton_schulz(N[tiles[indices[0]]], steps, dtype)
+            out[indices[0]] = newton_schulz(N[tiles[indices[0]]], steps, dtype, coefficients)
             continue
         # (k, m_b, n_b) stack of equal tiles -> k independent iterations
-        stacked = newton_schulz(torch.stack([N[tiles[i]] for i in indices]), steps, dtype)
+        stacked = newton_schulz(
+            torch.stack([N[tiles[i]] for i in indices]), steps, dtype, coefficients
+        )
         for i, update in zip(indices, stacked):
             out[i] = update
     return out
@@ -106,6 +97,7 @@ def block_muon_update(
     adjust_lr: str,
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: str = "quintic",
 ) -> None:
     """One block step on a local piece: every tile orthogonalized and scaled on its own.
 
@@ -114,7 +106,7 @@ def block_muon_update(
     """
     direction = nesterov_direction(grad, momentum, beta=beta, nesterov=nesterov)
     # O_b = NS5(N_b), each tile independently
-    updates = block_newton_schulz(direction, tiles, ns_steps, ns_dtype)
+    updates = block_newton_schulz(direction, tiles, ns_steps, ns_dtype, ns_coefficients)
     for (rows, cols), update in zip(tiles, updates):
         if update is None:
             continue
@@ -141,6 +133,7 @@ def block_muon_updates(
     adjust_lr: str,
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: str = "quintic",
     batched: bool = True,
 ) -> None:
     """``block_muon_update`` of many local pieces sharing hyperparameters (``tilings[i]``:
@@ -152,7 +145,9 @@ def block_muon_updates(
     blocks = [directions[i] if w else directions[i][t] for (i, t), w in zip(tiles, whole)]
     # O_b = NS5(N_b), each tile independently, batched by tile shape
     out_dtypes = [update_dtype(params[i].dtype, ns_dtype) for i, _ in tiles]
-    updates = batched_newton_schulz(blocks, out_dtypes, ns_steps, ns_dtype, batched=batched)
+    updates = batched_newton_schulz(
+        blocks, out_dtypes, ns_steps, ns_dtype, ns_coefficients, batched=batched
+    )
     # W_b <- W_b (1 - lr wd) - lr s(m_b, n_b) O_b: RMS matched by the tile's own shape
     apply_updates(
         [params[i] if w else params[i][t] for (i, t), w in zip(tiles, whole)],
@@ -181,42 +176,23 @@ class MuonBP(Muon):
             W_b <- W_b (1 - lr_b wd) - lr_b s(m_b, n_b) O_b,   lr_b = block_lr_ratio lr
           s(m, n) = 0.2 sqrt(max(m, n))   ("match_rms_adamw": update RMS 0.2 lr, any shape)
 
-    Blocks: on a DTensor parameter, the rank's local shard (FSDP ``Shard(0)``: its rows;
-    TP row-parallel ``Shard(1)``: its columns; FSDP x TP: the intersection), further cut
-    into ``row_blocks x col_blocks`` tiles (default 1 x 1: the shard itself). On a plain
-    tensor (one device, or DDP) the local piece is the whole matrix, so the tiles emulate a
-    shard layout: ``row_blocks=4`` is FSDP over 4 ranks (``torch.chunk`` splits, 18 rows:
-    5/5/5/3), ``col_blocks=2`` TP row-parallel over 2, ``row_blocks=(2, 2)`` the rows of a
-    column-parallel weight on a 2 x 2 FSDP x TP mesh (5/4/5/4). Such a single-device run
-    equals the sharded one.
+    Blocks: a DTensor's local shard, a plain tensor's whole matrix, each cut into
+    ``row_blocks x col_blocks`` tiles, so one device emulates a shard layout
+    (``row_blocks=4``: FSDP over 4 ranks) and equals the sharded run.
 
     Learning rates: both step kinds are RMS-matched (``match_rms_adamw``), so by default a block
     and a full update have RMS ``0.2 lr``; the reasoning and our deviations: ``docs/baselines.md``.
 
     Args (besides Muon's; see ``Muon``):
-        lr: the full steps' learning rate (default 1e-3, AdamW's: with ``match_rms_adamw``
-            AdamW learning rates transfer, Moonshot's arXiv 2502.16982).
-        period: ``P``, a full step every ``P`` updates of a matrix, starting with its first
-            (default 5, the paper's choice as secondary sources report it); ``1`` is Muon,
-            ``None`` BlockMuon (block steps only).
+        lr: the full steps' learning rate (default 1e-3, AdamW's, as RMS-matched).
+        period: ``P``, a full step every ``P`` updates, the first included (default 5, the
+            paper's as secondary sources report it); ``1`` is Muon, ``None`` BlockMuon.
         block_lr_ratio: the block steps' learning rate over ``lr`` (default 1).
-        row_blocks, col_blocks: tiling of each local piece for block steps (default 1);
-            an integer >= 1, or a tuple of them for nested splits (outer first).
-        adjust_lr: ``"match_rms_adamw"`` (default here, the paper's RMS matching) or
-            ``"spectral"``.
+        row_blocks, col_blocks: tiles of each local piece (default 1; tuples: nested).
+        adjust_lr: ``"match_rms_adamw"`` (default, the paper's RMS matching) or ``"spectral"``.
 
-    ``period``, ``block_lr_ratio``, ``row_blocks`` and ``col_blocks`` are group keys, so
-    one optimizer can tile each matrix like its own layout. Like every group key they are
-    saved in ``state_dict()`` and restored by ``load_state_dict()``; the blocks of a sharded
-    matrix are its local shards, so resuming on a mesh that splits the matrices differently
-    changes the block steps (the checkpoint itself loads fine).
-
-    Communication: none on block steps. On full steps, exactly Muon's: per mesh (or
-    data-parallel group), one ``all_to_all`` of ``N`` to the owners and one back. Each
-    matrix counts its own updates (state ``step``, checkpointed); if matrices sharing an
-    exchange fall out of phase (one had no gradient on some step), the full step of those
-    due runs over an exchange of just them, planned once (a collective) and kept.
-
+    Communication: none on block steps; Muon's exchange on full steps (tilings, phases and
+    checkpoints: ``docs/baselines.md``).
     """
 
     algorithm = "muonbp"
@@ -235,6 +211,7 @@ class MuonBP(Muon):
         row_blocks: int | tuple[int, ...] = 1,
         col_blocks: int | tuple[int, ...] = 1,
         ns_dtype: torch.dtype = torch.bfloat16,
+        ns_coefficients: str = "quintic",
         adjust_lr: str = "match_rms_adamw",
         replica_group=None,
         nonfinite: str = "raise",
@@ -249,6 +226,7 @@ class MuonBP(Muon):
             weight_decay=weight_decay,
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
+            ns_coefficients=ns_coefficients,
             adjust_lr=adjust_lr,
             period=period,
             block_lr_ratio=block_lr_ratio,
@@ -320,7 +298,9 @@ class MuonBP(Muon):
         hyperparameters."""
         key = lambda e: _hyperparameters(e[1], *UPDATE_KEYS, "block_lr_ratio")  # noqa: E731
         for hp, indices in group_by(entries, key).items():
-            lr, beta, nesterov, weight_decay, ns_steps, ns_dtype, adjust_lr, ratio = hp
+            lr, beta, nesterov, weight_decay, ns_steps, ns_dtype, coefficients, adjust_lr, ratio = (
+                hp
+            )
             params = [entries[i][0] for i in indices]
             pieces = [local(p) for p in params]
             block_muon_updates(
@@ -338,6 +318,7 @@ class MuonBP(Muon):
                 adjust_lr=adjust_lr,
                 ns_steps=ns_steps,
                 ns_dtype=ns_dtype,
+                ns_coefficients=coefficients,
                 batched=self.batched(pieces[0].device),
             )
 

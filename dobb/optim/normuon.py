@@ -1,15 +1,7 @@
-"""NorMuon: Muon's orthogonalized update with neuron-wise (per-row) normalization.
-
-Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable",
-https://arxiv.org/abs/2510.05491. After Muon's Newton-Schulz step, each row (an output
-neuron) of the orthogonalized update is divided by the root of an EMA of its mean square,
-and the whole update is rescaled to RMS 0.2, so ``lr`` is in AdamW's units.
-
-The momentum, the Newton-Schulz iteration and the weight update are Muon's
-(``dobb.optim.muon``); this module adds ``neuron_normalize`` and the RMS rescaling.
-``normuon_update`` is the per-matrix reference; unshared matrices run ``normuon_updates``,
-its batched form (one NS5 and one normalization per stack of same-shape matrices). The
-distributed path runs them after Muon's owner exchange, on each rank's own rows.
+"""NorMuon (Li et al., https://arxiv.org/abs/2510.05491): Muon's orthogonalized update with
+each row (an output neuron) divided by the root of an EMA of its mean square, rescaled to
+RMS 0.2. ``normuon_update`` is the per-matrix reference, ``normuon_updates`` the batched
+form; the distributed path runs after Muon's owner exchange, on each rank's own rows.
 """
 
 import functools
@@ -26,6 +18,7 @@ from dobb.distributed.groups import check_group
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import group_by, solo
 from dobb.optim.muon import (
+    NS_KEYS,
     NS_STEPS,
     apply_update,
     apply_updates,
@@ -70,11 +63,12 @@ def normuon_update(
     eps: float,
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: str = "quintic",
 ) -> None:
     """One NorMuon update of a whole ``(m, n)`` matrix; ``param`` and the state in place."""
     direction = nesterov_direction(grad, momentum, beta=beta, nesterov=nesterov)
     # O = NS5(M)
-    update = newton_schulz(direction, ns_steps, ns_dtype)
+    update = newton_schulz(direction, ns_steps, ns_dtype, ns_coefficients)
     update = neuron_normalize(update, row_second_moment, beta2=beta2, eps=eps)
     # Ô <- 0.2 sqrt(m n) Ô / ||Ô||_F
     update.mul_(rms_factor(update.shape, update.square().sum()))
@@ -95,6 +89,7 @@ def normuon_updates(
     eps: float,
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: str = "quintic",
     batched: bool = True,
 ) -> None:
     """``normuon_update`` of many whole matrices sharing hyperparameters; ``params`` and the
@@ -114,7 +109,8 @@ def normuon_updates(
     for indices in stacks.values():
         v = torch.stack([row_second_moments[i] for i in indices])  # (b, m, 1)
         # O = NS5(N)   (b, m, n)
-        update = newton_schulz(torch.stack([directions[i] for i in indices]), ns_steps, ns_dtype)
+        N = torch.stack([directions[i] for i in indices])
+        update = newton_schulz(N, ns_steps, ns_dtype, ns_coefficients)
         update = neuron_normalize(update, v, beta2=beta2, eps=eps)
         # Ô <- 0.2 sqrt(m n) Ô / ||Ô||_F
         update.mul_(rms_factor(update.shape[1:], update.square().sum(dim=(1, 2), keepdim=True)))
@@ -138,27 +134,19 @@ class NorMuon(OwnerExchangeOptimizer):
 
     Args:
         params: parameters or groups (``algorithm="adamw"``/``"lion"`` for the rest).
-        lr: learning rate; the update's RMS is ``0.2 lr``, as AdamW's typical one. Default
-            0.01, the Dion authors' code's (the paper's box has no default; our choice).
-        momentum: ``β1`` (default 0.95, the paper's). beta2: ``β2`` (default 0.95, the
-            paper's). eps: ``ε`` (default 1e-8, the Dion authors' code; the authors' own
-            single-file code uses 1e-10).
-        nesterov: default False, the paper's box (plain EMA momentum; the Dion authors'
-            code agrees; the NorMuon authors' Keller-derived code uses Nesterov).
+        lr: the update's RMS is ``0.2 lr``, as AdamW's (default 0.01, the Dion authors').
+        momentum: ``β1``; beta2: ``β2`` (0.95 each, the paper's). eps: ``ε`` (1e-8, the Dion
+            authors'; the NorMuon authors' single-file code: 1e-10).
+        nesterov: default False, the paper's box (their Keller-derived code: Nesterov).
         weight_decay: ``λ``, decoupled, multiplied by ``lr`` (default 0, as Muon's).
-        ns_steps, ns_dtype: Muon's (5 steps in bf16; ``torch.float32`` for exact tests).
+        ns_steps, ns_dtype, ns_coefficients: Muon's (5 quintic steps in bf16).
         replica_group: as Muon's: the DDP group (or mesh) over which replicas split the
             Newton-Schulz work; None: every replica does all of it.
         nonfinite: ``"raise"`` or ``"skip"`` (see ``MatrixOptimizer``).
 
-    Distributed (Muon's owner exchange): each rank forms ``N`` on its own piece, one
-    ``all_to_all`` sends the pieces to each matrix's owner, the owner runs ``NS5``, one
-    ``all_to_all`` returns every rank its piece of ``O``. Each rank then updates ``v`` and
-    normalizes its own rows (the mean is over whole rows, so every piece must hold whole
-    rows: DDP, FSDP ``Shard(0)``, HSDP; a ``Shard(1)`` parameter raises
-    ``NotImplementedError``), and one ``all_reduce`` of one float per matrix sums
-    ``||Ô||_F²`` over the distinct pieces (skipped when every rank holds whole matrices,
-    as under DDP). The result equals the single-device update up to float rounding.
+    Distributed: Muon's owner exchange, then each rank normalizes its own rows (whole rows
+    only: a ``Shard(1)`` parameter raises) and one ``all_reduce`` of a float per matrix
+    sums ``||Ô||_F²`` over the pieces (none under DDP); details: ``docs/baselines.md``.
 
     Where we chose against the authors' code: ``docs/baselines.md``.
     """
@@ -177,6 +165,7 @@ class NorMuon(OwnerExchangeOptimizer):
         *,
         eps: float = 1e-8,
         ns_dtype: torch.dtype = torch.bfloat16,
+        ns_coefficients: str = "quintic",
         replica_group=None,
         nonfinite: str = "raise",
         foreach: bool | None = None,
@@ -191,6 +180,7 @@ class NorMuon(OwnerExchangeOptimizer):
             ns_steps=ns_steps,
             eps=eps,
             ns_dtype=ns_dtype,
+            ns_coefficients=ns_coefficients,
         )
         super().__init__(
             params, defaults, replica_group=replica_group, nonfinite=nonfinite, foreach=foreach
@@ -260,8 +250,7 @@ class NorMuon(OwnerExchangeOptimizer):
         whole = exchange.gather(directions)
         # O = NS5(N), for the matrices this rank owns
         results = {
-            j: newton_schulz(N, entries[j][1]["ns_steps"], entries[j][1]["ns_dtype"])
-            for j, N in whole.items()
+            j: newton_schulz(N, *(entries[j][1][k] for k in NS_KEYS)) for j, N in whole.items()
         }
         # O: every rank's piece back from the owner (one all_to_all)
         dtypes = [group["ns_dtype"] for _, group in entries]
@@ -295,8 +284,8 @@ class NorMuon(OwnerExchangeOptimizer):
 
 
 # Group keys that enter the math, and the matching arguments of normuon_updates
-UPDATE_KEYS = ("lr", "momentum", "beta2", "nesterov", "weight_decay", "eps", "ns_steps", "ns_dtype")
-UPDATE_ARGS = ("lr", "beta", "beta2", "nesterov", "weight_decay", "eps", "ns_steps", "ns_dtype")
+UPDATE_KEYS = ("lr", "momentum", "beta2", "nesterov", "weight_decay", "eps", *NS_KEYS)
+UPDATE_ARGS = ("lr", "beta", "beta2", "nesterov", "weight_decay", "eps", *NS_KEYS)
 
 
 def _any_split(exchange: OwnerExchange) -> bool:

@@ -1,11 +1,6 @@
-"""Optimizers that send whole matrices to an owner rank (Muon, MuonBP, NorMuon, Dion2).
-
-A DTensor parameter is shared by every rank of its mesh; a plain parameter replicated by
-DDP is shared by the ``replica_group`` if one is given, and is otherwise updated locally.
-``shared_buckets`` groups the parameters by process group, in an order every rank agrees
-on, so that each bucket can build one ``OwnerExchange`` collectively;
-``OwnerExchangeOptimizer`` is their common scaffolding: the group argument, the exchanges
-planned at construction (and again when a group is added), and the whole-rows check.
+"""Optimizers that send whole matrices to an owner rank (Muon, MuonBP, NorMuon, Dion2,
+NorDion2): ``shared_buckets`` groups shared parameters by process group in an order every
+rank agrees on; ``OwnerExchangeOptimizer`` plans one ``OwnerExchange`` per bucket.
 """
 
 from typing import Any
@@ -38,13 +33,8 @@ def shared_buckets(groups: list[dict[str, Any]], replica_group) -> list[tuple[An
 
 
 class OwnerExchangeOptimizer(MatrixOptimizer):
-    """A ``MatrixOptimizer`` whose shared matrices go to an owner rank for whole-matrix
-    work (one ``OwnerExchange`` per process group, ``self._exchanges``).
-
-    ``replica_group``: the DDP ranks that hold copies of plain parameters and split their
-    work (None: each rank updates them alone). Subclasses build their group ``defaults``
-    and may override ``_plan_exchanges`` (Dion2 exchanges only the selected rows).
-    """
+    """A ``MatrixOptimizer`` whose shared matrices go to owner ranks (``self._exchanges``);
+    ``replica_group``: the DDP ranks that split the work on plain parameters (None: none)."""
 
     # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
     data_parallel_option = "replica_group"

@@ -1,11 +1,8 @@
 """Build any optimizer by name: the library's registry of optimizers and their defaults.
 
-``build_optimizer("dion", model)`` routes the model's hidden ``nn.Linear`` weights to the
-matrix optimizer and everything else (embeddings, LM head, norms, biases) to an AdamW (or
-Lion) group of the same optimizer object, through ``dobb.param_groups``; ``"adamw"`` is
-``torch.optim.AdamW`` over every parameter (``dobb.optim.state_init.AdamW``, which counts
-no step for DCP's state-initialising call). Dobb is also hooked to the model
-(``opt.track(model)``), so each step needs a forward pass in training mode before it.
+``build_optimizer("dion", model)`` routes hidden ``nn.Linear`` weights to the matrix
+optimizer and the rest to its AdamW (or Lion) group (``dobb.param_groups``); ``"adamw"`` is
+AdamW over every parameter. Dobb is also hooked to the model (``opt.track(model)``).
 
 Starting learning rates for a small GPT (the lab's study tunes its own, per width):
 
@@ -23,15 +20,12 @@ dion        0.02    1e-3       Muon-like scale (sqrt(d_out/d_in) P Qᵀ); refere
 normuon     5e-3    1e-3       update RMS 0.2 lr (the paper's rescaling), as MuonBP's
 dion2       0.02    1e-3       selected rows get Muon's spectral-norm step (sqrt(d_out/d_in)
                                O), so Muon's 0.02; the authors' code uses 0.01
+nordion2    0.02    1e-3       as Dion2's: the normalized rows keep O's Frobenius norm
 adamw       1e-3    -          betas (0.9, 0.95), as the scalar groups of the others
 ==========  ======  =========  ===========================================================
 
-Every other hyperparameter is the class default (see each class). An entry holds what
-building the optimizer needs: its class, starting learning rates, hyperparameters and the
-argument that takes a job's data-parallel ranks (``distributed_options``). What the
-benchmarks know of an optimizer (labels, harness settings, cost models, tuned rates) lives
-in the lab's own table (``bench/optimizers.py`` in the repository), and test inputs in
-the tests' ``optim_db``.
+Every other hyperparameter is the class default. What the benchmarks know of an optimizer
+lives in the lab's table (``bench/optimizers.py``), test inputs in the tests' ``optim_db``.
 """
 
 from dataclasses import dataclass, field
@@ -47,6 +41,7 @@ from dobb.optim.dion2 import Dion2
 from dobb.optim.dobb import Dobb
 from dobb.optim.muon import Muon
 from dobb.optim.muonbp import MuonBP
+from dobb.optim.nordion2 import NorDion2
 from dobb.optim.normuon import NorMuon
 from dobb.optim.scalar import SCALAR_ALGORITHMS
 from dobb.optim.state_init import AdamW
@@ -106,6 +101,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry("normuon", NorMuon, lr=5e-3, scalar_lr=1e-3),
         OptimizerEntry("dion2", Dion2, lr=0.02, scalar_lr=1e-3),
+        OptimizerEntry("nordion2", NorDion2, lr=0.02, scalar_lr=1e-3),
         OptimizerEntry("adamw", AdamW, lr=1e-3, hyperparameters={"betas": (0.9, 0.95)}),
     )
 }

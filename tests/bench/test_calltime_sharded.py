@@ -21,7 +21,7 @@ def test_sharded_calltime_times_every_optimizer(tmp_path, capsys, layout, world)
     record = json.loads(out.read_text())
     per_rank, unsupported = record["per_rank_ms"], set(record["unsupported"])
     # row-parallel TP splits columns: optimizers that need whole rows are listed, not run
-    assert unsupported == ({"normuon", "dion2"} if layout == "tp" else set())
+    assert unsupported == ({"normuon", "dion2", "nordion2"} if layout == "tp" else set())
     assert len(per_rank) == world
     for timings in per_rank:
         assert set(timings) == set(OPTIMIZERS) - unsupported

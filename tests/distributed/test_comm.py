@@ -153,16 +153,20 @@ def test_run_ranks_times_out_on_a_hung_rank():
 @pytest.mark.timeout(300)
 def test_normuon_and_dion2_collectives_match_the_analytic_table():
     """Measured bytes inside ``opt.step()`` equal the formula of ``bench.results.comm`` on the
-    tiny GPT over 2 ranks: Muon's exchange (on the selected rows for Dion2), plus
-    NorMuon's all-reduce of one float per matrix on sharded layouts."""
+    tiny GPT over 2 ranks: Muon's exchange (on the selected rows for Dion2 and NorDion2),
+    plus on sharded layouts NorMuon's all-reduce of one float per matrix, NorDion2's of two."""
     from bench.results.comm import measure
 
-    results = run_ranks(measure, 2, "tiny", ("ddp", "fsdp"), ("normuon", "dion2"), timeout=280)
+    results = run_ranks(
+        measure, 2, "tiny", ("ddp", "fsdp"), ("normuon", "dion2", "nordion2"), timeout=280
+    )
     expected = {
         ("ddp", "normuon"): [("all_to_all", 2)],
         ("ddp", "dion2"): [("all_to_all", 2)],
         ("fsdp", "normuon"): [("all_to_all", 2), ("all_to_all", 2), ("all_reduce", 2)],
         ("fsdp", "dion2"): [("all_to_all", 2), ("all_to_all", 2)],
+        ("ddp", "nordion2"): [("all_to_all", 2)],
+        ("fsdp", "nordion2"): [("all_to_all", 2), ("all_to_all", 2), ("all_reduce", 2)],
     }
     rows = results[0]
     assert sorted({(r["layout"], r["name"]) for r in rows}) == sorted(expected)

@@ -20,6 +20,7 @@ NEW_NAME = {
     "blockmuon": "replica_group",
     "normuon": "replica_group",
     "dion2": "replica_group",
+    "nordion2": "replica_group",
     "dion": "sync_group",
 }
 

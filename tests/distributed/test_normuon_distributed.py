@@ -27,7 +27,7 @@ OPTIONS = {"ns_dtype": torch.float32, "lr": 0.02, "weight_decay": 0.1}
 def build(name, model, options, replica_group=None, row_blocks=None):
     """``name`` over ``model``'s weights (biases: AdamW); Dion2 weights get ``row_blocks``."""
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    cls = {"normuon": dobb.NorMuon, "dion2": dobb.Dion2}[name]
+    cls = {"normuon": dobb.NorMuon, "dion2": dobb.Dion2, "nordion2": dobb.NorDion2}[name]
     weights = [inner.fc1.weight, inner.fc2.weight]
     groups = [
         {"params": [w]} if row_blocks is None else {"params": [w], "row_blocks": row_blocks}
@@ -97,7 +97,7 @@ def test_sharded_normuon_equals_single_device(layout, world):
 
 def construct_on_tp(rank, world):
     model, _, _, _ = parallelize(MLP(20, 16), "tp", world)
-    for name in ("normuon", "dion2"):
+    for name in ("normuon", "dion2", "nordion2"):
         with pytest.raises(NotImplementedError, match="split along its columns"):
             build(name, model, OPTIONS)
     return True
