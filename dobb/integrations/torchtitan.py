@@ -15,17 +15,12 @@ a registry entry (``dobb``, ``muon``, ``dion``, ...; ``dobb.optim.OPTIMIZERS``):
   on them; DCP saves the state through torchtitan's flat, FQN-keyed state dict, and
   reloads it onto any world size (DTensor state is resharded).
 
-Select it from the command line, in torchtitan's own config system::
-
-    torchrun --nproc_per_node 8 -m torchtitan.train \\
-        --module dobb.integrations.torchtitan --config llama3_debugmodel \\
-        --optimizer.name dobb --optimizer.options '{"num_blocks": 16}'
-
-``--optimizer.name muon`` (or ``dion``, ``adamw``, ...) runs the same job with another
-optimizer. Not supported, with an error saying so at build time: pipeline parallelism,
-expert parallelism (MoE experts on an ``ep`` mesh), and the ``spmd_types`` SPMD backend
-(its parameters are plain local tensors, without the placements the optimizers read): the
-config functions here select ``partial_dtensor``.
+Select it in torchtitan's own config system, ``--module dobb.integrations.torchtitan
+--config llama3_debugmodel --optimizer.name dobb`` (``muon``, ``dion``, ...: the same job
+with another optimizer; the commands: ``docs/torchtitan.md``). Not supported, with an
+error at build time: pipeline parallelism, expert parallelism (MoE experts on an ``ep``
+mesh), and the ``spmd_types`` SPMD backend (plain local tensors, without the placements
+the optimizers read): the config functions here select ``partial_dtensor``.
 
 Nothing in torchtitan is patched: this module only subclasses its container and returns
 its configs. Tested with torchtitan ``TESTED_VERSION`` on torch 2.13.

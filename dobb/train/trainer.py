@@ -6,12 +6,9 @@ intact checkpoint of the run in it), load data, build the model and apply the la
 decay schedule, resume, then loop: micro-batches, backward, optional clipping, a timed
 `opt.step()`, periodic validation and checkpoints.
 
-With `eval_ema=d` the loop also keeps an exponential moving average of the weights
-(iterate averaging, `dobb.train.ema.WeightEMA`): after step t,
-ema_t = lerp(ema_{t-1}, w_t, (1 - d) / (1 - d**t)), the bias-corrected EMA of the weights
-after each step. Validation then evaluates it (copied into the parameters, the live
-weights copied back after) as `val_loss`, and the live weights as `val_loss_live`; the
-checkpoints hold it, so a resumed run equals an uninterrupted one.
+With `eval_ema=d` the loop also keeps a bias-corrected EMA of the weights
+(`dobb.train.ema.WeightEMA`); validation evaluates it as `val_loss` and the live weights as
+`val_loss_live`, and the checkpoints hold it, so a resumed run equals an uninterrupted one.
 
 A run never replaces another: an `out_dir` that already holds a run's files is refused
 (`RunError`) unless `resume=true`, which continues it from its newest intact checkpoint
@@ -21,19 +18,8 @@ checkpoints) are raised as `RunError` with a one-line message.
 
 Resume rule: `dobb.train.resume` (what a resume restores, which settings it may change).
 
-Rank 0 writes to `cfg.out_dir`:
-
-    run.json       what ran: config, corpus (name, size, sha256), torch, machine, world size;
-                   after a resume also "previous": the run.json of each earlier part
-    metrics.jsonl  one record per step: step, loss, lr (and scalar_lr: the second
-                   group's), tokens_per_s, step_ms, opt_ms, time_s (training time so far,
-                   evaluation and checkpoints excluded), grad_norm (when clipping),
-                   skipped (true when nonfinite="skip" skipped the step), val_loss (when
-                   evaluated; of the EMA weights with eval_ema, then also val_loss_live:
-                   of the live ones); a NaN or infinite number is written as null
-    summary.json   final numbers (written last: its presence means the run finished);
-                   final_val_loss (the EMA's with eval_ema, then also final_val_loss_live)
-    checkpoints/   DCP checkpoints (see dobb.train.checkpoint)
+Rank 0 writes `run.json`, `metrics.jsonl`, `summary.json` and `checkpoints/` to `cfg.out_dir`
+(their fields: `docs/harness.md`).
 """
 
 import math
