@@ -32,6 +32,7 @@ from bench.results.calltime import device_name, optimizer_overrides, write_json
 from bench.results.linear_stack import LinearStack, Progress, forward_backward
 from bench.tools.timing import timed
 from dobb.blocks import block_stacks
+from dobb.optim.base import batched_by_default
 from dobb.optim.registry import build_optimizer, get_entry
 from dobb.stats import BlockStatistics, statistics_hook
 
@@ -283,9 +284,7 @@ def framework_overhead(
                 times.append(timed(opt.step, device))
             else:
                 opt.step()
-        launches = (
-            "per_matrix" if torch.device(device).type == "cpu" else "per_shape"
-        )  # foreach=None
+        launches = "per_shape" if batched_by_default(device) else "per_matrix"
         modeled = predict(name, mats, hardware, launches=launches, **kw)["total"]
         out[name] = max(0.0, (statistics.median(times) - modeled) / matrices)
     stack = LinearStack(mats, 16, device=device)

@@ -59,6 +59,7 @@ from bench.optimizers import DOBB2S_ROW_BLOCKS, LAB, lab_entry
 from bench.results.linear_stack import LinearStack, Progress, autocast_context, hook_overhead
 from bench.tools.markdown import markdown_table
 from bench.tools.timing import spread, timed
+from dobb.optim.base import batched_by_default
 from dobb.optim.dobb import Dobb
 from dobb.optim.registry import build_optimizer, get_entry
 
@@ -293,7 +294,7 @@ def run(
             "dobb2s_row_blocks": DOBB2S_ROW_BLOCKS,
             "basis_method": basis_method or default_basis_method(),
             # same-shape matrices share kernels (off the CPU); hooks share inputs (q, k, v)
-            "batched": torch.device(device_).type != "cpu",  # the optimizers' foreach=None
+            "batched": batched_by_default(device_),
             "shared_hook_inputs": True,
             "device": device,
             "device_name": device_name(device_),

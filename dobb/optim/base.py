@@ -35,6 +35,11 @@ class NonFiniteGradientError(FloatingPointError):
     """A gradient (or activation statistic) held NaN or Inf; no state was changed."""
 
 
+def batched_by_default(device: torch.device | str) -> bool:
+    """What ``foreach=None`` means on ``device``: batched everywhere but on the CPU."""
+    return torch.device(device).type != "cpu"
+
+
 class MatrixOptimizer(torch.optim.Optimizer):
     """Base class: routing, validation and the step loop; subclasses add the matrix math.
 
@@ -119,7 +124,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def batched(self, device: torch.device) -> bool:
         """Whether same-shape matrices on ``device`` share kernels: ``foreach``, or by
         default (None) everywhere but on the CPU, as ``torch.optim`` decides."""
-        return self.foreach if self.foreach is not None else device.type != "cpu"
+        return self.foreach if self.foreach is not None else batched_by_default(device)
 
     def name_of(self, param: Tensor) -> str:
         """The parameter's name if groups were built from named parameters, else its index."""
