@@ -24,6 +24,8 @@ kill finishes the study):
 (e) Closing the gap to Muon without leaving the shard: two-sided Dobb and Dobb's variants
     (block sizes, Adam coefficients, slower statistics, a weights EMA), the row-shard trend
     and the width trend of the best variants.
+(f) Every optimizer tuned at every width (``bench.study.tuning``): its own lr grid at each
+    width, seeds at each tuned lr, whether the tuned lr transfers across width.
 
 ``bench.study.runs`` plans and runs the training runs (``study_gap``: those of (e),
 and their analysis); ``study_analysis`` turns them into numbers, ``study_findings`` into
@@ -42,6 +44,7 @@ from bench.study.analysis import analyse
 from bench.study.gap import run_gap
 from bench.study.report import write_document
 from bench.study.runs import Runner, base_config, load_spec, run_study
+from bench.study.tuning import run_tuning
 
 
 def study(
@@ -70,6 +73,7 @@ def study(
     with Runner(spec.workers, spec.threads) as runner:
         results = run_study(spec, base, out, runner, log)
         results["gap"] = run_gap(spec, base, out, runner, results["best_lr"], log)
+        results["tuning"] = run_tuning(spec, base, out, runner, results["best_lr"], log)
     command = command or " ".join(["dobb", *sys.argv[1:]])
     invocation = {
         "started": started.isoformat(timespec="seconds"),

@@ -11,6 +11,7 @@ from typing import Any
 from bench import compare
 from bench.compare import OPTIMIZERS, read_metrics
 from bench.study import gap as study_gap
+from bench.study import tuning as study_tuning
 from bench.study.runs import (
     StudySpec,
     at_edge,
@@ -79,6 +80,11 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
         **(
             {"gap": study_gap.analyse_gap(results["gap"], seeds, results)}
             if "gap" in results
+            else {}
+        ),
+        **(
+            {"tuning": study_tuning.analyse_tuning(results["tuning"])}
+            if "tuning" in results
             else {}
         ),
         "compute": {
@@ -176,4 +182,5 @@ def _all_runs(results: dict) -> list[list[dict]]:
         *results.get("ablation_seeds", {}).values(),
         *results["widths"].values(),
         *(study_gap.all_runs(results["gap"]) if "gap" in results else []),
+        *(study_tuning.all_runs(results["tuning"]) if "tuning" in results else []),
     ]

@@ -15,6 +15,7 @@ from bench.study.gap_report import gap_section
 from bench.study.plots import plot_ablations, plot_widths
 from bench.study.runs import defaults
 from bench.study.stats import NOISE_FACTOR
+from bench.study.tuning_report import tuning_section
 from dobb.train.model import gpt_config
 
 YES_NO = {True: "yes", False: "no"}
@@ -43,7 +44,7 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
 
     lines = [
         "# Optimizer study: tuned comparison, Dobb ablations, width trend, MuonBP's period, "
-        "closing the gap to Muon",
+        "closing the gap to Muon, every optimizer tuned at every width",
         "",
         *_header(report, model, link),
         "",
@@ -92,6 +93,15 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
                 for s in runs
             ],
         ),
+        "",
+        "Newton-Schulz coefficients: Muon with the Polar Express coefficients (arXiv "
+        "2505.16932; Keller Jordan's quintic is its default) and NorDion2 with the quintic "
+        "(Polar Express is its default, as in the authors' code), each at its optimizer's "
+        f"tuned lr, against its seed-0 run there; beyond noise: |Δ| > {NOISE} its seed std.",
+        "",
+        _ablation_table(report, "muon"),
+        "",
+        _ablation_table(report, "nordion2"),
         "",
         "## (b) Dobb ablations",
         "",
@@ -142,6 +152,8 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         f"![MuonBP's period]({link(period_plot)})",
         "",
         *(gap_section(report["gap"], spec, out, link, table) if "gap" in report else []),
+        "",
+        *(tuning_section(report["tuning"], spec, out, link, table) if "tuning" in report else []),
     ]
     doc.write_text("\n".join(lines))
 

@@ -47,6 +47,11 @@ class StudySpec:
     shard_counts: list[int] = field(default_factory=lambda: [2, 4, 8, 16, 32])
     gap_seeds: int = 3
     gap_seeded: int = 2
+    tuning_widths: list[int] = field(default_factory=lambda: [128, 256])
+    tuning_wide_widths: list[int] = field(default_factory=list)
+    tuning_lr_factors: list[float] = field(default_factory=lambda: [0.25, 0.5, 1, 2])
+    tuning_max_extensions: int = 2
+    tuning_seeds: int = 3
     workers: int = 2
     threads: int = 1
 
@@ -62,6 +67,11 @@ class StudySpec:
             "shard_counts": len(self.shard_counts) >= 1,
             "gap_seeds": self.gap_seeds >= 2,
             "gap_seeded": self.gap_seeded >= 0,
+            "tuning_widths": len(self.tuning_widths) >= 1,
+            "tuning_lr_factors": len(self.tuning_lr_factors) >= 2
+            and min(self.tuning_lr_factors) > 0,
+            "tuning_max_extensions": self.tuning_max_extensions >= 0,
+            "tuning_seeds": self.tuning_seeds >= 2,
             "workers": self.workers >= 1,
             "threads": self.threads >= 1,
         }
@@ -332,6 +342,8 @@ def ablations(width: int) -> list[Ablation]:
         Ablation("basis_source", "gradients"),
         Ablation("update_scale", "muon", sweep=True, note="lr centred on Muon's tuned lr"),
         Ablation("update_scale", 1.0, sweep=True, note="Lion-like"),
+        Ablation("ns_coefficients", "polar_express", optimizer="muon"),
+        Ablation("ns_coefficients", "quintic", optimizer="nordion2"),
         period(1, note="a full step every update: Muon, MuonBP's lr scaling"),
         period(2),
         period(20),

@@ -1,0 +1,162 @@
+"""Part (f) of the study: every optimizer tuned at every width.
+
+(a) tunes at one width and (c), (e) reuse those lrs at wider models. Sign updates have no
+width-transfer rule, so (f) tunes each configuration of ``tuned()`` at each width of
+``tuning_widths`` (and the ``wide`` ones also at ``tuning_wide_widths``) on its own
+log-spaced grid:
+
+- at the study's width, ``tuning_lr_factors`` x the lr of (a) for its optimizer (times
+  ``lr_scale``);
+- at each wider width, the same factors x its tuned lr at the previous width,
+
+each grid extended one point at a time (up to ``tuning_max_extensions``) while its best lr
+sits at an edge, then ``tuning_seeds`` seeds at every best lr (seed 0 is the sweep's own
+run). A configuration shares its runs with the other parts wherever the settings agree
+(same run name), so nothing is trained twice.
+
+"Shard-local" as in (e): no collective inside ``step()`` besides the statistics average, at
+4 row shards (FSDP); AdamW is elementwise, so it is.
+"""
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from bench.study.gap import WHOLE
+from bench.study.runs import Sweep, at_edge, best_run, loss_of, run_config, tune, width_of
+from bench.study.stats import seed_stats
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """One configuration of (f): ``OPTIONS[optimizer]`` with ``options`` on top."""
+
+    label: str
+    optimizer: str
+    options: dict[str, Any] = field(default_factory=dict)
+    shard_local: bool = False
+    wide: bool = False  # also tuned at `tuning_wide_widths`
+    lr_scale: float = 1.0  # first grid's centre: lr_scale x (a)'s tuned lr of `optimizer`
+
+
+def tuned() -> list[Tuned]:
+    """The configurations of (f), in report order."""
+    soap = {"num_blocks": 1, "coefficients": "adam", "update_scale": 1.0}
+    return [
+        Tuned("Muon", "muon", wide=True),
+        Tuned("NorMuon", "normuon"),
+        Tuned("NorDion2", "nordion2", wide=True),
+        Tuned("BlockMuon", "blockmuon", shard_local=True, wide=True),
+        Tuned("MuonBP", "muonbp"),
+        Tuned("Dion", "dion"),
+        Tuned("Dobb, 16 blocks", "dobb", shard_local=True),
+        Tuned("Dobb, one block", "dobb", {"num_blocks": 1}, shard_local=True, wide=True),
+        Tuned("two-sided Dobb, one input block", "dobb2s", WHOLE, shard_local=True, wide=True),
+        Tuned("one-sided SOAP (Dobb, Adam coefficients, one block)", "dobb", soap, True),
+        Tuned("AdamW", "adamw", shard_local=True),
+    ]
+
+
+def widths_of(spec, t: Tuned) -> list[int]:
+    """The widths configuration ``t`` is tuned at, narrowest first."""
+    return sorted(set(spec.tuning_widths) | (set(spec.tuning_wide_widths) if t.wide else set()))
+
+
+def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print) -> dict:
+    """Every run of (f); returns ``{"sweeps": {(i, width): runs}, "seeds": {(i, width):
+    runs}}`` with ``i`` the index in ``tuned()``."""
+    make = partial(run_config, base, out)
+    width, configs = width_of(base), tuned()
+
+    def maker(t: Tuned, w: int, **kw):
+        return partial(make, t.optimizer, options=t.options, width=None if w == width else w, **kw)
+
+    centre = {i: best[t.optimizer] * t.lr_scale for i, t in enumerate(configs)}
+    sweeps: dict = {}
+    for w in sorted({w for t in configs for w in widths_of(spec, t)}):
+        round_ = {
+            (i, w): Sweep(maker(t, w), [centre[i] * f for f in spec.tuning_lr_factors],
+                          spec.tuning_max_extensions)
+            for i, t in enumerate(configs)
+            if w in widths_of(spec, t)
+        }  # fmt: skip
+        log(f"(f) width {w}: {sum(len(s.grid) for s in round_.values())} runs + extensions")
+        sweeps |= tune(runner, round_)
+        centre |= {i: best_run(sweeps[(i, w)])["lr"] for i, _ in round_}
+    later = {
+        (key, seed): Sweep(maker(configs[key[0]], key[1], seed=seed), [best_run(runs)["lr"]])
+        for key, runs in sweeps.items()
+        for seed in range(1, spec.tuning_seeds)
+    }
+    log(f"(f) seeds: {len(later)} runs")
+    done = tune(runner, later)
+    seeds = {
+        key: [best_run(runs)] + [done[(key, s)][0] for s in range(1, spec.tuning_seeds)]
+        for key, runs in sweeps.items()
+    }
+    return {"sweeps": sweeps, "seeds": seeds}
+
+
+def all_runs(tuning: dict) -> list[list[dict]]:
+    """Every summary of (f), for the study's compute total."""
+    return [*tuning["sweeps"].values(), *tuning["seeds"].values()]
+
+
+# ---- analysis --------------------------------------------------------------------------
+
+
+def analyse_tuning(tuning: dict) -> dict:
+    """The numbers of (f): per configuration and width the grid, the tuned lr, its seeds;
+    whether the tuned lr moved between widths; the best shard-local one against Muon."""
+    rows = []
+    for i, t in enumerate(tuned()):
+        per_width = []
+        for (j, w), runs in sorted(tuning["sweeps"].items()):
+            if j != i:
+                continue
+            stats = seed_stats(tuning["seeds"][(j, w)])
+            per_width.append({
+                "n_embd": w,
+                "lrs": [s["lr"] for s in runs],
+                "losses": [loss_of(s) for s in runs],
+                "best_lr": best_run(runs)["lr"],
+                "at_edge": at_edge(runs),
+                "seeds": stats,
+            })  # fmt: skip
+        rows.append({
+            "label": t.label, "optimizer": t.optimizer, "options": dict(t.options),
+            "shard_local": t.shard_local, "widths": per_width,
+            "moves": [_move(a, b) for a, b in zip(per_width, per_width[1:])],
+        })  # fmt: skip
+    widths = sorted({w for _, w in tuning["sweeps"]})
+    best_local = []
+    for w in widths:
+        at = {r["label"]: e for r in rows for e in r["widths"] if e["n_embd"] == w}
+        local = {k: at[k]["seeds"]["mean"] for k in at if _row(rows, k)["shard_local"]}
+        name = min(local, key=local.get)
+        muon = at["Muon"]["seeds"]["mean"]
+        best_local.append({"n_embd": w, "label": name, "mean": local[name], "muon": muon,
+                           "gap": local[name] - muon})  # fmt: skip
+    return {"rows": rows, "widths": widths, "best_local": best_local}
+
+
+def _row(rows: list[dict], label: str) -> dict:
+    return next(r for r in rows if r["label"] == label)
+
+
+def _move(narrow: dict, wide: dict) -> dict:
+    """How the tuned lr moved from one width to the next, and what keeping the narrow
+    width's lr costs at the wide one (None when that lr is not in the wide grid)."""
+    ratio = wide["best_lr"] / narrow["best_lr"]
+    kept = dict(zip(wide["lrs"], wide["losses"])).get(narrow["best_lr"])
+    best = min(wide["losses"])
+    cost = kept - best if kept is not None and math.isfinite(kept) else None
+    return {
+        "from": narrow["n_embd"],
+        "to": wide["n_embd"],
+        "ratio": ratio,
+        "transfers": math.isclose(ratio, 1.0, rel_tol=1e-3),
+        "cost": cost,
+    }

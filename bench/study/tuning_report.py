@@ -1,0 +1,104 @@
+"""Section (f) of STUDY.md, from the numbers of `bench.study.tuning.analyse_tuning`: the
+tuned-lr sentences, the lr-vs-width plot and the tuned width table."""
+
+import math
+from pathlib import Path
+
+from bench.study.format import fmt_loss, in_words
+
+
+def _lr(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def tuned_sentence(row: dict, entry: dict) -> str:
+    """``width W: NAME tuned lr X (grid a, b, c, d)``, and whether X sits at an edge."""
+    grid = ", ".join(map(_lr, entry["lrs"]))
+    edge = "; at the grid's edge" if entry["at_edge"] else ""
+    name, lr = row["label"], _lr(entry["best_lr"])
+    return f"width {entry['n_embd']}: {name} tuned lr {lr} (grid {grid}){edge}"
+
+
+def transfer_sentence(row: dict) -> str:
+    """Whether the configuration's tuned lr stayed put from each width to the next."""
+    parts = []
+    for m in row["moves"]:
+        cost = "" if m["cost"] is None else f"; keeping it costs {m['cost']:+.4f} in loss"
+        verb = "stays put" if m["transfers"] else f"moves x{m['ratio']:.3g}"
+        parts.append(f"from width {m['from']} to {m['to']} the tuned lr {verb}{cost}")
+    return f"{row['label']}: " + ("; ".join(parts) if parts else "tuned at one width only")
+
+
+def plot_tuning(out: Path, report: dict) -> str:
+    """Final val loss against lr, a panel per configuration, a curve per width."""
+    from matplotlib.figure import Figure
+
+    rows = report["rows"]
+    cols = 4
+    fig = Figure(figsize=(4 * cols, 3 * -(-len(rows) // cols)), layout="constrained")
+    axes = fig.subplots(-(-len(rows) // cols), cols, squeeze=False).ravel()
+    for ax, row in zip(axes, rows):
+        for e in row["widths"]:
+            losses = [x if math.isfinite(x) else math.nan for x in e["losses"]]
+            ax.plot(e["lrs"], losses, "o-", label=f"width {e['n_embd']}")
+        ax.set_xscale("log")
+        ax.set_title(row["label"], fontsize=9)
+        ax.set_xlabel("lr")
+        ax.set_ylabel("final val loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[len(rows) :]:
+        ax.set_visible(False)
+    fig.savefig(out / "tuning.png", dpi=100)
+    return "tuning.png"
+
+
+def tuning_section(report: dict, spec: dict, out: Path, link, table) -> list[str]:
+    """The lines of section (f)."""
+    rows, widths = report["rows"], report["widths"]
+    seeds = spec["tuning_seeds"]
+    plot = plot_tuning(out, report)
+    return [
+        "## (f) Every optimizer tuned at every width",
+        "",
+        f"Each configuration runs its own grid at each width: {spec['tuning_lr_factors']} x "
+        "(a)'s tuned lr of its optimizer at the first width, x its own tuned lr of the "
+        "previous width at the next, extended by one point at a time (up to "
+        f"{spec['tuning_max_extensions']}) while the best lr sits at an edge; then "
+        f"{in_words(seeds)} seeds at each tuned lr (seed 0 is the sweep's own run). "
+        "Runs whose settings equal another part's are that part's runs.",
+        "",
+        *[f"- {tuned_sentence(r, e)}" for r in rows for e in r["widths"]],
+        "",
+        "Does the tuned lr transfer across width? (Keeping it: the loss at the wider width with "
+        "the narrower width's tuned lr minus the tuned loss there.)",
+        "",
+        *[f"- {transfer_sentence(r)}" for r in rows],
+        "",
+        f"![final loss against lr, one curve per width]({link(plot)})",
+        "",
+        f"Tuned at each width (mean ± std over {in_words(seeds)} seeds at the tuned lr):",
+        "",
+        table(
+            "configuration|shard-local|" + "|".join(f"width {w}" for w in widths),
+            [
+                f"{r['label']}|{'yes' if r['shard_local'] else 'no'}|"
+                + "|".join(_cell(r, w) for w in widths)
+                for r in rows
+            ],
+        ),
+        "",
+        *[
+            f"- width {b['n_embd']}: best shard-local: {b['label']} {fmt_loss(b['mean'])} vs "
+            f"Muon {fmt_loss(b['muon'])} (gap {b['gap']:+.4f})"
+            for b in report["best_local"]
+        ],
+    ]
+
+
+def _cell(row: dict, width: int) -> str:
+    entry = next((e for e in row["widths"] if e["n_embd"] == width), None)
+    if entry is None:
+        return "-"
+    s = entry["seeds"]
+    return f"{fmt_loss(s['mean'])} ± {s['std']:.4f} (lr {_lr(entry['best_lr'])})"
