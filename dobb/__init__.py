@@ -15,16 +15,7 @@ from dobb.optim import (
 )
 
 __all__ = [
-    "Dion",
-    "Dion2",
-    "Dobb",
-    "MatrixOptimizer",
-    "Muon",
-    "MuonBP",
-    "NonFiniteGradientError",
-    "NorDion2",
-    "NorMuon",
-    "build_optimizer",
-    "param_groups",
-]
+    "Dion", "Dion2", "Dobb", "MatrixOptimizer", "Muon", "MuonBP", "NonFiniteGradientError",
+    "NorDion2", "NorMuon", "build_optimizer", "param_groups",
+]  # fmt: skip
 __version__ = "0.1.0"

@@ -77,3 +77,18 @@ def test_figures_are_quoted_from_the_linked_files(page, items, least):
         sources = "\n".join(f.read_text() for f in files)
         absent = [n for n in numbers if n not in sources]
         assert not absent, f"{absent} not found in {[str(f) for f in files]}: {item}"
+
+
+def test_the_starting_rates_in_the_docs_are_the_registry_entries():
+    """docs/baselines.md explains each entry's starting learning rates; the rates it
+    quotes must be the entries' own (``dobb.optim.OPTIMIZERS``)."""
+    from dobb.optim import OPTIMIZERS
+
+    text = (ROOT / "docs" / "baselines.md").read_text()
+    rows = re.findall(r"^(\w+) +(\S+) +(\S+) +\S", text, flags=re.M)
+    quoted = {name: (lr, scalar) for name, lr, scalar in rows if name in OPTIMIZERS}
+    assert set(quoted) == set(OPTIMIZERS)
+    for name, (lr, scalar) in quoted.items():
+        entry = OPTIMIZERS[name]
+        assert float(lr) == entry.lr, name
+        assert (None if scalar == "-" else float(scalar)) == entry.scalar_lr, name

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dobb._dtensor import DTensor, Replicate, Shard
-from dobb.blocks import BlockStack
+from dobb.blocks import BlockStack, block_stacks
+from dobb.distributed.placement import matrix_placement
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,6 +51,29 @@ def local_block_stacks(
             "to algorithm='adamw'"
         )
     return tuple(local)
+
+
+def param_block_stacks(
+    param: Tensor, dim: int, num_blocks: int, name: str, rows: bool = False
+) -> tuple[BlockStack, ...]:
+    """``num_blocks`` blocks along ``param``'s ``dim`` (its rows if ``rows``: two-sided
+    Dobb), those of this rank's shard, re-based (``local_block_stacks``)."""
+    stacks = block_stacks(param.shape[dim], num_blocks)
+    placement = matrix_placement(param)
+    start, stop = placement.span(dim)
+    if (start, stop) == (0, param.shape[dim]):
+        return stacks
+    describe = (
+        f"{name} of shape {tuple(param.shape)}, {'output' if rows else 'input'} dim {dim} "
+        f"split over {placement.split_degree(dim)} ranks, "
+        f"{'row_blocks' if rows else 'num_blocks'}={num_blocks}"
+    )
+    if not rows:
+        return local_block_stacks(stacks, start, stop, describe)
+    advice = "choose row_blocks as a multiple of the number of row shards, or None"
+    return local_block_stacks(
+        stacks, start, stop, describe, advice, "row blocks do not tile this rank's rows"
+    )
 
 
 def block_state_like(local_stack: Tensor, param: Tensor, input_dim: int) -> Tensor:

@@ -1,29 +1,12 @@
 """Any optimizer of dobb's registry in torchtitan 0.3 (``pip install "dobb[torchtitan]"``).
 
-torchtitan builds its optimizer through ``OptimizersContainer`` after parallelizing the
-model, so the optimizer sees the sharded parameters (FSDP2, TP, HSDP, FSDP x TP DTensors)
-and Dobb's hooks see the layers that run. ``DobbOptimizersContainer`` is that container for
-a registry entry (``dobb``, ``muon``, ``dion``, ...; ``dobb.optim.OPTIMIZERS``):
-
-- routing: hidden ``nn.Linear`` weights to the matrix optimizer, embeddings, the output
-  head, norms and biases to its AdamW (or Lion) group (``dobb.param_groups``); torchtitan's
-  own ``param_groups`` are not used;
-- the data-parallel ranks (Dobb's ``stats_group``, the Muon family's ``replica_group``)
-  are the data axes of the parameters' mesh: every axis but ``tp``;
-- parameter names are torchtitan's canonical FQNs (activation-checkpoint and
-  ``torch.compile`` wrappers stripped), so checkpoint keys and ``exclude`` do not depend
-  on them; DCP saves the state through torchtitan's flat, FQN-keyed state dict, and
-  reloads it onto any world size (DTensor state is resharded).
-
-Select it in torchtitan's own config system, ``--module dobb.integrations.torchtitan
---config llama3_debugmodel --optimizer.name dobb`` (``muon``, ``dion``, ...: the same job
-with another optimizer; the commands: ``docs/torchtitan.md``). Not supported, with an
-error at build time: pipeline parallelism, expert parallelism (MoE experts on an ``ep``
-mesh), and the ``spmd_types`` SPMD backend (plain local tensors, without the placements
-the optimizers read): the config functions here select ``partial_dtensor``.
-
-Nothing in torchtitan is patched: this module only subclasses its container and returns
-its configs. Tested with torchtitan ``TESTED_VERSION`` on torch 2.13.
+``DobbOptimizersContainer`` is torchtitan's ``OptimizersContainer`` for a registry entry,
+built after parallelization, so the optimizer sees the sharded parameters (FSDP2, TP, HSDP,
+FSDP x TP DTensors) and Dobb's hooks the layers that run. Routing, data-parallel ranks,
+names and checkpoints, the command, and what is refused at build time (pipeline and expert
+parallelism, the ``spmd_types`` backend): ``docs/torchtitan.md``. Nothing in torchtitan is
+patched: this module subclasses its container and returns its configs. Tested with
+torchtitan ``TESTED_VERSION`` on torch 2.13.
 """
 
 import json

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from dobb._dtensor import local
+from dobb.optim.batching import each
 from dobb.optim.scalar import (
     SCALAR_ALGORITHMS,
     SCALAR_DEFAULTS,
@@ -24,6 +25,7 @@ from dobb.optim.state_init import is_state_init_step
 
 GROUP_KEYS = {"params", "algorithm", "param_names", "initial_lr"}
 NONFINITE_MODES = ("raise", "skip")
+COUNTERS = ("step", "stats_steps")  # CPU scalars (read for free), device ones if capturable
 
 
 def state_dtype(param: Tensor) -> torch.dtype:
@@ -52,18 +54,29 @@ class MatrixOptimizer(torch.optim.Optimizer):
             check is per rank (to skip on every rank: ``docs/baselines.md``).
         foreach: stack same-shape matrices into shared kernels. None (default): on every
             device but the CPU; both paths compute the same update.
+        capturable: (subclasses that take it) a step with no host read, for CUDA graphs
+            and ``torch.compile``: counters on the device, ``lr`` a float or a 0-d tensor,
+            a non-finite step a device-side no-op (``nonfinite="skip"``; ``docs/gpu.md``).
     """
 
     algorithm: str
 
-    def __init__(self, params, defaults: dict[str, Any], *, nonfinite: str = "raise", foreach=None):
+    def __init__(
+        self, params, defaults, *, nonfinite: str = "raise", foreach=None, capturable=False
+    ):
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
         if foreach not in (None, True, False):
             raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
-        self.nonfinite = nonfinite
-        self.foreach = foreach
-        self.skipped_steps = 0
+        if capturable and nonfinite != "skip":
+            raise ValueError(
+                "capturable=True cannot raise on a non-finite gradient (that needs a host "
+                "read); pass nonfinite='skip': the step is then a no-op on the device and "
+                "skipped_steps (a device tensor) counts it"
+            )
+        self.nonfinite, self.foreach, self.capturable = nonfinite, foreach, capturable
+        self.skipped_steps: int | Tensor = 0
+        self._live: Tensor | None = None  # capturable: 1.0 if this step's inputs are finite
         self._names: dict[Tensor, str] = {}
         super().__init__(params, {"algorithm": self.algorithm, **defaults})
 
@@ -149,7 +162,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if is_state_init_step(self):
             self._init_state()  # DCP's state initialisation: no counter or schedule moves
             return loss
-        if not self._inputs_finite(matrix_groups):
+        if self.capturable:
+            self._live = self._inputs_live(matrix_groups)
+        elif not self._inputs_finite(matrix_groups):
             self.skipped_steps += 1
             self._discard_step_inputs()
             return loss
@@ -169,15 +184,32 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 if p.grad is None or self.state[p]:
                     continue
                 if scalar:
-                    self.state[p].update(init_scalar_state(p, group["algorithm"]))
+                    self.state[p].update(init_scalar_state(p, group["algorithm"], self.capturable))
                 else:
                     self.state[p].update(self._init_matrix_state(p, group))
 
-    def _inputs_finite(self, matrix_groups) -> bool:
-        """True if every gradient (and subclass input) is finite; raise or report otherwise."""
+    def _step_inputs(self, matrix_groups) -> list[tuple[Tensor, Tensor]]:
+        """(param, tensor) of every gradient and subclass input that must be finite."""
         tensors = [(p, local(p.grad)) for g in self.param_groups for p in g["params"]]
         tensors = [(p, t) for p, t in tensors if t is not None] + self._extra_inputs(matrix_groups)
-        tensors = [(p, t) for p, t in tensors if t.numel()]  # FSDP shards may be empty
+        return [(p, t) for p, t in tensors if t.numel()]  # FSDP shards may be empty
+
+    def _inputs_live(self, matrix_groups) -> Tensor:
+        """Capturable: 1.0 (on the device) if every step input is finite, else 0.0, and the
+        device counter ``skipped_steps`` moves; no host read (max |x| cannot overflow)."""
+        tensors = [t for _, t in self._step_inputs(matrix_groups)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if not isinstance(self.skipped_steps, Tensor):
+            self.skipped_steps = torch.zeros((), device=device)
+        if not tensors:
+            return torch.ones((), device=device)
+        live = torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all()
+        self.skipped_steps.add_(live.logical_not())
+        return live.float()
+
+    def _inputs_finite(self, matrix_groups) -> bool:
+        """True if every gradient (and subclass input) is finite; raise or report otherwise."""
+        tensors = self._step_inputs(matrix_groups)
         if not tensors:
             return True
         # Fast path: a NaN/Inf makes the 2-norm non-finite (one fused pass over all tensors).
@@ -218,18 +250,20 @@ class MatrixOptimizer(torch.optim.Optimizer):
         states = [self.state[p] for p in params]
         for p, state in zip(params, states):
             if not state:
-                state.update(init_scalar_state(p, group["algorithm"]))
+                state.update(init_scalar_state(p, group["algorithm"], self.capturable))
         steps = [state["step"] for state in states]  # CPU scalars: no device sync
-        torch._foreach_add_(steps, 1)
+        torch._foreach_add_(steps, 1 if self._live is None else each(self._live, steps))
         hp = dict(lr=group["lr"], betas=group["betas"], weight_decay=group["weight_decay"])
         grads, exp_avgs = [local(p.grad) for p in params], [local(s["exp_avg"]) for s in states]
-        params = [local(p) for p in params]
+        params, live = [local(p) for p in params], self._live
         if group["algorithm"] == "adamw":
             exp_avg_sqs = [local(state["exp_avg_sq"]) for state in states]
-            counts = torch.stack(steps).tolist()  # one read for the whole group
-            adamw_updates(params, grads, exp_avgs, exp_avg_sqs, counts, eps=group["eps"], **hp)
+            if live is None:
+                steps = torch.stack(steps).tolist()  # one read for the whole group
+            adamw_updates(params, grads, exp_avgs, exp_avg_sqs, steps, eps=group["eps"], **hp,
+                          live=live)  # fmt: skip
         else:
-            lion_updates(params, grads, exp_avgs, **hp)
+            lion_updates(params, grads, exp_avgs, **hp, live=live)
 
     def _matrices_with_grad(self, groups: list[dict[str, Any]]):
         """``(param, state, group)`` for every matrix with a gradient; state built lazily."""
@@ -270,7 +304,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = dict(zip(ids, (p for g in self.param_groups for p in g["params"]), strict=True))
         for index, entry in saved.items():
-            state = self.state[params[index]]
+            param = params[index]
+            state = self.state[param]
             for key, value in entry.items():
                 if isinstance(value, Tensor) and state[key].dtype != value.dtype:
                     state[key] = state[key].to(value.dtype)
+                if key in COUNTERS:  # torch moves some onto the device: a sync every step
+                    state[key] = state[key].to(local(param).device if self.capturable else "cpu")

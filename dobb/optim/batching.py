@@ -56,7 +56,14 @@ def stack_apply(
     return out
 
 
-def foreach_mul_(tensors: list[Tensor], factor: float) -> None:
+def each(value, tensors: list[Tensor]):
+    """``value`` as the scalar argument of a ``torch._foreach_*`` call over ``tensors``: a
+    0-d tensor repeated (its list overload stays on the device; torch's CPU overloads that
+    take one tensor scalar read it on the host), a number as it is."""
+    return [value] * len(tensors) if isinstance(value, Tensor) else value
+
+
+def foreach_mul_(tensors: list[Tensor], factor: float | Tensor) -> None:
     """``t.mul_(factor)`` for every tensor: one ``torch._foreach_mul_`` for the fp32/fp64 ones.
 
     bf16/fp16 tensors take ``mul_`` one by one: torch's CPU ``_foreach_mul_`` rounds the
@@ -65,7 +72,7 @@ def foreach_mul_(tensors: list[Tensor], factor: float) -> None:
     """
     wide = [t for t in tensors if t.dtype not in (torch.bfloat16, torch.float16)]
     if wide:
-        torch._foreach_mul_(wide, factor)
+        torch._foreach_mul_(wide, each(factor, wide))
     for t in tensors:
         if t.dtype in (torch.bfloat16, torch.float16):
             t.mul_(factor)

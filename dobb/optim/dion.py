@@ -93,13 +93,9 @@ class Dion(MatrixOptimizer):
         # into another mesh)
         self._placements: dict[Tensor, MatrixPlacement] = {}
         defaults = dict(
-            lr=lr,
-            mu=mu,
-            weight_decay=weight_decay,
-            rank_fraction=rank_fraction,
-            rank=rank,
+            lr=lr, mu=mu, weight_decay=weight_decay, rank_fraction=rank_fraction, rank=rank,
             orthogonalize=orthogonalize,
-        )
+        )  # fmt: skip
         super().__init__(params, defaults, nonfinite=nonfinite, foreach=foreach)
 
     def _validate_group(self, group: dict[str, Any]) -> None:

@@ -221,15 +221,10 @@ class Dion2(OwnerExchangeOptimizer):
     ):
         replica_group = check_group("Dion2", "replica_group", replica_group)
         defaults = dict(
-            lr=lr,
-            fraction=fraction,
-            ef_decay=ef_decay,
-            weight_decay=weight_decay,
-            ns_steps=ns_steps,
-            ns_dtype=ns_dtype,
-            ns_coefficients=ns_coefficients,
+            lr=lr, fraction=fraction, ef_decay=ef_decay, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
             row_blocks=row_blocks,
-        )
+        )  # fmt: skip
         super().__init__(
             params, defaults, replica_group=replica_group, nonfinite=nonfinite, foreach=foreach
         )

@@ -19,9 +19,10 @@ from dobb._dtensor import DTensor, local
 from dobb.blocks import BlockStack, block_stacks
 from dobb.distributed.groups import axis_groups, check_group
 from dobb.distributed.placement import matrix_placement
-from dobb.distributed.sharding import block_state_like, local_block_stacks, split_over_ranks
+from dobb.distributed.sharding import block_state_like, param_block_stacks, split_over_ranks
 from dobb.eigensolve import BASIS_METHODS, refresh_bases
 from dobb.optim.base import MatrixOptimizer, state_dtype
+from dobb.optim.batching import each
 from dobb.optim.dobb_statistics import ROW_KEYS, STACK_KEYS, DobbStatistics
 from dobb.optim.dobb_update import COEFFICIENTS, dobb_update, dobb_update_batched, update_alpha
 
@@ -67,52 +68,34 @@ class Dobb(MatrixOptimizer):
     groups with ``algorithm="adamw"`` or ``"lion"`` (see ``dobb.param_groups``) take the
     embeddings, the LM head, norms and biases.
 
-    Args:
-        params: parameters or parameter groups.
-        lr: learning rate; with ``update_scale=0.2`` the update's RMS is ``0.2 lr``, as for
-            AdamW, so AdamW learning rates transfer.
-        momentum: ``mu`` (default 0.95). nesterov: use Nesterov momentum (default True).
-        weight_decay: decoupled weight decay (multiplied by ``lr``).
-        num_blocks: blocks per input dimension, ``B`` (default 16; ``B >= d_in`` gives
-            blocks of size 1, i.e. Signum).
-        block_size: instead of ``num_blocks``: blocks of at most this many columns
-            (``B = ceil(d_in / block_size)`` per matrix; the paper's 16 blocks at GPT-2 XL
-            are blocks of 100 and 400). Overrides ``num_blocks`` when set.
-        two_sided: also rotate the output side: row blocks ``R_r`` with bases ``P_r``,
-            ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ`` (off: the paper's update).
-        row_blocks: with ``two_sided``: row blocks per matrix (near-equal, and each inside one
-            row shard, else construction raises); None (default): one block per rank's rows
-            (the whole matrix in one process).
-        row_stats: with ``two_sided``, ``P_r``'s moments: ``"gradients"`` (default,
-            ``G_r G_rᵀ / d_in``, Shampoo's left factor) or ``"outputs"`` (``E[δ_rᵀ δ_r]``
-            from a backward hook, K-FAC's; not under FSDP). No FSDP x TP strided rows.
-        coefficients: ``"sign"`` (default) or ``"adam"``: ``C / (sqrt(V_hat) + 1e-8)``, ``V``
-            a bias-corrected EMA (``coefficient_beta``) of the squared projected gradient,
-            kept in the eigenbasis as SOAP does; its RMS is below 1, so it usually wants
-            ``update_scale=1.0``.
-        coefficient_beta: the EMA factor of ``V`` (default 0.95, SOAP's).
-        stats_beta: EMA factor ``beta2`` of the second-moment blocks (default 0.95).
-        basis_interval: refresh the bases every ``k`` steps (default 10).
-        update_scale: ``alpha``: a number, or ``"adamw"`` (0.2), ``"lion"`` (1.0), or
-            ``"muon"`` (``1/sqrt(d_in)``: the RMS of Muon's spectrally scaled orthogonal
-            update ``sqrt(max(1, d_out/d_in)) U Vᵀ``).
-        basis_method: the refresh (``dobb.eigensolve``): ``"auto"`` (default: ``"eigh"`` on
-            CPU, ``"jacobi"`` on CUDA), ``"eigh"``, ``"jacobi"``, ``"cholqr"``, ``"power_qr"``
-            (warm-started from the previous basis) or ``"cupy"``.
-        basis_source: ``"activations"`` (Dobb). Controls for ablations: ``"gradients"``
-            (eigenbases of the blocks of ``E[Gᵀ G]``, unsharded matrices only), ``"random"``
-            (a fixed random orthogonal basis per block), ``"identity"`` (Signum).
-        missing_stats: ``"raise"`` (default) if a matrix has no statistics at a step with
-            ``lr > 0``; ``"identity"`` keeps the current basis (Signum before any).
-        stats_group: the ranks that see different tokens, over which ``C_b`` are averaged:
-            None, a ProcessGroup (DDP) or a DeviceMesh of data axes only (never TP).
-        stats_sync: ``"refresh"`` (default) averages ``C_b`` only when bases are refreshed
-            (exact: the EMA is linear, so averaging later gives the same result);
-            ``"step"`` averages every step.
-        shard_refresh: with ``stats_group``, each rank computes ~1/P of the bases and one
-            all-gather shares them (default True); False: every rank computes all.
-        nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients or statistics (checked
-            per rank: under sharding, rely on a global grad-norm check to skip in step).
+    Args (each option's full meaning: the tables of ``docs/algorithm.md``):
+        params: parameters or groups. lr: ``lr`` (update RMS ``alpha lr``, as AdamW's).
+        momentum, nesterov: ``mu`` (0.95), Nesterov (True). weight_decay: decoupled (x lr).
+        num_blocks: ``B`` (16; ``B >= d_in``: Signum). block_size: blocks of at most this
+            many columns instead (``B = ceil(d_in / block_size)``; the paper's 100 and 400).
+        two_sided, row_blocks, row_stats: also rotate row blocks ``R_r`` by bases ``P_r``:
+            ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``; ``row_blocks`` per matrix
+            (None: one per rank's rows); ``P_r`` from ``"gradients"`` (``G_r G_rᵀ``) or
+            ``"outputs"`` (K-FAC's output-gradient moments; not under FSDP).
+        coefficients, coefficient_beta: ``"sign"`` or ``"adam"`` (``C / (sqrt(V_hat) + eps)``
+            in the eigenbasis, as SOAP; wants ``update_scale=1.0``), ``V``'s EMA (0.95).
+        stats_beta: ``beta2`` (0.95). basis_interval: ``k`` (10).
+        update_scale: ``alpha``: a number, ``"adamw"`` (0.2), ``"lion"`` (1.0) or ``"muon"``
+            (``1/sqrt(d_in)``, the RMS of Muon's spectrally scaled update).
+        basis_method: ``"auto"`` (``"eigh"`` on CPU, ``"jacobi"`` elsewhere), ``"eigh"``,
+            ``"jacobi"``, ``"cholqr"``, ``"power_qr"``, ``"cupy"`` (``dobb.eigensolve``).
+        basis_source: ``"activations"``; ablation controls ``"gradients"``, ``"random"``,
+            ``"identity"`` (Signum).
+        missing_stats: ``"raise"`` without statistics at a step with ``lr > 0``, or
+            ``"identity"`` (keep the basis).
+        stats_group, stats_sync, shard_refresh: the data-parallel ranks ``C_b`` is averaged
+            over (a ProcessGroup or a mesh of data axes), on refresh steps (exact) or every
+            ``"step"``; each rank solving ~1/P of the bases (True).
+        nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf inputs (checked per rank).
+        capturable: a steady step (no basis due) with no host read, for CUDA graphs and
+            ``torch.compile(fullgraph=True)``; needs ``nonfinite="skip"``; the refresh
+            schedule is counted on the host (``refresh_due``, ``count_replay``;
+            ``docs/gpu.md``).
 
     Sharding: each shard updates alone; column shards must hold whole blocks (else
     construction raises). ``state_dict()`` averages the statistics first (a collective).
@@ -148,6 +131,7 @@ class Dobb(MatrixOptimizer):
         shard_refresh: bool = True,
         nonfinite: str = "raise",
         foreach: bool | None = None,
+        capturable: bool = False,
     ):
         if missing_stats not in MISSING_STATS_MODES:
             raise ValueError(f"missing_stats must be one of {MISSING_STATS_MODES}")
@@ -165,24 +149,16 @@ class Dobb(MatrixOptimizer):
             self, self._data_parallel_groups, missing_stats=missing_stats, stats_sync=stats_sync
         )
         defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            num_blocks=num_blocks,
-            stats_beta=stats_beta,
-            basis_interval=basis_interval,
-            update_scale=update_scale,
-            block_size=block_size,
-            two_sided=two_sided,
-            row_blocks=row_blocks,
-            row_stats=row_stats,
-            coefficients=coefficients,
-            coefficient_beta=coefficient_beta,
-            basis_method=basis_method,
-            basis_source=basis_source,
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            num_blocks=num_blocks, stats_beta=stats_beta, basis_interval=basis_interval,
+            update_scale=update_scale, block_size=block_size, two_sided=two_sided,
+            row_blocks=row_blocks, row_stats=row_stats, coefficients=coefficients,
+            coefficient_beta=coefficient_beta, basis_method=basis_method, basis_source=basis_source,
+        )  # fmt: skip
+        self._host_counts: dict[Tensor, list[int]] = {}  # capturable: [step, stats_steps]
+        super().__init__(
+            params, defaults, nonfinite=nonfinite, foreach=foreach, capturable=capturable
         )
-        super().__init__(params, defaults, nonfinite=nonfinite, foreach=foreach)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -236,7 +212,7 @@ class Dobb(MatrixOptimizer):
             num_blocks = -(-param.shape[dim] // group["block_size"])
         key = (id(param), dim, num_blocks)
         if key not in self._layouts:
-            self._layouts[key] = self._local_stacks(param, dim, num_blocks)
+            self._layouts[key] = param_block_stacks(param, dim, num_blocks, self.name_of(param))
         return self._layouts[key]
 
     def _row_stacks(self, param: Tensor, group: dict[str, Any]) -> tuple[BlockStack, ...]:
@@ -258,27 +234,10 @@ class Dobb(MatrixOptimizer):
                 start, stop = matrix_placement(param).span(dim)
                 self._layouts[key] = block_stacks(stop - start, 1) if stop > start else ()
             else:
-                self._layouts[key] = self._local_stacks(param, dim, group["row_blocks"], True)
+                self._layouts[key] = param_block_stacks(
+                    param, dim, group["row_blocks"], self.name_of(param), rows=True
+                )
         return self._layouts[key]
-
-    def _local_stacks(
-        self, param: Tensor, dim: int, num_blocks: int, rows: bool = False
-    ) -> tuple[BlockStack, ...]:
-        stacks = block_stacks(param.shape[dim], num_blocks)
-        placement = matrix_placement(param)
-        start, stop = placement.span(dim)
-        if (start, stop) == (0, param.shape[dim]):
-            return stacks
-        describe = (
-            f"{self.name_of(param)} of shape {tuple(param.shape)}, {'output' if rows else 'input'}"
-            f" dim {dim} split over {placement.split_degree(dim)} ranks, "
-            f"{'row_blocks' if rows else 'num_blocks'}={num_blocks}"
-        )
-        if not rows:
-            return local_block_stacks(stacks, start, stop, describe)
-        advice = "choose row_blocks as a multiple of the number of row shards, or None"
-        what = "row blocks do not tile this rank's rows"
-        return local_block_stacks(stacks, start, stop, describe, advice, what)
 
     def track(self, model: nn.Module) -> list[RemovableHandle]:
         """Hook every layer of ``model`` whose weight is in a Dobb group (``nn.Linear``,
@@ -308,11 +267,13 @@ class Dobb(MatrixOptimizer):
 
     def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         dtype, device = state_dtype(param), local(param).device
+        counter = device if self.capturable else "cpu"
         state = {
-            "step": torch.tensor(0.0),
-            "stats_steps": torch.tensor(0.0),
+            "step": torch.zeros((), device=counter),
+            "stats_steps": torch.zeros((), device=counter),
             "momentum": torch.zeros_like(param, dtype=dtype),
         }
+        self._host_counts[param] = [0, 0]
         dim = self._input_dims.get(param, 1)
         sides = (  # (keys, blocks, the param dim they tile, random bases)
             (STACK_KEYS, self._stacks(param, group), dim, group["basis_source"] == "random"),
@@ -346,9 +307,18 @@ class Dobb(MatrixOptimizer):
         if not active:
             return
         states = [state for _, state, _ in active]
-        torch._foreach_add_([state["step"] for state in states], 1.0)
-        steps = torch.stack([state["step"] for state in states]).tolist()
-        folded = self.statistics.fold(active)
+        live = self._live
+        counters = [state["step"] for state in states]
+        torch._foreach_add_(counters, 1.0 if live is None else each(live, counters))
+        if live is None:
+            steps = torch.stack([state["step"] for state in states]).tolist()
+            folded = self.statistics.fold(active)
+        else:  # capturable: the schedule on the host, no read
+            counts = [self._host_count(p, state) for p, state, _ in active]
+            steps = [c[0] + 1 for c in counts]
+            folded = self.statistics.fold(active, [c[1] for c in counts], live)
+            for c, step, stats_steps in zip(counts, steps, folded):
+                c[:] = step, stats_steps
         due = [
             (state, group, stats_steps)
             for (_, state, group), step, stats_steps in zip(active, steps, folded)
@@ -358,6 +328,8 @@ class Dobb(MatrixOptimizer):
         synced = [m for m in active if self.statistics.stats_sync == "step" or id(m[1]) in due_ids]
         self.statistics.average(synced)
         self._refresh(due)
+        if live is not None:  # Adam coefficients' bias correction: the device counts
+            steps = [state["step"] for state in states]
         step_of = {id(state): step for state, step in zip(states, steps)}
         for batch in self._batches(active):
             p, _, group = batch[0]
@@ -373,7 +345,7 @@ class Dobb(MatrixOptimizer):
                 beta2=group["coefficient_beta"],
                 row_stacks=row_stacks,
             )
-            if len(batch) == 1:  # the reference: no stacking copies
+            if len(batch) == 1 and live is None:  # the reference: no stacking copies
                 state = batch[0][1]
                 # (d_in, d_out) weights (Conv1D) are updated through their transpose
                 orient = (lambda t: t.mT) if dim == 0 else (lambda t: t)
@@ -403,8 +375,33 @@ class Dobb(MatrixOptimizer):
                 variances=[local(s["variance"]) for _, s, _ in batch] if adam else None,
                 steps=[step_of[id(s)] for _, s, _ in batch],
                 transposed=dim == 0,
+                live=live,
                 **hyper,
             )
+
+    def _host_count(self, param: Tensor, state: dict) -> list[int]:
+        """Capturable: ``[step, stats_steps]`` of ``param`` on the host (read once from
+        the state after a load)."""
+        if param not in self._host_counts:
+            self._host_counts[param] = [int(state["step"]), int(state["stats_steps"])]
+        return self._host_counts[param]
+
+    def refresh_due(self) -> bool:
+        """Capturable: whether the next ``step()`` may refresh a basis (run it eagerly, not
+        as a graph replay). Host counts only: no device read."""
+        return any(
+            p not in self._host_counts or self._host_counts[p][0] % g["basis_interval"] == 0
+            for g in self.param_groups
+            if g["algorithm"] == self.algorithm
+            for p in g["params"]
+        )
+
+    def count_replay(self) -> None:
+        """Capturable: count a replayed steady step on the host schedule (a CUDA graph
+        replay runs no Python)."""
+        for counts in self._host_counts.values():
+            counts[0] += 1
+            counts[1] += counts[1] > 0
 
     def _batches(self, active: list[tuple[Tensor, dict, dict]]) -> list[list[tuple]]:
         """``active`` split into batches that can share kernels, each of at most
@@ -430,6 +427,7 @@ class Dobb(MatrixOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state; saved statistics were averaged when saved (see ``state_dict``)."""
         super().load_state_dict(state_dict)
+        self._host_counts.clear()  # capturable: read again from the loaded counters
         self.statistics.mark_synced()
 
     def state_dict(self) -> dict[str, Any]:

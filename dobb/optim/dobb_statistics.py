@@ -13,7 +13,7 @@ from dobb._dtensor import local
 from dobb.distributed.placement import matrix_placement
 from dobb.distributed.reduce import all_reduce_
 from dobb.optim.base import state_dtype
-from dobb.optim.batching import group_by, solo
+from dobb.optim.batching import each, group_by, solo
 from dobb.stats import (
     BlockStatistics,
     GramCache,
@@ -196,15 +196,19 @@ class DobbStatistics:
             sources.append((row_covs, moments[(index, "rows")]))
         return sources
 
-    def fold(self, active: list[tuple[Tensor, dict, dict]]) -> list[float]:
+    def fold(self, active, stats_steps: list | None = None, live: Tensor | None = None):
         """Fold this step's moments ``S_b`` into ``C_b`` for every matrix that has them.
 
         ``C_b <- S_b`` the first time, else ``C_b <- beta C_b + (1 - beta) S_b``, where
         ``S_b = A_b / n`` (``A_b``: the hooks' sums over ``n`` tokens, then reset), for the
         input blocks and (two-sided) the row blocks alike. A matrix folds only when every
-        side has moments. Returns every matrix's ``stats_steps`` after the fold.
+        side has moments. Returns every matrix's ``stats_steps`` after the fold, counted
+        from ``stats_steps`` (capturable: the host's counts, and ``live`` 0 keeps ``C_b``)
+        or else read from the CPU counters.
         """
-        stats_steps = torch.stack([state["stats_steps"] for _, state, _ in active]).tolist()
+        if stats_steps is None:
+            stats_steps = torch.stack([state["stats_steps"] for _, state, _ in active]).tolist()
+        stats_steps = list(stats_steps)
         folding, sums, tokens = [], [], []  # (index, sources); hook sums and token counts
         moments = self._gradient_moments(active)
         for i in range(len(active)):
@@ -241,11 +245,14 @@ class DobbStatistics:
             target[1].extend(means)
             stats_steps[i] += 1
             self._unsynced.add(id(state))
+        for covs, means in (first, *later.values()) if live is not None else ():
+            means[:] = [torch.where(live.bool(), m, c) for c, m in zip(covs, means)]
         if first[0]:
             torch._foreach_copy_(*first)
         for beta, (covs, means) in later.items():
             torch._foreach_lerp_(covs, means, 1 - beta)
-        torch._foreach_add_([active[i][1]["stats_steps"] for i, _ in folding], 1.0)
+        counters = [active[i][1]["stats_steps"] for i, _ in folding]
+        torch._foreach_add_(counters, 1.0 if live is None else each(live, counters))
         return stats_steps
 
     def average(self, matrices: list[tuple[Tensor, dict, dict]]) -> None:

@@ -87,6 +87,7 @@ def dobb_update_batched(
     beta2: float = 0.95,
     eps: float = 1e-8,
     transposed: bool = False,
+    live: Tensor | None = None,
 ) -> None:
     """``dobb_update`` for ``n`` matrices of one local shape, in a fixed number of kernels.
 
@@ -94,14 +95,18 @@ def dobb_update_batched(
     shape: ``(rows, d_in)``, or ``(d_in, rows)`` with ``transposed=True`` (GPT-2's
     ``Conv1D``). ``bases[i]`` is ``(n, count, size, size)``: the bases of ``stacks[i]`` for
     every matrix (``row_bases[i]`` likewise for ``row_stacks[i]``); ``steps`` are the
-    matrices' step counts. The paper's update is ``dobb_update``'s arithmetic, op for op, on
-    ``(n, ...)`` stacks; the variants run on tiles (``rotate``). Updates in place.
+    matrices' step counts (floats, or device tensors). The paper's update is
+    ``dobb_update``'s arithmetic, op for op, on ``(n, ...)`` stacks; the variants run on
+    tiles (``rotate``). Updates in place. ``live`` (capturable; ``lr`` may be a 0-d tensor):
+    where it is 0 (non-finite inputs) nothing changes, with no host read.
     """
+    if live is not None:  # a skipped step: G := M keeps M (and U is zeroed in ``_apply``)
+        grads = [torch.where(live.bool(), g, m.to(g.dtype)) for g, m in zip(grads, momenta)]
     if row_stacks or variances is not None:
         _rotated_update(
             params, grads, momenta, bases, stacks, row_bases, row_stacks, variances, steps,
             lr=lr, beta=beta, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
-            beta2=beta2, eps=eps, transposed=transposed,
+            beta2=beta2, eps=eps, transposed=transposed, live=live,
         )  # fmt: skip
         return
     n, dtype = len(params), momenta[0].dtype
@@ -122,11 +127,21 @@ def dobb_update_batched(
         block_update = torch.bmm(torch.bmm(blocks, basis).sign_(), basis.mT)
         target = update[..., s.start : s.stop].unflatten(2, (s.count, s.size))
         target.copy_(block_update.unflatten(0, (n, s.count)).transpose(1, 2))
-    update = update.mT if transposed else update
-    # W <- W (1 - lr wd) - lr alpha U
+    _apply(params, update.mT if transposed else update, lr, weight_decay, scale, live)
+
+
+def _apply(params, update: Tensor, lr, weight_decay: float, scale: float, live=None) -> None:
+    """W <- W (1 - lr wd) - lr alpha U for each slice of ``update``; ``lr`` a float or a
+    0-d tensor; where ``live`` is 0 (capturable: a skipped step) W stays."""
     if weight_decay:
-        foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_add_(params, update.unbind(0), alpha=-lr * scale)
+        factor = 1 - lr * weight_decay
+        foreach_mul_(params, factor if live is None else torch.where(live.bool(), factor, 1.0))
+    if live is not None:
+        update.mul_(live)
+    if isinstance(lr, Tensor):
+        torch._foreach_add_(params, update.mul_(-lr * scale).unbind(0))
+    else:
+        torch._foreach_add_(params, update.unbind(0), alpha=-lr * scale)
 
 
 def _tiles(x: Tensor, rows: BlockStack | None, cols: BlockStack) -> Tensor:
@@ -191,6 +206,7 @@ def _rotated_update(
     beta2: float = 0.95,
     eps: float = 1e-8,
     transposed: bool = False,
+    live: Tensor | None = None,
 ) -> None:
     """The variants' update (row bases and/or Adam coefficients) for ``n`` matrices, on
     tiles: ``rotate`` into the bases, the coefficients, ``rotate`` back."""
@@ -207,15 +223,14 @@ def _rotated_update(
     else:
         projected = rotate(orient(torch.stack(grads)), *bases)
         variance = torch.stack([orient(v) for v in variances])
-        variance.lerp_(projected.square_(), 1 - beta2)
+        variance.lerp_(projected.square_(), (1 - beta2) * (1 if live is None else live))
         torch._foreach_copy_([orient(v) for v in variances], list(variance.unbind(0)))
-        correction = 1 - beta2 ** torch.tensor(steps, dtype=dtype, device=variance.device)
+        counts = torch.stack(steps) if isinstance(steps[0], Tensor) else torch.tensor(steps)
+        correction = 1 - beta2 ** counts.to(dtype=dtype, device=variance.device)
         denominator = (variance / correction[:, None, None]).sqrt_().add_(eps)
         coefficients.div_(denominator)
     update = orient(rotate(coefficients, *bases, into=False))
-    if weight_decay:  # W <- W (1 - lr wd) - lr alpha U
-        foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_add_(params, update.unbind(0), alpha=-lr * scale)
+    _apply(params, update, lr, weight_decay, scale, live)
 
 
 def update_alpha(update_scale: float | str, d_in: int) -> float:

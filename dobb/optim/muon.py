@@ -283,15 +283,10 @@ class Muon(OwnerExchangeOptimizer):
     ):
         replica_group = check_group("Muon", "replica_group", replica_group)
         defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_steps=ns_steps,
-            ns_dtype=ns_dtype,
-            ns_coefficients=ns_coefficients,
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
             adjust_lr=adjust_lr,
-        )
+        )  # fmt: skip
         super().__init__(
             params, defaults, replica_group=replica_group, nonfinite=nonfinite, foreach=foreach
         )

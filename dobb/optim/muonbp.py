@@ -220,19 +220,11 @@ class MuonBP(Muon):
         replica_group = check_group("MuonBP", "replica_group", replica_group)
         self._subset_exchanges: dict[tuple[int, ...], OwnerExchange] = {}
         defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_steps=ns_steps,
-            ns_dtype=ns_dtype,
-            ns_coefficients=ns_coefficients,
-            adjust_lr=adjust_lr,
-            period=period,
-            block_lr_ratio=block_lr_ratio,
-            row_blocks=row_blocks,
-            col_blocks=col_blocks,
-        )
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
+            adjust_lr=adjust_lr, period=period, block_lr_ratio=block_lr_ratio,
+            row_blocks=row_blocks, col_blocks=col_blocks,
+        )  # fmt: skip
         # Muon's scaffolding with MuonBP's defaults (Muon.__init__ would set Muon's)
         OwnerExchangeOptimizer.__init__(
             self,

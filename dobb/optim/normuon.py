@@ -172,16 +172,9 @@ class NorMuon(OwnerExchangeOptimizer):
     ):
         replica_group = check_group("NorMuon", "replica_group", replica_group)
         defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            beta2=beta2,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_steps=ns_steps,
-            eps=eps,
-            ns_dtype=ns_dtype,
-            ns_coefficients=ns_coefficients,
-        )
+            lr=lr, momentum=momentum, beta2=beta2, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, eps=eps, ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
+        )  # fmt: skip
         super().__init__(
             params, defaults, replica_group=replica_group, nonfinite=nonfinite, foreach=foreach
         )

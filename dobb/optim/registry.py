@@ -2,30 +2,10 @@
 
 ``build_optimizer("dion", model)`` routes hidden ``nn.Linear`` weights to the matrix
 optimizer and the rest to its AdamW (or Lion) group (``dobb.param_groups``); ``"adamw"`` is
-AdamW over every parameter. Dobb is also hooked to the model (``opt.track(model)``).
-
-Starting learning rates for a small GPT (the lab's study tunes its own, per width):
-
-==========  ======  =========  ===========================================================
-name        lr      scalar lr  why
-==========  ======  =========  ===========================================================
-dobb        1e-3    1e-3       update RMS is 0.2 lr, as AdamW's, so AdamW rates transfer
-dobb2s      1e-3    1e-3       two-sided Dobb (``two_sided=True``): the same RMS as Dobb's
-muon        0.02    1e-3       Keller's default; lr in spectral norm per update
-muonbp      5e-3    1e-3       update RMS 0.2 lr (the paper's RMS matching) = 1e-3, Muon's
-                               0.02 / sqrt(d_in) at d_in = 400 (the study's: 128-512)
-blockmuon   5e-3    1e-3       MuonBP with ``period=None``: block steps only, as MuonBP
-dion        0.02    1e-3       Muon-like scale (sqrt(d_out/d_in) P Qᵀ); reference uses 0.01;
-                               randomized Cholesky QR, the paper's distributed form
-normuon     5e-3    1e-3       update RMS 0.2 lr (the paper's rescaling), as MuonBP's
-dion2       0.02    1e-3       selected rows get Muon's spectral-norm step (sqrt(d_out/d_in)
-                               O), so Muon's 0.02; the authors' code uses 0.01
-nordion2    0.02    1e-3       as Dion2's: the normalized rows keep O's Frobenius norm
-adamw       1e-3    -          betas (0.9, 0.95), as the scalar groups of the others
-==========  ======  =========  ===========================================================
-
-Every other hyperparameter is the class default. What the benchmarks know of an optimizer
-lives in the lab's table (``bench/optimizers.py``), test inputs in the tests' ``optim_db``.
+AdamW over every parameter. Dobb is also hooked to the model (``opt.track(model)``). Each
+entry's starting learning rates, and why: ``docs/baselines.md``; every other
+hyperparameter is the class default. What the benchmarks know of an optimizer lives in the
+lab's table (``bench/optimizers.py``), test inputs in the tests' ``optim_db``.
 """
 
 from dataclasses import dataclass, field

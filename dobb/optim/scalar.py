@@ -12,15 +12,17 @@ import math
 import torch
 from torch import Tensor
 
-from dobb.optim.batching import foreach_mul_
+from dobb.optim.batching import each, foreach_mul_
 
 SCALAR_ALGORITHMS = ("adamw", "lion")
 SCALAR_DEFAULTS = {"adamw": {"betas": (0.9, 0.95), "eps": 1e-8}, "lion": {"betas": (0.9, 0.99)}}
 
 
-def init_scalar_state(param: Tensor, algorithm: str) -> dict:
-    """Zero moments (``exp_avg``, and ``exp_avg_sq`` for AdamW) shaped like ``param``."""
-    state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param)}
+def init_scalar_state(param: Tensor, algorithm: str, capturable: bool = False) -> dict:
+    """Zero moments (``exp_avg``, and ``exp_avg_sq`` for AdamW) shaped like ``param``; the
+    step count on the CPU, or on the device if ``capturable``."""
+    step = torch.zeros((), device=param.device if capturable else "cpu")
+    state = {"step": step, "exp_avg": torch.zeros_like(param)}
     if algorithm == "adamw":
         state["exp_avg_sq"] = torch.zeros_like(param)
     return state
@@ -83,9 +85,15 @@ def adamw_updates(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    live: Tensor | None = None,
 ) -> None:
     """``adamw_update`` of many tensors, as ``torch.optim.AdamW(foreach=True)`` computes it
-    (the same kernels and scalars, so the same bits). ``steps``: 1-based counts, as floats."""
+    (the same kernels and scalars, so the same bits). ``steps``: 1-based counts, as floats;
+    with ``live`` (capturable) device tensors, and ``_adamw_capturable`` runs."""
+    if live is not None:
+        _adamw_capturable(params, grads, exp_avgs, exp_avg_sqs, steps, live, lr, betas, eps,
+                          weight_decay)  # fmt: skip
+        return
     beta1, beta2 = betas
     # W <- W (1 - lr wd)
     if weight_decay != 0:
@@ -102,6 +110,31 @@ def adamw_updates(
     torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
 
 
+def _adamw_capturable(params, grads, exp_avgs, exp_avg_sqs, steps, live, lr, betas, eps, wd):
+    """``adamw_updates`` with no host read: bias corrections from the device ``steps``
+    (already advanced by ``live``), and a no-op where ``live`` is 0 (non-finite inputs)."""
+    beta1, beta2 = betas
+    lr = live * lr  # 0 on a skipped step: the parameters stay
+    foreach_mul_(params, 1 - lr * wd)
+    # m <- beta1 m + (1 - beta1) g ;  v <- beta2 v + (1 - beta2) g^2  (both kept if skipped)
+    grads = [torch.where(live.bool(), g, 0) for g in grads]
+    torch._foreach_lerp_(exp_avgs, grads, [live * (1 - beta1)] * len(grads))
+    foreach_mul_(exp_avg_sqs, torch.where(live.bool(), beta2, 1.0))
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    # W <- W - m / ((sqrt(v) / sqrt(1 - beta2^t) + eps) (1 - beta1^t) / lr)
+    corrections1 = torch._foreach_pow(beta1, steps)
+    corrections2 = torch._foreach_pow(beta2, steps)
+    torch._foreach_sub_(corrections1, 1)  # beta1^t - 1: the step's sign folded in
+    torch._foreach_neg_(corrections2)
+    torch._foreach_add_(corrections2, 1)
+    torch._foreach_sqrt_(corrections2)
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, corrections2)
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_mul_(denoms, torch._foreach_div(corrections1, each(lr, corrections1)))
+    torch._foreach_addcdiv_(params, exp_avgs, denoms)
+
+
 def lion_updates(
     params: list[Tensor],
     grads: list[Tensor],
@@ -110,14 +143,26 @@ def lion_updates(
     lr: float,
     betas: tuple[float, float],
     weight_decay: float,
+    live: Tensor | None = None,
 ) -> None:
-    """``lion_update`` of many tensors with ``torch._foreach_*`` kernels."""
+    """``lion_update`` of many tensors with ``torch._foreach_*`` kernels; with ``live``
+    (capturable) a no-op where it is 0."""
     beta1, beta2 = betas
+    if live is not None:  # a skipped step: g := m keeps m, u := 0 and no decay keep W
+        grads = [torch.where(live.bool(), g, m) for g, m in zip(grads, exp_avgs)]
     # u = sign(beta1 m + (1 - beta1) g)
     updates = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
     torch._foreach_sign_(updates)
+    factor = 1 - lr * weight_decay
+    if live is not None:
+        torch._foreach_mul_(updates, each(live, updates))
+        factor = torch.where(live.bool(), factor, 1.0)
     # W <- W (1 - lr wd) - lr u
-    foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_add_(params, updates, alpha=-lr)
+    foreach_mul_(params, factor)
+    if isinstance(lr, Tensor):
+        torch._foreach_mul_(updates, each(-lr, updates))
+        torch._foreach_add_(params, updates)
+    else:
+        torch._foreach_add_(params, updates, alpha=-lr)
     # m <- beta2 m + (1 - beta2) g
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta2)

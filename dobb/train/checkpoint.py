@@ -1,29 +1,12 @@
 """Atomic, checksummed distributed checkpoints (DCP) that a killed run resumes from exactly.
 
-Layout of `<root>/step_000120/` (written as `step_000120.tmp/`, renamed when complete):
-
-    .metadata, __*_*.distcp   DCP: the model and optimizer state and any `extra` tensors
-                              (the trainer's EMA weights), sharded DTensors as shards
-    rng_rank<r>.pt            this rank's RNG states (torch, CUDA, numpy, python) as tensors
-                              and numbers only, read back with `weights_only=True`
-    COMPLETE                  JSON metadata (step, scheduler state, config) and, under
-                              "files", every other file's size in bytes and SHA-256; written last
-
-Every rank writes its part into the `.tmp` directory; after a barrier rank 0 hashes the
-files, writes `COMPLETE` and renames the directory. A `.tmp` directory is a save that was
-interrupted and is ignored. `intact_checkpoint` checks each `step_*` directory, newest
-first, against its marker (present, every file there with its size and checksum) and
-skips a damaged one with a `RunWarning` naming it and the fault. The data position needs
-no saving: batch `step` is a pure function of (seed, step, rank).
-
-Retention (`keep`) verifies before it deletes: the newest `keep` intact checkpoints are
-kept, damaged ones never count, and only checkpoints older than the oldest kept one are
-deleted. A save that fails (a full disk) removes its `.tmp` directory and raises
-`CheckpointError` with one line; earlier checkpoints are untouched.
-
-Checkpoints are trusted input: the RNG files load with `weights_only=True`, but DCP
-unpickles its own `.metadata` file, so resume only from checkpoints you (or a run you
-trust) wrote.
+`<root>/step_000120/` (written as `step_000120.tmp/` and renamed once complete; a `.tmp`
+directory is an interrupted save, ignored) holds DCP's files (model, optimizer, `extra`
+tensors such as the EMA weights), `rng_rank<r>.pt` (each rank's RNG states, tensors and
+numbers only, loaded with `weights_only=True`) and `COMPLETE`, written last by rank 0: the
+metadata (step, scheduler, config) and every other file's size and SHA-256. The data
+position needs no saving: batch `step` is a pure function of (seed, step, rank). What a run
+relies on (intact checks, retention, failed saves, trust): `docs/harness.md`.
 """
 
 import hashlib
@@ -151,11 +134,6 @@ def intact_checkpoint(root: str | Path) -> Path | None:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
 
 
 def _dcp(fn, state, path) -> None:

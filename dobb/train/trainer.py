@@ -4,22 +4,10 @@ Top to bottom: join the job, decide where to start (a fresh `out_dir`, or the ne
 intact checkpoint of the run in it), load data, build the model and apply the layout
 (DDP, FSDP2, TP, HSDP, FSDP x TP), build the optimizer by registry name with a warmup +
 decay schedule, resume, then loop: micro-batches, backward, optional clipping, a timed
-`opt.step()`, periodic validation and checkpoints.
-
-With `eval_ema=d` the loop also keeps a bias-corrected EMA of the weights
-(`dobb.train.ema.WeightEMA`); validation evaluates it as `val_loss` and the live weights as
-`val_loss_live`, and the checkpoints hold it, so a resumed run equals an uninterrupted one.
-
-A run never replaces another: an `out_dir` that already holds a run's files is refused
-(`RunError`) unless `resume=true`, which continues it from its newest intact checkpoint
-(or starts it over when it has none), and only one live run may use an `out_dir` at a
-time (`dobb.train.lock`). Failures the user can fix (data, optimizer options, layout,
-checkpoints) are raised as `RunError` with a one-line message.
-
-Resume rule: `dobb.train.resume` (what a resume restores, which settings it may change).
-
-Rank 0 writes `run.json`, `metrics.jsonl`, `summary.json` and `checkpoints/` to `cfg.out_dir`
-(their fields: `docs/harness.md`).
+`opt.step()`, periodic validation (of the weights' EMA too, with `eval_ema`) and
+checkpoints. A run never replaces another (`dobb.train.lock`, `dobb.train.resume`); errors
+the user can fix are a one-line `RunError`. The run's files and their fields, and the
+resume rule: `docs/harness.md`.
 """
 
 import math
