@@ -80,6 +80,9 @@ def test_a_capturable_steady_step_reads_nothing():
     assert count_step("dobb", 4, foreach=True).host_reads == 1
     counter = count_step("dobb", 4, foreach=True, capturable=True, nonfinite="skip")
     assert counter.host_reads == 0
+    lr = torch.tensor(1e-3)  # a tensor lr (a schedule fills it between replays)
+    tensor_lr = count_step("dobb", 4, lr=lr, foreach=True, capturable=True, nonfinite="skip")
+    assert tensor_lr.host_reads == 0
 
 
 def test_counters_return_to_the_cpu_after_load_unless_capturable():
@@ -111,6 +114,7 @@ def test_compiled_steady_step_has_no_graph_break():
     """``torch.compile(fullgraph=True)`` raises at the first graph break; the compiled
     steady step computes what the eager one does."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     models, opts = [], []
     for _ in range(2):
         model = tiny_gpt(1)
@@ -119,7 +123,7 @@ def test_compiled_steady_step_has_no_graph_break():
         models.append(model)
         opts.append(opt)
     compiled = torch.compile(opts[1].step, fullgraph=True, backend="eager")
-    for _ in range(2):
+    for _ in range(4):
         assert not opts[1].refresh_due()
         for model in models:
             model.zero_grad(set_to_none=True)
@@ -128,3 +132,5 @@ def test_compiled_steady_step_has_no_graph_break():
         compiled()
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b)
+    # the host counters are guarded once and then traced as dynamic: 2 graphs, not 4
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2

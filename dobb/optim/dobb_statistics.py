@@ -119,8 +119,8 @@ class DobbStatistics:
         if self.missing_stats == "identity":
             return
         for group in matrix_groups:
-            if group["lr"] == 0:
-                continue
+            if not isinstance(group["lr"], Tensor) and group["lr"] == 0:
+                continue  # a tensor lr (capturable) is not read: statistics are needed
             for p in group["params"]:
                 needed = {"activation": self._stats}
                 if group["basis_source"] != "activations":
