@@ -21,11 +21,12 @@ def tiny_gpt(n_layer: int, seed: int = 0) -> GPT:
 
 
 def count_steps(
-    name: str, n_layer: int, *, steps: int = 1, warmup_steps: int = 2, **overrides
+    name: str, n_layer: int, *, steps: int = 1, warmup_steps: int = 2, model=None, **overrides
 ) -> list[OpCounter]:
     """Ops of each of ``steps`` steps after ``warmup_steps`` steps of optimizer ``name`` on a
-    tiny GPT (``overrides``: constructor arguments, e.g. ``scalar_algorithm="lion"``)."""
-    model = tiny_gpt(n_layer)
+    tiny GPT of ``n_layer`` layers, or on ``model`` (``overrides``: constructor arguments,
+    e.g. ``scalar_algorithm="lion"``)."""
+    model = model or tiny_gpt(n_layer)
     opt = build_optimizer(name, model, **overrides)
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     counters = []

@@ -87,6 +87,7 @@ ERROR_INPUTS: dict[str, tuple[ErrorInput, ...]] = {
         ErrorInput({"num_blocks": 0}, ValueError, "invalid num_blocks"),
         ErrorInput({"update_scale": "huge"}, ValueError, "invalid update_scale"),
         ErrorInput({"basis_method": "svd"}, ValueError, "invalid basis_method"),
+        ErrorInput({"projection_dtype": "int8"}, ValueError, "invalid projection_dtype"),
     ),
     "dobb2s": MATRIX_ERRORS
     + (

@@ -7,6 +7,7 @@ from test_dobb import TransposedLinear
 from torch import nn
 
 import dobb
+from dobb.blocks import block_stacks
 from dobb.optim.dobb import dobb_update
 from dobb.optim.dobb_update import _rotated_update, dobb_update_batched
 
@@ -219,3 +220,25 @@ def test_missing_output_statistics_name_the_parameter():
     with pytest.raises(RuntimeError, match=r"\(4, 4\) has no output-gradient statistics"):
         opt.step()
     assert before == {} and not opt.state  # nothing was changed
+
+
+@pytest.mark.parametrize("two_sided", [False, True])
+def test_bf16_projections_stay_close_to_fp32(two_sided):
+    """``projection_dtype=bfloat16`` rounds the rotations' operands (bases, direction,
+    coefficients) to bf16: the update keeps its direction (cosine > 0.97 to fp32's) and the
+    parameters, momentum and state stay fp32."""
+    torch.manual_seed(0)
+    stacks, rows = block_stacks(96, 4), block_stacks(64, 2) if two_sided else ()
+    bases = [torch.linalg.qr(torch.randn(s.count, s.size, s.size)).Q for s in stacks]
+    row_bases = [torch.linalg.qr(torch.randn(s.count, s.size, s.size)).Q for s in rows]
+    weight, grad = torch.randn(64, 96), torch.randn(64, 96)
+    updates = {}
+    for low in (None, torch.bfloat16):
+        param, momentum = weight.clone(), torch.zeros(64, 96)
+        dobb_update(param, grad, momentum, bases, stacks, lr=1.0, beta=0.9, nesterov=True,
+                    weight_decay=0.0, scale=1.0, row_bases=row_bases, row_stacks=rows,
+                    projection_dtype=low)  # fmt: skip
+        assert param.dtype == momentum.dtype == torch.float32
+        updates[low] = (weight - param).flatten()
+    cosine = torch.nn.functional.cosine_similarity(updates[None], updates[torch.bfloat16], 0)
+    assert 0.97 < cosine < 1.0, cosine

@@ -336,6 +336,7 @@ def ablations(width: int) -> list[Ablation]:
         Ablation("basis_method", "power_qr"),
         Ablation("basis_method", "jacobi", seeds=4, note="batched solver, the CUDA default"),
         Ablation("basis_method", "cholqr"),
+        Ablation("projection_dtype", "bfloat16", note="bf16 rotations; the solver stays fp32"),
         Ablation("stats_sync", "step", note="one process: same math, a check"),
         Ablation("basis_source", "identity", note="Signum"),
         Ablation("basis_source", "random"),

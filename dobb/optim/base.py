@@ -196,14 +196,16 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _inputs_live(self, matrix_groups) -> Tensor:
         """Capturable: 1.0 (on the device) if every step input is finite, else 0.0, and the
-        device counter ``skipped_steps`` moves; no host read (max |x| cannot overflow)."""
+        device counter ``skipped_steps`` moves; no host read. Exact: ``0 x`` is 0 where
+        ``x`` is finite and NaN where not, so its norm cannot overflow."""
         tensors = [t for _, t in self._step_inputs(matrix_groups)]
         device = tensors[0].device if tensors else torch.device("cpu")
         if not isinstance(self.skipped_steps, Tensor):
             self.skipped_steps = torch.zeros((), device=device)
         if not tensors:
             return torch.ones((), device=device)
-        live = torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all()
+        zeroed = torch._foreach_mul(tensors, 0.0)
+        live = torch.stack(torch._foreach_norm(zeroed)).isfinite().all()
         self.skipped_steps.add_(live.logical_not())
         return live.float()
 

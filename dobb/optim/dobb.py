@@ -41,8 +41,9 @@ BASIS_SOURCES = ("activations", "gradients", "random", "identity")
 # group options a batch of matrices must share (with shape, layout, dtypes and device)
 VARIANT_OPTIONS = (
     "lr", "momentum", "nesterov", "weight_decay", "two_sided", "coefficients",
-    "coefficient_beta",
+    "coefficient_beta", "projection_dtype",
 )  # fmt: skip
+PROJECTION_DTYPES = (None, "float32", "bfloat16", "float16")  # the rotations' matmuls
 # Where two-sided Dobb's output-side moments come from: the output gradient of a backward
 # hook (K-FAC's factor; local in every layout) or the local rows' G Gᵀ (Shampoo's).
 ROW_STATS = ("gradients", "outputs")
@@ -79,6 +80,8 @@ class Dobb(MatrixOptimizer):
             ``"outputs"`` (K-FAC's output-gradient moments; not under FSDP).
         coefficients, coefficient_beta: ``"sign"`` or ``"adam"`` (``C / (sqrt(V_hat) + eps)``
             in the eigenbasis, as SOAP; wants ``update_scale=1.0``), ``V``'s EMA (0.95).
+        projection_dtype: the rotations' matmuls (``"bfloat16"``: half the bytes; None:
+            the state's dtype); the solver always runs in fp32.
         stats_beta: ``beta2`` (0.95). basis_interval: ``k`` (10).
         update_scale: ``alpha``: a number, ``"adamw"`` (0.2), ``"lion"`` (1.0) or ``"muon"``
             (``1/sqrt(d_in)``, the RMS of Muon's spectrally scaled update).
@@ -123,6 +126,7 @@ class Dobb(MatrixOptimizer):
         row_stats: str = "gradients",
         coefficients: str = "sign",
         coefficient_beta: float = 0.95,
+        projection_dtype: str | None = None,
         basis_method: str = "auto",
         basis_source: str = "activations",
         missing_stats: str = "raise",
@@ -154,8 +158,10 @@ class Dobb(MatrixOptimizer):
             update_scale=update_scale, block_size=block_size, two_sided=two_sided,
             row_blocks=row_blocks, row_stats=row_stats, coefficients=coefficients,
             coefficient_beta=coefficient_beta, basis_method=basis_method, basis_source=basis_source,
+            projection_dtype=projection_dtype,
         )  # fmt: skip
         self._host_counts: dict[Tensor, list[int]] = {}  # capturable: [step, stats_steps]
+        self._basis_stacks: dict[tuple, Tensor] = {}  # see _stacked_bases
         super().__init__(
             params, defaults, nonfinite=nonfinite, foreach=foreach, capturable=capturable
         )
@@ -174,24 +180,19 @@ class Dobb(MatrixOptimizer):
                 raise ValueError(f"invalid {key}: {group[key]!r} (must be an integer >= 1)")
         if group["row_blocks"] is not None and not group["two_sided"]:
             raise ValueError("row_blocks is an option of two-sided Dobb: pass two_sided=True")
-        if group["row_stats"] not in ROW_STATS:
-            raise ValueError(f"invalid row_stats: {group['row_stats']!r} (one of {ROW_STATS})")
-        if group["coefficients"] not in COEFFICIENTS:
-            raise ValueError(
-                f"invalid coefficients: {group['coefficients']!r} (one of {COEFFICIENTS})"
-            )
+        choices = {
+            "row_stats": ROW_STATS, "coefficients": COEFFICIENTS, "basis_method": BASIS_METHODS,
+            "basis_source": BASIS_SOURCES, "projection_dtype": PROJECTION_DTYPES,
+        }  # fmt: skip
+        for key, allowed in choices.items():
+            if group[key] not in allowed:
+                raise ValueError(f"invalid {key}: {group[key]!r} (one of {allowed})")
         scale = group["update_scale"]
         if scale not in UPDATE_SCALE_MODES and not (isinstance(scale, float | int) and scale > 0):
             raise ValueError(
                 f"invalid update_scale: {scale!r} (a positive number or one of "
                 f"{UPDATE_SCALE_MODES})"
             )
-        if group["basis_method"] not in BASIS_METHODS:
-            raise ValueError(
-                f"invalid basis_method: {group['basis_method']!r} (one of {BASIS_METHODS})"
-            )
-        if group["basis_source"] not in BASIS_SOURCES:
-            raise ValueError(f"invalid basis_source: {group['basis_source']!r}")
         if group["basis_source"] == "gradients" and any(
             isinstance(p, DTensor) for p in group["params"]
         ):
@@ -296,13 +297,9 @@ class Dobb(MatrixOptimizer):
         return state
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        """The algorithm box for every matrix: statistics EMA, due refreshes, update.
-
-        Each phase runs batched (foreach kernels, or one ``bmm`` per batch of same-shape
-        matrices off the CPU), so a GPU step dispatches a number of kernels set by the
-        distinct shapes, not by the number of matrices. Step counters are CPU tensors read
-        with ``tolist``: the schedule costs no device sync.
-        """
+        """The algorithm box for every matrix: statistics EMA, due refreshes, update, each
+        phase batched (kernels per distinct shape, not per matrix); the schedule reads CPU
+        counters (``tolist``), or host counts if capturable: no device sync."""
         active = list(self._matrices_with_grad(groups))
         if not active:
             return
@@ -344,7 +341,9 @@ class Dobb(MatrixOptimizer):
                 scale=update_alpha(group["update_scale"], p.shape[dim]),
                 beta2=group["coefficient_beta"],
                 row_stacks=row_stacks,
+                projection_dtype=getattr(torch, group["projection_dtype"] or "", None),
             )
+            low = hyper["projection_dtype"] or state_dtype(p)
             if len(batch) == 1 and live is None:  # the reference: no stacking copies
                 state = batch[0][1]
                 # (d_in, d_out) weights (Conv1D) are updated through their transpose
@@ -362,22 +361,32 @@ class Dobb(MatrixOptimizer):
                 )
                 continue
 
-            def stacked(keys, n, batch=batch):
-                return [torch.stack([local(s[k]) for _, s, _ in batch]) for _, k in keys[:n]]
-
             dobb_update_batched(
                 [local(q) for q, _, _ in batch],
                 [local(q.grad) for q, _, _ in batch],
                 [local(s["momentum"]) for _, s, _ in batch],
-                stacked(STACK_KEYS, len(stacks)),
+                self._stacked_bases(batch, STACK_KEYS[: len(stacks)], low),
                 stacks,
-                row_bases=stacked(ROW_KEYS, len(row_stacks)) if row_stacks else None,
+                row_bases=self._stacked_bases(batch, ROW_KEYS[: len(row_stacks)], low) or None,
                 variances=[local(s["variance"]) for _, s, _ in batch] if adam else None,
                 steps=[step_of[id(s)] for _, s, _ in batch],
                 transposed=dim == 0,
                 live=live,
                 **hyper,
             )
+
+    def _stacked_bases(self, batch: list[tuple], keys, dtype) -> list[Tensor]:
+        """``batch``'s bases under each ``(cov, basis)`` key, stacked ``(n, count, s, s)`` in
+        ``dtype`` (the projections') once and kept between steps: bases change only in
+        ``_refresh`` and on a load, which drop these copies (memory: a copy of the bases)."""
+        out = []
+        for _, key in keys:
+            cache_key = (key, dtype, *(id(state) for _, state, _ in batch))
+            if cache_key not in self._basis_stacks:
+                bases = [local(state[key]) for _, state, _ in batch]
+                self._basis_stacks[cache_key] = torch.stack(bases).to(dtype)
+            out.append(self._basis_stacks[cache_key])
+        return out
 
     def _host_count(self, param: Tensor, state: dict) -> list[int]:
         """Capturable: ``[step, stats_steps]`` of ``param`` on the host (read once from
@@ -428,6 +437,7 @@ class Dobb(MatrixOptimizer):
         """Load state; saved statistics were averaged when saved (see ``state_dict``)."""
         super().load_state_dict(state_dict)
         self._host_counts.clear()  # capturable: read again from the loaded counters
+        self._basis_stacks.clear()
         self.statistics.mark_synced()
 
     def state_dict(self) -> dict[str, Any]:
@@ -454,6 +464,8 @@ class Dobb(MatrixOptimizer):
                 by_method.setdefault((method, split), []).extend(
                     (state, cov_key, basis_key) for cov_key, basis_key in keys if cov_key in state
                 )
+        if due:
+            self._basis_stacks.clear()
         for (method, split), keys in by_method.items():
             if not keys:
                 continue

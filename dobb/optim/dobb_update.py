@@ -33,6 +33,7 @@ def dobb_update(
     step: float | None = None,
     beta2: float = 0.95,
     eps: float = 1e-8,
+    projection_dtype: torch.dtype | None = None,
 ) -> None:
     """One Dobb update of a ``(rows, d_in)`` matrix (a whole matrix or a row shard): the
     reference, which the batched form and every distributed path are held to.
@@ -43,13 +44,13 @@ def dobb_update(
     ``eps``; ``step`` for the bias correction). Updates ``param``, ``momentum`` and
     ``variance`` in place.
     """
-    if row_stacks or variance is not None:  # the variants: the batched form on a batch of 1
+    if row_stacks or variance is not None or projection_dtype:  # variants: a batch of 1
         dobb_update_batched(
             [param], [grad], [momentum], [b[None] for b in bases], stacks,
             lr=lr, beta=beta, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
             row_bases=[b[None] for b in row_bases] if row_stacks else None,
             row_stacks=row_stacks, variances=None if variance is None else [variance],
-            steps=[step], beta2=beta2, eps=eps,
+            steps=[step], beta2=beta2, eps=eps, projection_dtype=projection_dtype,
         )  # fmt: skip
         return
     grad = grad.to(momentum.dtype)
@@ -88,6 +89,7 @@ def dobb_update_batched(
     eps: float = 1e-8,
     transposed: bool = False,
     live: Tensor | None = None,
+    projection_dtype: torch.dtype | None = None,
 ) -> None:
     """``dobb_update`` for ``n`` matrices of one local shape, in a fixed number of kernels.
 
@@ -99,6 +101,7 @@ def dobb_update_batched(
     ``dobb_update``'s arithmetic, op for op, on ``(n, ...)`` stacks; the variants run on
     tiles (``rotate``). Updates in place. ``live`` (capturable; ``lr`` may be a 0-d tensor):
     where it is 0 (non-finite inputs) nothing changes, with no host read.
+    ``projection_dtype`` (e.g. bf16): the rotations' operands, the rest in the state's.
     """
     if live is not None:  # a skipped step: G := M keeps M (and U is zeroed in ``_apply``)
         grads = [torch.where(live.bool(), g, m.to(g.dtype)) for g, m in zip(grads, momenta)]
@@ -106,10 +109,11 @@ def dobb_update_batched(
         _rotated_update(
             params, grads, momenta, bases, stacks, row_bases, row_stacks, variances, steps,
             lr=lr, beta=beta, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
-            beta2=beta2, eps=eps, transposed=transposed, live=live,
+            beta2=beta2, eps=eps, transposed=transposed, live=live, low=projection_dtype,
         )  # fmt: skip
         return
     n, dtype = len(params), momenta[0].dtype
+    low = projection_dtype or dtype
     if grads[0].dtype != dtype:  # e.g. bf16 gradients, fp32 momentum
         grads = torch.stack(grads).to(dtype).unbind(0)
     # M <- mu M + (1 - mu) G
@@ -121,8 +125,10 @@ def dobb_update_batched(
     update = direction.new_empty(n, rows, d_in)
     for basis, s in zip(bases, stacks, strict=True):
         blocks = direction[..., s.start : s.stop].unflatten(2, (s.count, s.size)).transpose(1, 2)
+        if low != dtype:  # convert while laying out: one pass
+            blocks = blocks.new_empty(blocks.shape, dtype=low).copy_(blocks)
         blocks = blocks.reshape(n * s.count, rows, s.size)  # (n count, rows, size)
-        basis = basis.reshape(n * s.count, s.size, s.size)
+        basis = basis.reshape(n * s.count, s.size, s.size).to(low)
         # U_b = sign(N_b Q_b) Q_bᵀ
         block_update = torch.bmm(torch.bmm(blocks, basis).sign_(), basis.mT)
         target = update[..., s.start : s.stop].unflatten(2, (s.count, s.size))
@@ -144,24 +150,6 @@ def _apply(params, update: Tensor, lr, weight_decay: float, scale: float, live=N
         torch._foreach_add_(params, update.unbind(0), alpha=-lr * scale)
 
 
-def _tiles(x: Tensor, rows: BlockStack | None, cols: BlockStack) -> Tensor:
-    """The tiles of ``x`` ``(n, d_out, d_in)`` as a view ``(n, R, B, m, s)``: ``R`` row blocks
-    of ``m`` rows (``R = 1``, ``m = d_out`` without row blocks) by ``B`` input blocks of
-    ``s`` columns."""
-    if rows is not None:
-        x = x[:, rows.start : rows.stop].unflatten(1, (rows.count, rows.size))
-    else:
-        x = x.unsqueeze(1)
-    x = x[..., cols.start : cols.stop].unflatten(-1, (cols.count, cols.size))
-    return x.transpose(2, 3)
-
-
-def _pairs(row_stacks, col_stacks):
-    """Every (row stack index, row stack, column stack index, column stack) pair."""
-    rows = list(enumerate(row_stacks)) if row_stacks else [(None, None)]
-    return [(i, r, j, c) for i, r in rows for j, c in enumerate(col_stacks)]
-
-
 def rotate(
     x: Tensor,
     col_bases: list[Tensor],
@@ -174,16 +162,21 @@ def rotate(
     """``P_rᵀ x Q_b`` on every tile (``into``), or ``P_r x Q_bᵀ`` (back), laid out like ``x``.
 
     ``x`` is ``(n, d_out, d_in)``; ``col_bases[j]`` is ``(n, count, s, s)`` for
-    ``col_stacks[j]`` and ``row_bases[i]`` ``(n, count, m, m)`` for ``row_stacks[i]``.
+    ``col_stacks[j]`` and ``row_bases[i]`` ``(n, count, m, m)`` for ``row_stacks[i]``. The
+    rows are rotated on whole row slabs first (``P_rᵀ x[R_r, :]``), then the columns block
+    by block: the same product, with no basis copied per tile.
     """
+    if row_stacks:
+        rotated = torch.empty_like(x)
+        for p, rows in zip(row_bases, row_stacks, strict=True):
+            slab = x[:, rows.start : rows.stop].unflatten(1, (rows.count, rows.size))
+            rotated[:, rows.start : rows.stop] = ((p.mT if into else p) @ slab).flatten(1, 2)
+        x = rotated
     out = torch.empty_like(x)
-    for i, rows, j, cols in _pairs(row_stacks, col_stacks):
-        q = col_bases[j][:, None]  # (n, 1, B, s, s)
-        tile = _tiles(x, rows, cols) @ (q if into else q.mT)
-        if rows is not None:
-            p = row_bases[i][:, :, None]  # (n, R, 1, m, m)
-            tile = (p.mT if into else p) @ tile
-        _tiles(out, rows, cols).copy_(tile)
+    for q, cols in zip(col_bases, col_stacks, strict=True):
+        tiles = x[..., cols.start : cols.stop].unflatten(-1, (cols.count, cols.size))
+        tiles = tiles.transpose(1, 2) @ (q if into else q.mT)  # (n, count, d_out, s)
+        out[..., cols.start : cols.stop] = tiles.transpose(1, 2).flatten(2)
     return out
 
 
@@ -207,29 +200,32 @@ def _rotated_update(
     eps: float = 1e-8,
     transposed: bool = False,
     live: Tensor | None = None,
+    low: torch.dtype | None = None,
 ) -> None:
     """The variants' update (row bases and/or Adam coefficients) for ``n`` matrices, on
-    tiles: ``rotate`` into the bases, the coefficients, ``rotate`` back."""
+    tiles: ``rotate`` into the bases, the coefficients, ``rotate`` back (in ``low``)."""
     dtype = momenta[0].dtype
+    low = low or dtype
     if grads[0].dtype != dtype:
         grads = [g.to(dtype) for g in grads]
     torch._foreach_lerp_(momenta, grads, 1 - beta)  # M <- mu M + (1 - mu) G
     direction = torch._foreach_lerp(grads, momenta, beta) if nesterov else momenta
     orient = (lambda t: t.mT) if transposed else (lambda t: t)  # noqa: E731
-    bases = (col_bases, col_stacks, row_bases, row_stacks)
-    coefficients = rotate(orient(torch.stack(direction)), *bases)
+    row_bases = [b.to(low) for b in row_bases] if row_bases else None
+    bases = ([b.to(low) for b in col_bases], col_stacks, row_bases, row_stacks)
+    coefficients = rotate(orient(torch.stack(direction)).to(low), *bases)
     if variances is None:
         coefficients.sign_()
     else:
-        projected = rotate(orient(torch.stack(grads)), *bases)
+        projected = rotate(orient(torch.stack(grads)).to(low), *bases).to(dtype)
         variance = torch.stack([orient(v) for v in variances])
         variance.lerp_(projected.square_(), (1 - beta2) * (1 if live is None else live))
         torch._foreach_copy_([orient(v) for v in variances], list(variance.unbind(0)))
         counts = torch.stack(steps) if isinstance(steps[0], Tensor) else torch.tensor(steps)
         correction = 1 - beta2 ** counts.to(dtype=dtype, device=variance.device)
         denominator = (variance / correction[:, None, None]).sqrt_().add_(eps)
-        coefficients.div_(denominator)
-    update = orient(rotate(coefficients, *bases, into=False))
+        coefficients = coefficients.to(dtype).div_(denominator).to(low)
+    update = orient(rotate(coefficients, *bases, into=False)).to(dtype)
     _apply(params, update, lr, weight_decay, scale, live)
 
 

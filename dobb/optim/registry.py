@@ -51,11 +51,9 @@ class OptimizerEntry:
         return issubclass(self.cls, Dobb)
 
     def distributed_options(self, data_parallel) -> dict[str, Any]:
-        """Constructor arguments for a job whose DDP or FSDP averages the gradients over the
-        ranks of ``data_parallel`` (a ProcessGroup or a DeviceMesh of data axes; None: one
-        process). The group goes to the argument the class names in its
-        ``data_parallel_option`` (``dobb.distributed.groups``); a class that names none,
-        or has no such attribute (AdamW), takes nothing."""
+        """Constructor arguments for a job whose DDP or FSDP averages the gradients over
+        ``data_parallel`` (a ProcessGroup or a mesh of data axes; None: one process): the
+        group, under the class's ``data_parallel_option`` name, if it has one."""
         option = getattr(self.cls, "data_parallel_option", None)
         if option is None or data_parallel is None:
             return {}

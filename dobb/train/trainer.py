@@ -388,13 +388,8 @@ def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: b
     # ---- the loop
     tokens_per_step = cfg.batch_size * block_size
     train_time, step_times, opt_ms, record = log.time_s, [], [], {}
-    progress = tqdm(
-        range(start, cfg.steps),
-        initial=start,
-        total=cfg.steps,
-        disable=not (cfg.progress and rank == 0 and sys.stderr.isatty()),
-        dynamic_ncols=True,
-    )
+    quiet = not (cfg.progress and rank == 0 and sys.stderr.isatty())
+    progress = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=quiet)
     model.train()
     for step in progress:  # `step` steps are done; this one trains on global batch `step`
         t0 = time.perf_counter()
