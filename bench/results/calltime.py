@@ -58,6 +58,7 @@ from bench.model.workload import hidden_matrices
 from bench.optimizers import DOBB2S_ROW_BLOCKS, LAB, lab_entry
 from bench.results.linear_stack import LinearStack, Progress, autocast_context, hook_overhead
 from bench.tools.markdown import markdown_table
+from bench.tools.matmul_dtype import fastest_ns_dtype
 from bench.tools.timing import spread, timed
 from dobb.optim.base import batched_by_default
 from dobb.optim.dobb import Dobb
@@ -137,6 +138,7 @@ def time_optimizers(
     row_blocks: int = 1,
     basis_method: str | None = None,
     autocast: bool = False,
+    ns_dtype: str | None = None,
     progress: Progress = lambda _: None,
     on_repeat: Callable[[dict], None] = lambda _: None,
     distributed: dict[str, dict] | None = None,
@@ -144,7 +146,8 @@ def time_optimizers(
     """Interleaved call times of ``names`` on ``stack`` (whose ``.grad`` must be set).
 
     ``period`` and ``row_blocks`` are MuonBP's, ``basis_method`` Dobb's (None: its
-    default). ``distributed``: further constructor
+    default), ``ns_dtype`` the Newton-Schulz dtype of every optimizer that takes one
+    (``bench.tools.matmul_dtype``; None: theirs). ``distributed``: further constructor
     arguments per optimizer (e.g. Dobb's ``data_parallel``) when ``stack`` is sharded.
 
     Returns ``{name: {...}}`` with per-repeat amortized call times and their spread,
@@ -165,6 +168,9 @@ def time_optimizers(
         row_blocks=row_blocks,
     )
     overrides = {name: optimizer_overrides(name, **kw, basis_method=basis_method) for name in names}
+    for name in names:
+        if ns_dtype and "ns_dtype" in inspect.signature(get_entry(name).cls).parameters:
+            overrides[name]["ns_dtype"] = getattr(torch, ns_dtype)
     optimizers = {
         name: build_optimizer(name, stack, **overrides[name], **(distributed or {}).get(name, {}))
         for name in names
@@ -264,6 +270,7 @@ def run(
     basis_method: str | None = None,
     device: str = "cpu",
     autocast: bool = False,
+    ns_dtype: str = "fastest",
     seed: int = 0,
     out: Path | None = None,
     command: str | None = None,
@@ -275,6 +282,7 @@ def run(
     torch.manual_seed(seed)
     matrices = hidden_matrices(config, layers)
     stack = LinearStack(matrices, tokens, device=device_, seed=seed)
+    newton_schulz = fastest_ns_dtype(device_, ns_dtype)
     record = {
         "meta": {
             "config": config,
@@ -298,6 +306,7 @@ def run(
             "shared_hook_inputs": True,
             "device": device,
             "device_name": device_name(device_),
+            "newton_schulz": newton_schulz,  # the Muon family's dtype, and why
             "autocast": "bf16" if autocast else "none",
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
@@ -333,6 +342,7 @@ def run(
         row_blocks=row_blocks,
         basis_method=basis_method,
         autocast=autocast,
+        ns_dtype=newton_schulz["ns_dtype"],
         progress=progress,
         on_repeat=write,
     )
@@ -384,6 +394,14 @@ def format_table(record: dict) -> str:
                 f"{e['forward_with_hooks_s']['median'] * 1e3:.1f} ms (not in the call time)"
             )
         lines.append(note + ".")
+    ns = record["meta"].get("newton_schulz")
+    if ns:
+        times = ", ".join(f"{k} {v:.2f} ms" for k, v in ns["matmul_ms"].items())
+        lines.append(
+            f"Newton-Schulz (Muon, MuonBP, NorMuon, Dion2, NorDion2) in {ns['ns_dtype']}, "
+            f"{'the faster here' if ns['chosen_by'] == 'measured' else 'as given'} (one Gram "
+            f"matmul: {times}; bf16 matmuls native: {'yes' if ns['bf16_native'] else 'no'})."
+        )
     h = record.get("hooks")
     if h:
         lines.append(
@@ -422,6 +440,12 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--autocast", choices=("none", "bf16"), default="none")
+    parser.add_argument(
+        "--ns-dtype",
+        choices=("fastest", "bfloat16", "float32"),
+        default="fastest",
+        help="the Muon family's Newton-Schulz dtype (fastest: measured on this machine)",
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="JSON output (rewritten after every repeat)")
@@ -449,6 +473,7 @@ def main(argv: list[str]) -> None:
         basis_method=args.basis_method,
         device=args.device,
         autocast=args.autocast == "bf16",
+        ns_dtype=args.ns_dtype,
         seed=args.seed,
         out=args.out,
         command="python -m bench.results.calltime " + " ".join(argv),

@@ -8,7 +8,8 @@ out-of-memory or a timeout costs that optimizer's row, not the others'), then me
 The merged record has the first readable part's ``meta`` and ``hooks``, every part's
 ``optimizers`` entries (``ratio_vs_dobb`` recomputed over all of them), ``meta.commands``
 (one per part), ``meta.complete`` (every part complete) and ``meta.missing`` (the parts that
-could not be read, or were incomplete, by file name).
+could not be read, or were incomplete, by file name). Parts timed on another device, or
+with another Newton-Schulz dtype, are refused: one table never mixes machines.
 """
 
 import argparse
@@ -33,6 +34,12 @@ def merge(parts: list[Path]) -> dict:
         commands.append(part.get("meta", {}).get("command", ""))
         if record is None:
             record = {"meta": dict(part["meta"]), "hooks": part.get("hooks"), "optimizers": {}}
+        for key in ("device_name", "newton_schulz"):  # never one table from two machines
+            if part["meta"].get(key) != record["meta"].get(key):
+                raise ValueError(
+                    f"{path.name} has {key} {part['meta'].get(key)!r}, the first part "
+                    f"{record['meta'].get(key)!r}: time every part on one machine"
+                )
         record["optimizers"].update(part.get("optimizers") or {})
     if record is None:
         raise ValueError(f"no readable call-time record among {[p.name for p in parts]}")

@@ -29,8 +29,9 @@ import torch
 from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
 from bench.optimizers import lab_entry
-from bench.results.calltime import time_optimizers
+from bench.results.calltime import device_name, time_optimizers
 from bench.results.linear_stack import LinearStack, forward_backward
+from bench.tools.matmul_dtype import fastest_ns_dtype
 from dobb.optim.registry import get_entry
 from dobb.train.parallel import ROW_PARALLEL
 
@@ -87,6 +88,7 @@ def rank_timings(rank: int, world: int, layout: str, options: dict) -> dict:
         warmup=1,
         basis_interval=options["basis_interval"],
         period=options["period"],
+        ns_dtype=options["newton_schulz"]["ns_dtype"],
         distributed={name: get_entry(name).distributed_options(data_parallel) for name in names},
     )
     quantiles = ("median", "q1", "q3")
@@ -104,6 +106,7 @@ def run(
     repeats: int = 3,
     basis_interval: int = 10,
     period: int = 5,
+    ns_dtype: str = "fastest",
     timeout: float = 600.0,
 ) -> dict:
     """Time ``names`` on ``world`` ranks under ``layout``; the record (per-rank medians)."""
@@ -125,18 +128,21 @@ def run(
         basis_interval=basis_interval,
         period=period,
         names=names,
+        newton_schulz=fastest_ns_dtype(torch.device("cpu"), ns_dtype),
     )
     per_rank = run_ranks(rank_timings, world, layout, options, timeout=timeout)
     command = (
         f"python -m bench.results.calltime_sharded --layout {layout} --world {world} --config "
         f"{config} --layers {layers} --optimizers {','.join(names)} --tokens {tokens} "
-        f"--repeats {repeats} --basis-interval {basis_interval} --period {period}"
+        f"--repeats {repeats} --basis-interval {basis_interval} --period {period} "
+        f"--ns-dtype {ns_dtype}"
     )
     return {
         "command": command,
         "layout": layout,
         "world": world,
         "torch": torch.__version__,
+        "device_name": device_name(torch.device("cpu")),
         **options,
         "unsupported": unsupported,
         "per_rank_ms": per_rank,
@@ -164,6 +170,12 @@ def table(record: dict) -> str:
         f"| {name} | {layout} | {world} | not supported (splits rows only) | | |"
         for name in record.get("unsupported", ())
     ]
+    ns = record.get("newton_schulz")
+    if ns:
+        lines += [
+            "",
+            f"Newton-Schulz in {ns['ns_dtype']} ({ns['chosen_by']}); {record['device_name']}.",
+        ]
     return "\n".join(lines)
 
 
@@ -178,6 +190,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--basis-interval", type=int, default=10, help="Dobb's k")
     parser.add_argument("--period", type=int, default=5, help="MuonBP's full-step period P")
+    parser.add_argument("--ns-dtype", choices=("fastest", "bfloat16", "float32"), default="fastest")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for all ranks")
     parser.add_argument("--out", type=Path, help="JSON output")
     args = parser.parse_args(argv)
@@ -191,6 +204,7 @@ def main(argv: list[str]) -> None:
         repeats=args.repeats,
         basis_interval=args.basis_interval,
         period=args.period,
+        ns_dtype=args.ns_dtype,
         timeout=args.timeout,
     )
     if args.out:

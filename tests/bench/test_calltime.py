@@ -210,3 +210,36 @@ def test_cli_measures_dobb2s(tmp_path, capsys):
     matrices = hidden_matrices("tiny", 1)
     expected = sum(state_bytes("dobb2s", m, num_blocks=4) for m in matrices)
     assert saved["optimizers"]["dobb2s"]["state_bytes"] == expected
+
+
+def test_the_muon_family_runs_newton_schulz_in_the_recorded_dtype(record, monkeypatch):
+    """The record says which dtype the Muon family iterated in and why (measured here, with
+    both timings and whether bf16 is native), the table says so, and the optimizers took it."""
+    ns = record["meta"]["newton_schulz"]
+    timings = ns["matmul_ms"]
+    assert ns["chosen_by"] == "measured" and ns["ns_dtype"] == min(timings, key=timings.get)
+    assert set(timings) == {"bfloat16", "float32"} and isinstance(ns["bf16_native"], bool)
+    assert f"Newton-Schulz (Muon, MuonBP, NorMuon, Dion2, NorDion2) in {ns['ns_dtype']}" in (
+        calltime.format_table(record)
+    )
+    built = {}
+    real = calltime.build_optimizer
+
+    def spy(name, model, **kw):
+        built[name] = kw.get("ns_dtype")
+        return real(name, model, **kw)
+
+    monkeypatch.setattr(calltime, "build_optimizer", spy)
+    stack = linear_stack.LinearStack(hidden_matrices("tiny", 1), 16)
+    linear_stack.forward_backward(stack, autocast=False)
+    calltime.time_optimizers(stack, ("muon", "nordion2", "dobb"), repeats=1, ns_dtype="float32")
+    assert built == {"muon": torch.float32, "nordion2": torch.float32, "dobb": None}
+
+
+def test_a_given_newton_schulz_dtype_is_kept_and_a_bad_one_refused():
+    from bench.tools.matmul_dtype import fastest_ns_dtype
+
+    given = fastest_ns_dtype(torch.device("cpu"), "bfloat16")
+    assert given["ns_dtype"] == "bfloat16" and given["chosen_by"] == "given"
+    with pytest.raises(ValueError, match="ns_dtype must be"):
+        fastest_ns_dtype(torch.device("cpu"), "float8")

@@ -43,3 +43,13 @@ def test_merge_of_complete_parts_is_complete_and_written(tmp_path, capsys):
 def test_merge_of_nothing_readable_raises(tmp_path):
     with pytest.raises(ValueError, match="no readable call-time record"):
         merge([tmp_path / "none.json"])
+
+
+def test_parts_from_two_machines_are_refused(tmp_path):
+    """One table never mixes machines: another device (or Newton-Schulz dtype) is refused."""
+    parts = [_part(tmp_path / f"{n}.json", n, 0.01) for n in ("dobb", "muon")]
+    data = json.loads(parts[1].read_text())
+    data["meta"]["device_name"] = "AMD EPYC"
+    parts[1].write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="device_name 'AMD EPYC'.*one machine"):
+        merge(parts)
