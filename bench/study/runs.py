@@ -52,6 +52,8 @@ class StudySpec:
     tuning_lr_factors: list[float] = field(default_factory=lambda: [0.25, 0.5, 1, 2])
     tuning_max_extensions: int = 2
     tuning_seeds: int = 3
+    tuning_scale_rules: bool = False
+    tuning_shard_counts: list[int] = field(default_factory=list)
     workers: int = 2
     threads: int = 1
 

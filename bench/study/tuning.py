@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench.compare import OPTIONS
 from bench.study.gap import WHOLE
 from bench.study.runs import Sweep, at_edge, best_run, loss_of, run_config, tune, width_of
 from bench.study.stats import seed_stats
@@ -38,12 +39,26 @@ class Tuned:
     options: dict[str, Any] = field(default_factory=dict)
     shard_local: bool = False
     wide: bool = False  # also tuned at `tuning_wide_widths`
-    lr_scale: float = 1.0  # first grid's centre: lr_scale x (a)'s tuned lr of `optimizer`
+    lr_scale: float = 1.0  # first grid's centre: lr_scale x (a)'s tuned lr of `centre`
+    centre: str | None = None  # None: `optimizer`
+    scale_rule: bool = False  # a width-aware update scale: run with `tuning_scale_rules`
+
+    def sharded(self) -> bool:
+        """Whether its update depends on the number of row shards (it has row blocks)."""
+        return "row_blocks" in OPTIONS[self.optimizer]
 
 
-def tuned() -> list[Tuned]:
-    """The configurations of (f), in report order."""
+def tuned(spec=None) -> list[Tuned]:
+    """The configurations of (f), in report order; the width-aware update scales (Muon's
+    RMS, ``update_scale="muon"``: ``1/sqrt(d_in)``) only if ``spec.tuning_scale_rules``."""
     soap = {"num_blocks": 1, "coefficients": "adam", "update_scale": 1.0}
+    muon_rms = {"update_scale": "muon"}
+    rules = [
+        Tuned("Dobb, one block, Muon's RMS scale", "dobb", {"num_blocks": 1} | muon_rms, True,
+              centre="muon", scale_rule=True),
+        Tuned("two-sided Dobb, one input block, Muon's RMS scale", "dobb2s", WHOLE | muon_rms,
+              True, centre="muon", scale_rule=True),
+    ]  # fmt: skip
     return [
         Tuned("Muon", "muon", wide=True),
         Tuned("NorMuon", "normuon"),
@@ -56,6 +71,7 @@ def tuned() -> list[Tuned]:
         Tuned("two-sided Dobb, one input block", "dobb2s", WHOLE, shard_local=True, wide=True),
         Tuned("one-sided SOAP (Dobb, Adam coefficients, one block)", "dobb", soap, True),
         Tuned("AdamW", "adamw", shard_local=True),
+        *(rules if spec is not None and spec.tuning_scale_rules else []),
     ]
 
 
@@ -68,12 +84,13 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
     """Every run of (f); returns ``{"sweeps": {(i, width): runs}, "seeds": {(i, width):
     runs}}`` with ``i`` the index in ``tuned()``."""
     make = partial(run_config, base, out)
-    width, configs = width_of(base), tuned()
+    width, configs = width_of(base), tuned(spec)
 
     def maker(t: Tuned, w: int, **kw):
-        return partial(make, t.optimizer, options=t.options, width=None if w == width else w, **kw)
+        kw = {"options": t.options} | kw
+        return partial(make, t.optimizer, width=None if w == width else w, **kw)
 
-    centre = {i: best[t.optimizer] * t.lr_scale for i, t in enumerate(configs)}
+    centre = {i: best[t.centre or t.optimizer] * t.lr_scale for i, t in enumerate(configs)}
     sweeps: dict = {}
     for w in sorted({w for t in configs for w in widths_of(spec, t)}):
         round_ = {
@@ -90,18 +107,31 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
         for key, runs in sweeps.items()
         for seed in range(1, spec.tuning_seeds)
     }
-    log(f"(f) seeds: {len(later)} runs")
+    shard_width = spec.tuning_widths[-1]
+    for n in spec.tuning_shard_counts:  # the row-shard trend at the tuned lrs there
+        for i, t in enumerate(configs):
+            if t.sharded() and (i, shard_width) in sweeps:
+                lr = best_run(sweeps[(i, shard_width)])["lr"]
+                run = maker(t, shard_width, options=t.options | {"row_blocks": n})
+                later[("shards", i, n)] = Sweep(run, [lr])
+    log(f"(f) seeds and row shards: {len(later)} runs")
     done = tune(runner, later)
     seeds = {
         key: [best_run(runs)] + [done[(key, s)][0] for s in range(1, spec.tuning_seeds)]
         for key, runs in sweeps.items()
     }
-    return {"sweeps": sweeps, "seeds": seeds}
+    shards = {(i, n): done[("shards", i, n)][0] for _, i, n in filter(_is_shard, later)}
+    return {"sweeps": sweeps, "seeds": seeds, "shards": shards, "shard_width": shard_width,
+            "configs": configs}  # fmt: skip
+
+
+def _is_shard(key) -> bool:
+    return key[0] == "shards"
 
 
 def all_runs(tuning: dict) -> list[list[dict]]:
     """Every summary of (f), for the study's compute total."""
-    return [*tuning["sweeps"].values(), *tuning["seeds"].values()]
+    return [*tuning["sweeps"].values(), *tuning["seeds"].values(), [*tuning["shards"].values()]]
 
 
 # ---- analysis --------------------------------------------------------------------------
@@ -111,7 +141,7 @@ def analyse_tuning(tuning: dict) -> dict:
     """The numbers of (f): per configuration and width the grid, the tuned lr, its seeds;
     whether the tuned lr moved between widths; the best shard-local one against Muon."""
     rows = []
-    for i, t in enumerate(tuned()):
+    for i, t in enumerate(tuning["configs"]):
         per_width = []
         for (j, w), runs in sorted(tuning["sweeps"].items()):
             if j != i:
@@ -139,7 +169,31 @@ def analyse_tuning(tuning: dict) -> dict:
         muon = at["Muon"]["seeds"]["mean"]
         best_local.append({"n_embd": w, "label": name, "mean": local[name], "muon": muon,
                            "gap": local[name] - muon})  # fmt: skip
-    return {"rows": rows, "widths": widths, "best_local": best_local}
+    return {"rows": rows, "widths": widths, "best_local": best_local,
+            "shards": _shard_rows(tuning, rows)}  # fmt: skip
+
+
+def _shard_rows(tuning: dict, rows: list[dict]) -> dict:
+    """The row-shard trend at ``shard_width``: per row-shard count, every sharded
+    configuration's loss (seed 0, its tuned lr there), and per count the best shard-local
+    configuration, the flat ones (no row blocks) at their seed-0 losses too."""
+    w = tuning["shard_width"]
+    counts = sorted({n for _, n in tuning["shards"]})
+    sharded = sorted({i for i, _ in tuning["shards"]})
+    flat = {
+        r["label"]: min(e["losses"])
+        for r, t in zip(rows, tuning["configs"])
+        for e in r["widths"]
+        if e["n_embd"] == w and not t.sharded()
+    }
+    table = []
+    for n in counts:
+        losses = {rows[i]["label"]: loss_of(tuning["shards"][(i, n)]) for i in sharded}
+        local = {k: v for k, v in (losses | flat).items() if _row(rows, k)["shard_local"]}
+        best = min(local, key=local.get)
+        table.append({"row_shards": n, "losses": losses, "best_local": best,
+                      "best": local[best], "muon": flat.get("Muon")})  # fmt: skip
+    return {"n_embd": w, "flat": flat, "rows": table}
 
 
 def _row(rows: list[dict], label: str) -> dict:

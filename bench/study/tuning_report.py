@@ -93,6 +93,31 @@ def tuning_section(report: dict, spec: dict, out: Path, link, table) -> list[str
             f"Muon {fmt_loss(b['muon'])} (gap {b['gap']:+.4f})"
             for b in report["best_local"]
         ],
+        *_shard_lines(report["shards"], table),
+    ]
+
+
+def _shard_lines(shards: dict, table) -> list[str]:
+    """The row-shard trend at the tuned lrs (nothing if it was not run)."""
+    if not shards["rows"]:
+        return []
+    names = list(shards["rows"][0]["losses"])
+    return [
+        "",
+        f"Row shards at width {shards['n_embd']} (seed 0, each at its tuned lr there; "
+        "the configurations without row blocks do not depend on the count: "
+        + ", ".join(f"{k} {fmt_loss(v)}" for k, v in shards["flat"].items())
+        + "):",
+        "",
+        table(
+            "row shards|" + "|".join(names) + "|best shard-local",
+            [
+                f"{r['row_shards']}|"
+                + "|".join(fmt_loss(r["losses"][k]) for k in names)
+                + f"|{r['best_local']} {fmt_loss(r['best'])}"
+                for r in shards["rows"]
+            ],
+        ),
     ]
 
 

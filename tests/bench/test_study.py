@@ -208,6 +208,28 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
         best = entry["losses"][entry["best_local"]]
         assert entry["gap"] == pytest.approx(best - entry["losses"]["muon"])
         assert f"n_embd {entry['n_embd']}: best shard-local:" in text
+    # (f): every configuration tuned at every width, each number from the runs' own JSON
+    tuning = report["tuning"]
+    assert "## (f) Every optimizer tuned at every width" in text and (out / "tuning.png").exists()
+    for row in tuning["rows"]:
+        for entry in row["widths"]:
+            assert entry["best_lr"] == entry["lrs"][entry["losses"].index(min(entry["losses"]))]
+            first = summary(entry["seeds"]["runs"][0])
+            assert first["lr"] == entry["best_lr"] and first["final_val_loss"] == min(
+                entry["losses"]
+            )
+            grid = ", ".join(f"{lr:.4g}" for lr in entry["lrs"])
+            lr = f"{entry['best_lr']:.4g}"
+            assert f"width {entry['n_embd']}: {row['label']} tuned lr {lr} (grid {grid})" in text
+            assert entry["seeds"]["n"] == report["spec"]["tuning_seeds"]
+        assert f"- {row['label']}: " in text  # does its lr transfer?
+    assert any("Muon's RMS scale" in r["label"] for r in tuning["rows"])  # tuning_scale_rules
+    for entry in tuning["best_local"]:
+        assert f"width {entry['n_embd']}: best shard-local: {entry['label']}" in text
+    shards = tuning["shards"]
+    assert [r["row_shards"] for r in shards["rows"]] == report["spec"]["tuning_shard_counts"]
+    (run,) = (out / "runs").glob("blockmuon-row_blocks-8-lr*")
+    assert shards["rows"][1]["losses"]["BlockMuon"] == summary(run.name)["final_val_loss"]
     assert report["compute"]["runs"] == report["new_runs"] == len(list((out / "runs").iterdir()))
 
     # a second call trains nothing; a run lost to a kill is the only one redone
