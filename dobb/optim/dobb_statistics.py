@@ -262,7 +262,7 @@ class DobbStatistics:
         covs, groups = [], []
         for param, state, group in matrices:
             row_groups = self.data_groups
-            if group["row_stats"] == "gradients":
+            if group["two_sided"] and group["row_stats"] == "gradients":  # one-sided: none
                 row_groups = matrix_placement(param).groups_splitting(
                     self.opt._input_dims.get(param, 1)
                 )
