@@ -57,9 +57,8 @@ def stack_apply(
 
 
 def each(value, tensors: list[Tensor]):
-    """``value`` as the scalar argument of a ``torch._foreach_*`` call over ``tensors``: a
-    0-d tensor repeated (its list overload stays on the device; torch's CPU overloads that
-    take one tensor scalar read it on the host), a number as it is."""
+    """``value`` as a ``torch._foreach_*`` scalar over ``tensors``: a 0-d tensor repeated (the
+    list overload stays on the device; CPU's tensor-scalar one reads it), a number as is."""
     return [value] * len(tensors) if isinstance(value, Tensor) else value
 
 

@@ -389,8 +389,7 @@ class Dobb(MatrixOptimizer):
         return out
 
     def _host_count(self, param: Tensor, state: dict) -> list[int]:
-        """Capturable: ``[step, stats_steps]`` of ``param`` on the host (read once from
-        the state after a load)."""
+        """Capturable: ``[step, stats_steps]`` on the host (read once after a load)."""
         if param not in self._host_counts:
             self._host_counts[param] = [int(state["step"]), int(state["stats_steps"])]
         return self._host_counts[param]
@@ -406,8 +405,7 @@ class Dobb(MatrixOptimizer):
         )
 
     def count_replay(self) -> None:
-        """Capturable: count a replayed steady step on the host schedule (a CUDA graph
-        replay runs no Python)."""
+        """Capturable: count a replayed steady step (a CUDA graph replay runs no Python)."""
         for counts in self._host_counts.values():
             counts[0] += 1
             counts[1] += counts[1] > 0

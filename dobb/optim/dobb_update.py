@@ -221,9 +221,13 @@ def _rotated_update(
         variance = torch.stack([orient(v) for v in variances])
         variance.lerp_(projected.square_(), (1 - beta2) * (1 if live is None else live))
         torch._foreach_copy_([orient(v) for v in variances], list(variance.unbind(0)))
-        counts = torch.stack(steps) if isinstance(steps[0], Tensor) else torch.tensor(steps)
-        correction = 1 - beta2 ** counts.to(dtype=dtype, device=variance.device)
-        denominator = (variance / correction[:, None, None]).sqrt_().add_(eps)
+        denominator = variance.sqrt()  # / sqrt(1 - beta2^t), t: device or host counts
+        if isinstance(steps[0], Tensor):  # capturable
+            denominator.div_((1 - beta2 ** torch.stack(steps).to(dtype)).sqrt()[:, None, None])
+        else:  # one scalar per matrix: nothing copied to the device
+            corrections = [math.sqrt(1 - beta2**t) for t in steps]
+            torch._foreach_div_(list(denominator.unbind(0)), corrections)
+        denominator.add_(eps)
         coefficients = coefficients.to(dtype).div_(denominator).to(low)
     update = orient(rotate(coefficients, *bases, into=False)).to(dtype)
     _apply(params, update, lr, weight_decay, scale, live)
