@@ -21,7 +21,7 @@ def seed_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "losses": losses,
         "n": len(losses),
         "mean": float(np.mean(losses)),
-        "std": float(np.std(losses, ddof=1)) if finite else math.nan,
+        "std": float(np.std(losses, ddof=1)) if finite and len(losses) > 1 else math.nan,
         "tokens_per_s": _mean_of(runs, "tokens_per_s"),
         "opt_ms": _mean_of(runs, "opt_ms"),
     }

@@ -10,9 +10,10 @@ log-spaced grid:
 - at each wider width, the same factors x its tuned lr at the previous width,
 
 each grid extended one point at a time (up to ``tuning_max_extensions``) while its best lr
-sits at an edge, then ``tuning_seeds`` seeds at every best lr (seed 0 is the sweep's own
-run). A configuration shares its runs with the other parts wherever the settings agree
-(same run name), so nothing is trained twice.
+sits at an edge, then ``tuning_seeds`` seeds at every best lr of ``tuning_widths`` (seed 0
+is the sweep's own run; the wide widths keep that one seed). A configuration shares its
+runs with the other parts wherever the settings agree (same run name), so nothing is
+trained twice.
 
 "Shard-local" as in (e): no collective inside ``step()`` besides the statistics average, at
 4 row shards (FSDP); AdamW is elementwise, so it is.
@@ -102,22 +103,25 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
         log(f"(f) width {w}: {sum(len(s.grid) for s in round_.values())} runs + extensions")
         sweeps |= tune(runner, round_)
         centre |= {i: best_run(sweeps[(i, w)])["lr"] for i, _ in round_}
+    seeded = {key: range(1, spec.tuning_seeds if key[1] in spec.tuning_widths else 1)
+              for key in sweeps}  # fmt: skip
     later = {
         (key, seed): Sweep(maker(configs[key[0]], key[1], seed=seed), [best_run(runs)["lr"]])
         for key, runs in sweeps.items()
-        for seed in range(1, spec.tuning_seeds)
+        for seed in seeded[key]
     }
     shard_width = spec.tuning_widths[-1]
     for n in spec.tuning_shard_counts:  # the row-shard trend at the tuned lrs there
         for i, t in enumerate(configs):
-            if t.sharded() and (i, shard_width) in sweeps:
+            if t.sharded() and not t.scale_rule and (i, shard_width) in sweeps:
                 lr = best_run(sweeps[(i, shard_width)])["lr"]
-                run = maker(t, shard_width, options=t.options | {"row_blocks": n})
+                rows = {} if n == OPTIONS[t.optimizer]["row_blocks"] else {"row_blocks": n}
+                run = maker(t, shard_width, options=t.options | rows)  # its sweep's run at n
                 later[("shards", i, n)] = Sweep(run, [lr])
     log(f"(f) seeds and row shards: {len(later)} runs")
     done = tune(runner, later)
     seeds = {
-        key: [best_run(runs)] + [done[(key, s)][0] for s in range(1, spec.tuning_seeds)]
+        key: [best_run(runs)] + [done[(key, s)][0] for s in seeded[key]]
         for key, runs in sweeps.items()
     }
     shards = {(i, n): done[("shards", i, n)][0] for _, i, n in filter(_is_shard, later)}

@@ -65,7 +65,8 @@ def tuning_section(report: dict, spec: dict, out: Path, link, table) -> list[str
         "(a)'s tuned lr of its optimizer at the first width, x its own tuned lr of the "
         "previous width at the next, extended by one point at a time (up to "
         f"{spec['tuning_max_extensions']}) while the best lr sits at an edge; then "
-        f"{in_words(seeds)} seeds at each tuned lr (seed 0 is the sweep's own run). "
+        f"{in_words(seeds)} seeds at each tuned lr of widths {spec['tuning_widths']} (seed 0 "
+        "is the sweep's own run; wider widths keep that one seed). "
         "Runs whose settings equal another part's are that part's runs.",
         "",
         *[f"- {tuned_sentence(r, e)}" for r in rows for e in r["widths"]],
@@ -125,5 +126,7 @@ def _cell(row: dict, width: int) -> str:
     entry = next((e for e in row["widths"] if e["n_embd"] == width), None)
     if entry is None:
         return "-"
-    s = entry["seeds"]
-    return f"{fmt_loss(s['mean'])} ± {s['std']:.4f} (lr {_lr(entry['best_lr'])})"
+    s, lr = entry["seeds"], _lr(entry["best_lr"])
+    if s["n"] == 1:
+        return f"{fmt_loss(s['mean'])} (lr {lr}, one seed)"
+    return f"{fmt_loss(s['mean'])} ± {s['std']:.4f} (lr {lr})"

@@ -221,7 +221,8 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
             grid = ", ".join(f"{lr:.4g}" for lr in entry["lrs"])
             lr = f"{entry['best_lr']:.4g}"
             assert f"width {entry['n_embd']}: {row['label']} tuned lr {lr} (grid {grid})" in text
-            assert entry["seeds"]["n"] == report["spec"]["tuning_seeds"]
+            narrow = entry["n_embd"] in report["spec"]["tuning_widths"]  # wide: seed 0 only
+            assert entry["seeds"]["n"] == (report["spec"]["tuning_seeds"] if narrow else 1)
         assert f"- {row['label']}: " in text  # does its lr transfer?
     assert any("Muon's RMS scale" in r["label"] for r in tuning["rows"])  # tuning_scale_rules
     for entry in tuning["best_local"]:
@@ -229,7 +230,11 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     shards = tuning["shards"]
     assert [r["row_shards"] for r in shards["rows"]] == report["spec"]["tuning_shard_counts"]
     (run,) = (out / "runs").glob("blockmuon-row_blocks-8-lr*")
-    assert shards["rows"][1]["losses"]["BlockMuon"] == summary(run.name)["final_val_loss"]
+    assert shards["rows"][2]["losses"]["BlockMuon"] == summary(run.name)["final_val_loss"]
+    assert not list((out / "runs").glob("*row_blocks-4-*"))  # the default count: no new run
+    blockmuon = next(r for r in tuning["rows"] if r["label"] == "BlockMuon")
+    (at,) = [e for e in blockmuon["widths"] if e["n_embd"] == shards["n_embd"]]
+    assert shards["rows"][1]["losses"]["BlockMuon"] == min(at["losses"])
     assert report["compute"]["runs"] == report["new_runs"] == len(list((out / "runs").iterdir()))
 
     # a second call trains nothing; a run lost to a kill is the only one redone
