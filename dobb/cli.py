@@ -1,8 +1,8 @@
 """The `dobb` command.
 
 `dobb train [CONFIG.yaml] [key=value ...]` (also `python -m dobb`). A failure the user can
-fix prints one line, `dobb: error: <what, and how to fix it>`, and exits with status 2
-(`--debug` or DOBB_DEBUG=1: its traceback too); any other error is a bug.
+fix (a divergence too) prints one line, `dobb: error: <what, and how to fix it>`, and exits
+with status 2 (`--debug` or DOBB_DEBUG=1: its traceback too); any other error is a bug.
 """
 
 import argparse
@@ -10,6 +10,7 @@ import os
 import sys
 import warnings
 
+from dobb.optim.base import NonFiniteGradientError
 from dobb.train.config import ConfigError, load_config
 from dobb.train.errors import RunError, RunWarning
 
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         try:
             return _train(args.args)
-        except RunError as e:
+        except (RunError, NonFiniteGradientError) as e:  # the input's fault, or a divergence
             if debug:
                 raise
             print(f"dobb: error: {one_line(e)}", file=sys.stderr)

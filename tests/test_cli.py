@@ -75,6 +75,13 @@ def test_expected_failures_print_one_line(capsys, tmp_path, overrides, message):
     assert not (tmp_path / "runs").exists()  # failed before writing anything
 
 
+def test_a_diverged_run_is_one_line_and_keeps_its_checkpoints(capsys, tmp_path):
+    run = [*QUICK, "steps=3", "out_dir=run", "checkpoint_interval=1", "lr=1e30"]
+    line = error_line(capsys, ["train", "tiny", *run])
+    assert "non-finite values" in line and "Lower the learning rate" in line, line
+    assert (tmp_path / "run" / "checkpoints" / "step_000001" / MARKER).is_file()
+
+
 def test_missing_or_malformed_config_file(capsys, tmp_path):
     assert "no config file 'nope.yaml'" in error_line(capsys, ["train", "nope.yaml"])
     (tmp_path / "bad.yaml").write_text("model: [tiny\n")
