@@ -6,7 +6,8 @@ ablations, width trend, MuonBP's period -> STUDY.md.
 
 Five parts, every run trained by `bench.compare.run` (so a finished run is never
 repeated and an interrupted one resumes from its checkpoint: re-running the command after a
-kill finishes the study):
+kill finishes the study; each run's ``code.json`` and each line of ``invocations.jsonl``
+name the commit that trained it):
 
 (a) Tuned comparison. Per optimizer (Dobb with 16 blocks, Dion with rank fraction 1/16,
     Muon, MuonBP over 4 row blocks, AdamW) a log-spaced lr grid around the registry's
@@ -43,7 +44,7 @@ from typing import Any
 from bench.study.analysis import analyse
 from bench.study.gap import run_gap
 from bench.study.report import write_document
-from bench.study.runs import Runner, base_config, load_spec, run_study
+from bench.study.runs import Runner, base_config, code_version, load_spec, run_study
 from bench.study.tuning import run_tuning
 
 
@@ -80,7 +81,7 @@ def study(
         "wall_s": time.perf_counter() - t0,
         "new_runs": runner.new_runs,
         "command": command,
-    }
+    } | code_version()
     with open(out / "invocations.jsonl", "a") as f:
         f.write(json.dumps(invocation) + "\n")
     report = analyse(spec, base, out, results) | {

@@ -8,8 +8,10 @@ import json
 import math
 import shutil
 import signal
+import subprocess
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from datetime import UTC, datetime
 from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
@@ -158,6 +160,7 @@ def is_done(cfg: TrainConfig) -> bool:
 def run_one(cfg: TrainConfig) -> dict[str, Any]:
     """`compare.run`, and a run that stops on a non-finite gradient is recorded as diverged
     (`diverged.json`, loss NaN) instead of failing the study; neither is ever repeated.
+    Each start of an unfinished run appends the lab's commit to `<run>/code.json`.
 
     A lock on `<run>/.lock` (released by the OS when its process dies) refuses a second
     process on the same run, e.g. a restarted study racing a worker that outlived a kill.
@@ -172,6 +175,29 @@ def run_one(cfg: TrainConfig) -> dict[str, Any]:
         return _run_unlocked(cfg, out) | {"run": out.name}
 
 
+def code_version() -> dict[str, Any]:
+    """The lab's commit and whether `dobb/` or `bench/` differ from it (None outside git)."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()  # fmt: skip
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty": bool(git("status", "--porcelain", "--", "dobb", "bench"))}  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def _record_code(out: Path) -> None:
+    """Append this start of the run to `out/code.json`: the code that trained it."""
+    path = out / "code.json"
+    starts = json.loads(path.read_text()) if path.exists() else []
+    starts.append(code_version() | {"started": datetime.now(UTC).isoformat(timespec="seconds")})
+    path.write_text(json.dumps(starts, indent=1))
+
+
 def _run_unlocked(cfg: TrainConfig, out: Path) -> dict[str, Any]:
     marker = out / "diverged.json"
     if marker.exists():
@@ -179,6 +205,8 @@ def _run_unlocked(cfg: TrainConfig, out: Path) -> dict[str, Any]:
         if compare.comparable_config(old["config"]) != compare.comparable_config(cfg.to_dict()):
             raise FileExistsError(f"{out} holds a diverged run with a different config")
         return old["summary"]
+    if not (out / "summary.json").exists():
+        _record_code(out)
     try:
         return compare.run(cfg, log=partial(print, flush=True))
     except FloatingPointError as e:  # NonFiniteGradientError from a matrix optimizer

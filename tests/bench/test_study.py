@@ -236,6 +236,10 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     (at,) = [e for e in blockmuon["widths"] if e["n_embd"] == shards["n_embd"]]
     assert shards["rows"][1]["losses"]["BlockMuon"] == min(at["losses"])
     assert report["compute"]["runs"] == report["new_runs"] == len(list((out / "runs").iterdir()))
+    for run in (out / "runs").iterdir():  # each run names the code that trained it
+        (start,) = json.loads((run / "code.json").read_text())
+        assert re.fullmatch("[0-9a-f]{40}", start["commit"]) and start["dirty"] in (True, False)
+    assert report["invocations"][-1]["commit"] == start["commit"]
 
     # a second call trains nothing; a run lost to a kill is the only one redone
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/summary.json")}
