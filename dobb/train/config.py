@@ -74,7 +74,7 @@ class TrainConfig:
     # ---- reproducibility and parallelism
     seed: int = 0  # model init and the batch sampler; data batch = f(seed, step, rank)
     layout: str = "single"  # single, ddp, fsdp, hsdp, tp, fsdp_tp (dobb.train.parallel)
-    tensor_parallel: int = 2  # TP degree of fsdp_tp (inner axis); tp: must equal WORLD_SIZE
+    tensor_parallel: int = 2  # fsdp_tp: TP degree; tp: = WORLD_SIZE; hsdp: replica groups
     timeout: float = 600.0  # seconds a collective waits for the other ranks, then fails
     # ---- output and checkpoints
     out_dir: str = "runs/default"  # metrics.jsonl, run.json, summary.json, checkpoints/
