@@ -19,6 +19,8 @@ from dobb.optim.registry import OptimizerEntry, get_entry
 # Two-sided Dobb's row blocks per matrix in the call-time runs: the rows one rank holds under
 # FSDP over 32 ranks (the paper's call-time setting: GPT-2 XL on 32 GPUs), emulated on one.
 DOBB2S_ROW_BLOCKS = 32
+# the settings of every call-time figure, and of the cost model's predictions beside them
+CALL_SETTINGS = dict(num_blocks=16, basis_interval=10, rank_fraction=1 / 16, period=5)
 TABLES = ("calltime", "comm")  # call time and cost model; bytes sent inside step()
 # where `python -m bench study` writes its tuned learning rates (in the clone)
 STUDY_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "study" / "study.json"

@@ -28,6 +28,7 @@ from bench.model.costmodel import OPTIMIZERS, predict, predict_hooks
 from bench.model.costs.kernels import FP32
 from bench.model.hardware import Hardware
 from bench.model.workload import Matrix, dion_rank, hidden_matrices
+from bench.optimizers import CALL_SETTINGS
 from bench.results.calltime import device_name, optimizer_overrides, write_json
 from bench.results.linear_stack import LinearStack, Progress, forward_backward
 from bench.tools.timing import timed
@@ -83,8 +84,8 @@ def calibrate(
     device: torch.device | str = "cpu",
     matrices: list[Matrix] | None = None,
     *,
-    num_blocks: int = 16,
-    rank_fraction: float = 1 / 16,
+    num_blocks: int = CALL_SETTINGS["num_blocks"],
+    rank_fraction: float = CALL_SETTINGS["rank_fraction"],
     quick: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Hardware:
@@ -316,8 +317,8 @@ def main(argv: list[str]) -> None:
     if argv[0] == "calibrate":
         parser.add_argument("--config", default="gpt2-xl", help="shapes to calibrate at")
         parser.add_argument("--layers", type=int, default=1)
-        parser.add_argument("--num-blocks", type=int, default=16)
-        parser.add_argument("--rank-fraction", type=float, default=1 / 16)
+        parser.add_argument("--num-blocks", type=int, default=CALL_SETTINGS["num_blocks"])
+        parser.add_argument("--rank-fraction", type=float, default=CALL_SETTINGS["rank_fraction"])
         parser.add_argument("--quick", action="store_true", help="small sizes, rough numbers")
     args = parser.parse_args(argv[1:])
     if args.threads:

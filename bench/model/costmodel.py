@@ -58,7 +58,7 @@ from bench.model.costs.dobb import hook_work
 from bench.model.costs.kernels import FP32, Kernel, Work, matmul
 from bench.model.hardware import H100, Hardware, Network
 from bench.model.workload import ONE_DEVICE, Layout, Matrix, hidden_matrices, layout_of
-from bench.optimizers import cost_model, in_table
+from bench.optimizers import CALL_SETTINGS, cost_model, in_table
 from bench.tools.markdown import markdown_table
 from dobb.optim.registry import get_entry
 
@@ -181,7 +181,7 @@ def predict_hooks(
     tokens: int,
     hardware: Hardware,
     *,
-    num_blocks=16,
+    num_blocks=CALL_SETTINGS["num_blocks"],
     forward_kind=None,
     low_precision: bool = False,
     share_inputs: bool = True,

@@ -55,7 +55,7 @@ from torch import Tensor
 
 from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
-from bench.optimizers import DOBB2S_ROW_BLOCKS, LAB, lab_entry
+from bench.optimizers import CALL_SETTINGS, DOBB2S_ROW_BLOCKS, LAB, lab_entry
 from bench.results.linear_stack import LinearStack, Progress, autocast_context, hook_overhead
 from bench.tools.markdown import markdown_table
 from bench.tools.matmul_dtype import fastest_ns_dtype
@@ -75,7 +75,7 @@ def optimizer_overrides(
     num_blocks: int,
     basis_interval: int,
     rank_fraction: float,
-    period: int = 5,
+    period: int = CALL_SETTINGS["period"],
     row_blocks: int = 1,
     basis_method: str | None = None,
 ) -> dict:
@@ -131,10 +131,10 @@ def time_optimizers(
     repeats: int = 5,
     warmup: int = 1,
     calls: int = 1,
-    num_blocks: int = 16,
-    basis_interval: int = 10,
-    rank_fraction: float = 1 / 16,
-    period: int = 5,
+    num_blocks: int = CALL_SETTINGS["num_blocks"],
+    basis_interval: int = CALL_SETTINGS["basis_interval"],
+    rank_fraction: float = CALL_SETTINGS["rank_fraction"],
+    period: int = CALL_SETTINGS["period"],
     row_blocks: int = 1,
     basis_method: str | None = None,
     autocast: bool = False,
@@ -262,10 +262,10 @@ def run(
     repeats: int = 5,
     warmup: int = 1,
     calls: int = 1,
-    num_blocks: int = 16,
-    basis_interval: int = 10,
-    rank_fraction: float = 1 / 16,
-    period: int = 5,
+    num_blocks: int = CALL_SETTINGS["num_blocks"],
+    basis_interval: int = CALL_SETTINGS["basis_interval"],
+    rank_fraction: float = CALL_SETTINGS["rank_fraction"],
+    period: int = CALL_SETTINGS["period"],
     row_blocks: int = 4,
     basis_method: str | None = None,
     device: str = "cpu",
@@ -425,10 +425,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1, help="warm-up periods per optimizer")
     parser.add_argument("--calls", type=int, default=1, help="calls per period (not Dobb)")
-    parser.add_argument("--num-blocks", type=int, default=16)
-    parser.add_argument("--basis-interval", type=int, default=10, help="Dobb's k")
-    parser.add_argument("--rank-fraction", type=float, default=1 / 16)
-    parser.add_argument("--period", type=int, default=5, help="MuonBP's full-step period P")
+    parser.add_argument("--num-blocks", type=int, default=CALL_SETTINGS["num_blocks"])
+    parser.add_argument(
+        "--basis-interval", type=int, default=CALL_SETTINGS["basis_interval"], help="Dobb's k"
+    )
+    parser.add_argument("--rank-fraction", type=float, default=CALL_SETTINGS["rank_fraction"])
+    parser.add_argument(
+        "--period", type=int, default=CALL_SETTINGS["period"], help="MuonBP's full-step period P"
+    )
     parser.add_argument(
         "--row-blocks",
         type=int,

@@ -28,7 +28,7 @@ import torch
 
 from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
-from bench.optimizers import lab_entry
+from bench.optimizers import CALL_SETTINGS, lab_entry
 from bench.results.calltime import device_name, time_optimizers
 from bench.results.linear_stack import LinearStack, forward_backward
 from bench.tools.matmul_dtype import fastest_ns_dtype
@@ -104,8 +104,8 @@ def run(
     names: tuple[str, ...] = OPTIMIZERS,
     tokens: int = 512,
     repeats: int = 3,
-    basis_interval: int = 10,
-    period: int = 5,
+    basis_interval: int = CALL_SETTINGS["basis_interval"],
+    period: int = CALL_SETTINGS["period"],
     ns_dtype: str = "fastest",
     timeout: float = 600.0,
 ) -> dict:
@@ -188,8 +188,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated")
     parser.add_argument("--tokens", type=int, default=512, help="rows of the token batch")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--basis-interval", type=int, default=10, help="Dobb's k")
-    parser.add_argument("--period", type=int, default=5, help="MuonBP's full-step period P")
+    parser.add_argument(
+        "--basis-interval", type=int, default=CALL_SETTINGS["basis_interval"], help="Dobb's k"
+    )
+    parser.add_argument(
+        "--period", type=int, default=CALL_SETTINGS["period"], help="MuonBP's full-step period P"
+    )
     parser.add_argument("--ns-dtype", choices=("fastest", "bfloat16", "float32"), default="fastest")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for all ranks")
     parser.add_argument("--out", type=Path, help="JSON output")

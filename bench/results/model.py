@@ -12,13 +12,13 @@ from bench.model import hardware
 from bench.model.costmodel import OPTIMIZERS, PAPER_XL_32_H100_MS, build_work, format_terms, predict
 from bench.model.hardware import H100, H200, Hardware, Network
 from bench.model.workload import WIDTHS, Layout, hidden_matrices, transformer_matrices
+from bench.optimizers import CALL_SETTINGS
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
 
 XL_WORLD = 32  # GPUs of the paper's GPT-2 XL run (FSDP)
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
-# the hyperparameters of every prediction here (those of the call-time runs)
-SETTINGS = dict(num_blocks=16, basis_interval=10, rank_fraction=1 / 16, period=5)
+SETTINGS = CALL_SETTINGS  # the hyperparameters of every prediction here
 # sensitivity rows: another option of ours, or our implementation before batching
 VARIANTS = {
     "Dobb, refresh replicated (shard_refresh=False)": ("dobb", dict(refresh="replicated")),
