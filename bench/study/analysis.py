@@ -91,6 +91,7 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
             "runs": len(used),
             "diverged": sorted(name for name, s in used.items() if "diverged" in s),
             "train_time_s": sum(s.get("train_time_s") or 0.0 for s in used.values()),
+            "code_records": sum((out / "runs" / name / "code.json").exists() for name in used),
         },
     }
 

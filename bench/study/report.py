@@ -219,4 +219,6 @@ def _header(report: dict[str, Any], model, link) -> list[str]:
         f"`python -m bench study` invocations: {wall / 60:.1f} min over {len(invocations)}, "
         "the last one "
         f"{invocations[-1]['wall_s']:.0f} s with {invocations[-1]['new_runs']} new runs",
+        f"- code: {compute['code_records']} of {compute['runs']} runs name the commit that "
+        "trained them (`<run>/code.json`); the others were trained before that record existed",
     ]

@@ -240,6 +240,8 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
         (start,) = json.loads((run / "code.json").read_text())
         assert re.fullmatch("[0-9a-f]{40}", start["commit"]) and start["dirty"] in (True, False)
     assert report["invocations"][-1]["commit"] == start["commit"]
+    assert report["compute"]["code_records"] == report["compute"]["runs"]
+    assert f"- code: {report['compute']['runs']} of {report['compute']['runs']} runs" in text
 
     # a second call trains nothing; a run lost to a kill is the only one redone
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/summary.json")}
