@@ -29,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import OPTIONS
-from bench.study.runs import Sweep, best_run, loss_of, run_config, tune, width_of
+from bench.study.runs import (
+    Sweep,
+    best_run,
+    loss_of,
+    row_block_options,
+    run_config,
+    tune,
+    width_of,
+)
 from bench.study.stats import compare_seeds, seed_stats
 
 TP_DEGREE = 4  # the row-parallel TP degree the "shard-local under TP" column checks
@@ -140,8 +148,7 @@ def run_gap(spec, base, out: Path, runner, best: dict[str, float], log=print) ->
     shard_width = spec.gap_widths[0]
     for n in spec.shard_counts:
         for name in ("dobb2s", "blockmuon", "muonbp"):
-            # (a)'s row blocks: the width trend's run, under the same name
-            options = {} if OPTIONS[name].get("row_blocks") == n else {"row_blocks": n}
+            options = row_block_options(name, n)  # at (a)'s count: the width trend's run
             run = partial(make, name, options=options, width=shard_width)
             later[("shards", name, n)] = Sweep(run, [best[name]])
     top = variants()[ranked[0]] if ranked else None

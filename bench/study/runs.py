@@ -146,6 +146,12 @@ def run_config(
 # ---- running -------------------------------------------------------------------------
 
 
+def row_block_options(optimizer: str, n: int) -> dict[str, Any]:
+    """The option that sets ``n`` row blocks: none at ``OPTIONS``' own count, so the run keeps
+    its name (and is that run)."""
+    return {} if OPTIONS[optimizer].get("row_blocks") == n else {"row_blocks": n}
+
+
 def loss_of(summary: dict[str, Any]) -> float:
     """Final validation loss; +inf for a diverged run (NaN loss or a non-finite gradient)."""
     value = summary.get("final_val_loss")

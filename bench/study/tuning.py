@@ -27,7 +27,16 @@ from typing import Any
 
 from bench.compare import OPTIONS
 from bench.study.gap import WHOLE
-from bench.study.runs import Sweep, at_edge, best_run, loss_of, run_config, tune, width_of
+from bench.study.runs import (
+    Sweep,
+    at_edge,
+    best_run,
+    loss_of,
+    row_block_options,
+    run_config,
+    tune,
+    width_of,
+)
 from bench.study.stats import seed_stats
 
 
@@ -115,8 +124,8 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
         for i, t in enumerate(configs):
             if t.sharded() and not t.scale_rule and (i, shard_width) in sweeps:
                 lr = best_run(sweeps[(i, shard_width)])["lr"]
-                rows = {} if n == OPTIONS[t.optimizer]["row_blocks"] else {"row_blocks": n}
-                run = maker(t, shard_width, options=t.options | rows)  # its sweep's run at n
+                rows = row_block_options(t.optimizer, n)  # at its default: its sweep's run
+                run = maker(t, shard_width, options=t.options | rows)
                 later[("shards", i, n)] = Sweep(run, [lr])
     log(f"(f) seeds and row shards: {len(later)} runs")
     done = tune(runner, later)
