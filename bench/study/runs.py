@@ -54,6 +54,7 @@ class StudySpec:
     tuning_lr_factors: list[float] = field(default_factory=lambda: [0.25, 0.5, 1, 2])
     tuning_max_extensions: int = 2
     tuning_seeds: int = 3
+    tuning_wide_seeded: int = 0
     tuning_scale_rules: bool = False
     tuning_shard_counts: list[int] = field(default_factory=list)
     workers: int = 2
@@ -76,6 +77,7 @@ class StudySpec:
             and min(self.tuning_lr_factors) > 0,
             "tuning_max_extensions": self.tuning_max_extensions >= 0,
             "tuning_seeds": self.tuning_seeds >= 2,
+            "tuning_wide_seeded": self.tuning_wide_seeded >= 0,
             "workers": self.workers >= 1,
             "threads": self.threads >= 1,
         }

@@ -11,7 +11,8 @@ log-spaced grid:
 
 each grid extended one point at a time (up to ``tuning_max_extensions``) while its best lr
 sits at an edge, then ``tuning_seeds`` seeds at every best lr of ``tuning_widths`` (seed 0
-is the sweep's own run; the wide widths keep that one seed). A configuration shares its
+is the sweep's own run) and, at each wide width, at Muon's and the ``tuning_wide_seeded``
+best shard-local configurations' (the others keep seed 0 only). A configuration shares its
 runs with the other parts wherever the settings agree (same run name), so nothing is
 trained twice.
 
@@ -112,7 +113,7 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
         log(f"(f) width {w}: {sum(len(s.grid) for s in round_.values())} runs + extensions")
         sweeps |= tune(runner, round_)
         centre |= {i: best_run(sweeps[(i, w)])["lr"] for i, _ in round_}
-    seeded = {key: range(1, spec.tuning_seeds if key[1] in spec.tuning_widths else 1)
+    seeded = {key: range(1, spec.tuning_seeds if key in _seeded(spec, configs, sweeps) else 1)
               for key in sweeps}  # fmt: skip
     later = {
         (key, seed): Sweep(maker(configs[key[0]], key[1], seed=seed), [best_run(runs)["lr"]])
@@ -136,6 +137,18 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
     shards = {(i, n): done[("shards", i, n)][0] for _, i, n in filter(_is_shard, later)}
     return {"sweeps": sweeps, "seeds": seeds, "shards": shards, "shard_width": shard_width,
             "configs": configs}  # fmt: skip
+
+
+def _seeded(spec, configs: list[Tuned], sweeps: dict) -> set:
+    """The sweeps whose best lr gets ``tuning_seeds`` seeds: every one at ``tuning_widths``;
+    at each wide width Muon's and the ``tuning_wide_seeded`` best shard-local ones'."""
+    keys = {key for key in sweeps if key[1] in spec.tuning_widths}
+    for w in spec.tuning_wide_widths:
+        at = {i: loss_of(best_run(runs)) for (i, v), runs in sweeps.items() if v == w}
+        local = sorted((i for i in at if configs[i].shard_local), key=at.get)
+        muon = [i for i in at if configs[i].label == "Muon"]
+        keys |= {(i, w) for i in muon + local[: spec.tuning_wide_seeded]}
+    return keys
 
 
 def _is_shard(key) -> bool:

@@ -66,7 +66,7 @@ def tuning_section(report: dict, spec: dict, out: Path, link, table) -> list[str
         "previous width at the next, extended by one point at a time (up to "
         f"{spec['tuning_max_extensions']}) while the best lr sits at an edge; then "
         f"{in_words(seeds)} seeds at each tuned lr of widths {spec['tuning_widths']} (seed 0 "
-        "is the sweep's own run; wider widths keep that one seed). "
+        f"is the sweep's own run{_wide_seeds(spec['tuning_wide_seeded'])}). "
         "Runs whose settings equal another part's are that part's runs.",
         "",
         *[f"- {tuned_sentence(r, e)}" for r in rows for e in r["widths"]],
@@ -120,6 +120,14 @@ def _shard_lines(shards: dict, table) -> list[str]:
             ],
         ),
     ]
+
+
+def _wide_seeds(k: int) -> str:
+    """Which tuned lrs of the wider widths are seeded too."""
+    if k == 0:
+        return "; wider widths keep that one seed"
+    best = "best shard-local configuration" if k == 1 else f"{in_words(k)} best shard-local ones"
+    return f"; at wider widths those of Muon and the {best}, the others keep that one seed"
 
 
 def _cell(row: dict, width: int) -> str:

@@ -211,6 +211,13 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     # (f): every configuration tuned at every width, each number from the runs' own JSON
     tuning = report["tuning"]
     assert "## (f) Every optimizer tuned at every width" in text and (out / "tuning.png").exists()
+    spec = report["spec"]
+    seeded_keys = {(w, r["label"]) for r in tuning["rows"] for w in spec["tuning_widths"]}
+    for w in spec["tuning_wide_widths"]:  # Muon and the best shard-local ones by seed 0
+        at = {r["label"]: min(e["losses"]) for r in tuning["rows"] for e in r["widths"]
+              if e["n_embd"] == w}  # fmt: skip
+        local = sorted((k for k in at if _label_row(tuning, k)["shard_local"]), key=at.get)
+        seeded_keys |= {(w, k) for k in ["Muon", *local[: spec["tuning_wide_seeded"]]]}
     for row in tuning["rows"]:
         for entry in row["widths"]:
             assert entry["best_lr"] == entry["lrs"][entry["losses"].index(min(entry["losses"]))]
@@ -221,8 +228,8 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
             grid = ", ".join(f"{lr:.4g}" for lr in entry["lrs"])
             lr = f"{entry['best_lr']:.4g}"
             assert f"width {entry['n_embd']}: {row['label']} tuned lr {lr} (grid {grid})" in text
-            narrow = entry["n_embd"] in report["spec"]["tuning_widths"]  # wide: seed 0 only
-            assert entry["seeds"]["n"] == (report["spec"]["tuning_seeds"] if narrow else 1)
+            seeded = (entry["n_embd"], row["label"]) in seeded_keys
+            assert entry["seeds"]["n"] == (report["spec"]["tuning_seeds"] if seeded else 1)
         assert f"- {row['label']}: " in text  # does its lr transfer?
     assert any("Muon's RMS scale" in r["label"] for r in tuning["rows"])  # tuning_scale_rules
     for entry in tuning["best_local"]:
@@ -250,3 +257,7 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     (out / "runs" / report["seeds"]["muon"]["runs"][1] / "summary.json").unlink()
     again = study.study(out, tiny=True, log=lambda *_: None)
     assert again["new_runs"] == 1 and len(again["invocations"]) == 3
+
+
+def _label_row(tuning: dict, label: str) -> dict:
+    return next(r for r in tuning["rows"] if r["label"] == label)
