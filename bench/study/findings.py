@@ -9,6 +9,7 @@ from bench.study.format import NOISE, fmt_loss, label, title
 from bench.study.gap_report import gap_findings
 from bench.study.runs import base_alpha, is_one_column
 from bench.study.stats import NOISE_FACTOR
+from bench.study.tuning_report import tuning_findings
 from dobb.optim.registry import get_entry
 
 SAME_LR_ONLY = 1e-4  # a numeric update_scale's loss difference below this: it only moves the lr
@@ -24,6 +25,7 @@ def findings(report: dict[str, Any]) -> list[str]:
         *_width_findings(report),
         *_ablation_findings(report, "muonbp"),
         *(gap_findings(report["gap"]) if "gap" in report else []),
+        *(tuning_findings(report["tuning"]) if "tuning" in report else []),
         *_scope_findings(report),
     ]
 

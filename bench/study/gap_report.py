@@ -26,15 +26,17 @@ def gap_findings(report: dict) -> list[str]:
     for entry in report["widths"]:
         losses = entry["losses"]
         lines.append(
-            f"n_embd {entry['n_embd']}: best shard-local: {_name(report, entry['best_local'])} "
+            f"At (a)'s lrs (untuned), n_embd {entry['n_embd']}: best shard-local: "
+            f"{_name(report, entry['best_local'])} "
             f"{losses[entry['best_local']]:.4f} vs Muon {losses['muon']:.4f} "
             f"(gap {entry['gap']:+.3f})"
         )
     close = [e["n_embd"] for e in report["widths"] if e["gap"] <= GOAL_GAP]
     goal = "met" if len(close) >= GOAL_WIDTHS else "not met"
     lines.append(
-        f"Goal (a shard-local update within {GOAL_GAP:g} of Muon at {in_words(GOAL_WIDTHS)} "
-        f"widths, or better): {goal}; within {GOAL_GAP:g} at n_embd {close or 'none'}."
+        f"Goal at (a)'s lrs (a shard-local update within {GOAL_GAP:g} of Muon at "
+        f"{in_words(GOAL_WIDTHS)} widths, or better): {goal}; within {GOAL_GAP:g} at n_embd "
+        f"{close or 'none'}."
     )
     flat = report["flat"]["dobb"]
     for name, n in report["crossings"].items():

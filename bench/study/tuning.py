@@ -38,7 +38,7 @@ from bench.study.runs import (
     tune,
     width_of,
 )
-from bench.study.stats import seed_stats
+from bench.study.stats import compare_seeds, seed_stats
 
 
 @dataclass(frozen=True)
@@ -192,9 +192,10 @@ def analyse_tuning(tuning: dict) -> dict:
         at = {r["label"]: e for r in rows for e in r["widths"] if e["n_embd"] == w}
         local = {k: at[k]["seeds"]["mean"] for k in at if _row(rows, k)["shard_local"]}
         name = min(local, key=local.get)
-        muon = at["Muon"]["seeds"]["mean"]
-        best_local.append({"n_embd": w, "label": name, "mean": local[name], "muon": muon,
-                           "gap": local[name] - muon})  # fmt: skip
+        a, muon = at[name]["seeds"], at["Muon"]["seeds"]
+        noise = compare_seeds(a, muon) if min(a["n"], muon["n"]) >= 2 else None
+        best_local.append({"n_embd": w, "label": name, "mean": a["mean"], "muon": muon["mean"],
+                           "gap": a["mean"] - muon["mean"], "noise": noise})  # fmt: skip
     return {"rows": rows, "widths": widths, "best_local": best_local,
             "shards": _shard_rows(tuning, rows)}  # fmt: skip
 

@@ -4,7 +4,9 @@ tuned-lr sentences, the lr-vs-width plot and the tuned width table."""
 import math
 from pathlib import Path
 
-from bench.study.format import fmt_loss, in_words
+from bench.study.format import NOISE, fmt_loss, in_words
+from bench.study.gap import GOAL_GAP, GOAL_WIDTHS
+from bench.study.stats import NOISE_FACTOR
 
 
 def _lr(x: float) -> str:
@@ -17,6 +19,35 @@ def tuned_sentence(row: dict, entry: dict) -> str:
     edge = "; at the grid's edge" if entry["at_edge"] else ""
     name, lr = row["label"], _lr(entry["best_lr"])
     return f"width {entry['n_embd']}: {name} tuned lr {lr} (grid {grid}){edge}"
+
+
+def best_local_sentence(b: dict) -> str:
+    """``width W: best shard-local: NAME MEAN vs Muon MEAN (gap X)``, against the seed noise
+    where both have seeds."""
+    p = b["noise"]
+    if p is None:
+        noise = "one seed of either: no noise estimate"
+    else:
+        verdict = "beyond" if p["exceeds"] else "within"
+        noise = f"{NOISE} pooled seed std {NOISE_FACTOR * p['pooled_std']:.4f}: {verdict} the noise"
+    return (
+        f"width {b['n_embd']}: best shard-local: {b['label']} {fmt_loss(b['mean'])} vs Muon "
+        f"{fmt_loss(b['muon'])} (gap {b['gap']:+.4f}); {noise}"
+    )
+
+
+def tuning_findings(report: dict) -> list[str]:
+    """The summary of (f): the best shard-local update against Muon per width, each tuned
+    there, and the goal on these tuned gaps."""
+    best = report["best_local"]
+    close = [b["n_embd"] for b in best if b["gap"] <= GOAL_GAP]
+    goal = "met" if len(close) >= GOAL_WIDTHS else "not met"
+    return [
+        *[f"Each tuned at its width (f), {best_local_sentence(b)}" for b in best],
+        f"Goal on the tuned gaps (a shard-local update within {GOAL_GAP:g} of Muon at "
+        f"{in_words(GOAL_WIDTHS)} widths, or better): {goal}; within {GOAL_GAP:g} at width "
+        f"{close or 'none'}.",
+    ]
 
 
 def transfer_sentence(row: dict) -> str:
@@ -89,11 +120,7 @@ def tuning_section(report: dict, spec: dict, out: Path, link, table) -> list[str
             ],
         ),
         "",
-        *[
-            f"- width {b['n_embd']}: best shard-local: {b['label']} {fmt_loss(b['mean'])} vs "
-            f"Muon {fmt_loss(b['muon'])} (gap {b['gap']:+.4f})"
-            for b in report["best_local"]
-        ],
+        *[f"- {best_local_sentence(b)}" for b in report["best_local"]],
         *_shard_lines(report["shards"], table),
     ]
 

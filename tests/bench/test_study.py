@@ -234,6 +234,14 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     assert any("Muon's RMS scale" in r["label"] for r in tuning["rows"])  # tuning_scale_rules
     for entry in tuning["best_local"]:
         assert f"width {entry['n_embd']}: best shard-local: {entry['label']}" in text
+        local, muon = (_label_row(tuning, k) for k in (entry["label"], "Muon"))
+        (a, b) = (next(e for e in r["widths"] if e["n_embd"] == entry["n_embd"])["seeds"]
+                  for r in (local, muon))  # fmt: skip
+        noise = study_stats.compare_seeds(a, b)  # both seeded: Muon and the best shard-local one
+        verdict = "beyond" if noise["exceeds"] else "within"
+        assert f"(f), width {entry['n_embd']}: best shard-local: {entry['label']}" in text
+        assert f"pooled seed std {2 * noise['pooled_std']:.4f}: {verdict} the noise" in text
+    assert "Goal on the tuned gaps" in text and "Goal at (a)'s lrs" in text
     shards = tuning["shards"]
     assert [r["row_shards"] for r in shards["rows"]] == report["spec"]["tuning_shard_counts"]
     (run,) = (out / "runs").glob("blockmuon-row_blocks-8-lr*")
