@@ -63,6 +63,7 @@ def transfer_sentence(row: dict) -> str:
 def plot_tuning(out: Path, report: dict) -> str:
     """Final val loss against lr, a panel per configuration, a curve per width."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
 
     rows = report["rows"]
     cols = 4
@@ -73,6 +74,9 @@ def plot_tuning(out: Path, report: dict) -> str:
             losses = [x if math.isfinite(x) else math.nan for x in e["losses"]]
             ax.plot(e["lrs"], losses, "o-", label=f"width {e['n_embd']}")
         ax.set_xscale("log")
+        ticks = sorted({lr for e in row["widths"] for lr in e["lrs"]})
+        ax.set_xticks(ticks, [_lr(x) for x in ticks], fontsize=7, rotation=45)
+        ax.xaxis.set_minor_locator(NullLocator())  # the grid's lrs are the ticks
         ax.set_title(row["label"], fontsize=9)
         ax.set_xlabel("lr")
         ax.set_ylabel("final val loss")
