@@ -36,7 +36,7 @@ def gap_findings(report: dict) -> list[str]:
     lines.append(
         f"Goal at (a)'s lrs (a shard-local update within {GOAL_GAP:g} of Muon at "
         f"{in_words(GOAL_WIDTHS)} widths, or better): {goal}; within {GOAL_GAP:g} at n_embd "
-        f"{close or 'none'}."
+        f"{', '.join(map(str, close)) or 'none'}."
     )
     flat = report["flat"]["dobb"]
     for name, n in report["crossings"].items():

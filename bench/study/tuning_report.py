@@ -46,7 +46,7 @@ def tuning_findings(report: dict) -> list[str]:
         *[f"Each tuned at its width (f), {best_local_sentence(b)}" for b in best],
         f"Goal on the tuned gaps (a shard-local update within {GOAL_GAP:g} of Muon at "
         f"{in_words(GOAL_WIDTHS)} widths, or better): {goal}; within {GOAL_GAP:g} at width "
-        f"{close or 'none'}.",
+        f"{', '.join(map(str, close)) or 'none'}.",
     ]
 
 
