@@ -70,7 +70,7 @@ def study(
     out = Path(out)
     doc = Path(doc) if doc is not None else out.parent / "STUDY.md"
     base = base_config(spec)
-    started, t0 = datetime.now(UTC), time.perf_counter()
+    started, t0, code = datetime.now(UTC), time.perf_counter(), code_version()  # what runs
     with Runner(spec.workers, spec.threads) as runner:
         results = run_study(spec, base, out, runner, log)
         results["gap"] = run_gap(spec, base, out, runner, results["best_lr"], log)
@@ -81,7 +81,7 @@ def study(
         "wall_s": time.perf_counter() - t0,
         "new_runs": runner.new_runs,
         "command": command,
-    } | code_version()
+    } | code
     with open(out / "invocations.jsonl", "a") as f:
         f.write(json.dumps(invocation) + "\n")
     report = analyse(spec, base, out, results) | {

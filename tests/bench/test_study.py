@@ -138,6 +138,20 @@ def test_a_run_in_progress_elsewhere_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------ the tiny pipeline
+def test_an_invocation_records_the_code_it_started_with(tmp_path, monkeypatch):
+    """A commit made while the study runs is not the code that ran."""
+    stages = []  # the stages are stubs here: only the invocation record is under test
+    monkeypatch.setattr(study, "run_study", lambda *a: {"best_lr": {}})
+    monkeypatch.setattr(study, "run_gap", lambda *a: {})
+    monkeypatch.setattr(study, "run_tuning", lambda *a: stages.append("trained") or {})
+    monkeypatch.setattr(study, "analyse", lambda *a: {})
+    monkeypatch.setattr(study, "write_document", lambda *a: None)
+    monkeypatch.setattr(study, "code_version", lambda: {"commit": str(len(stages)), "dirty": 0})
+    (tmp_path / "study").mkdir()
+    report = study.study(tmp_path / "study", tiny=True, log=lambda *_: None)
+    assert stages and report["invocations"][-1]["commit"] == "0"
+
+
 def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     out, doc = tmp_path / "study", tmp_path / "STUDY.md"
     assert lab.main(["study", "--tiny", "--out", str(out)]) == 0
