@@ -113,8 +113,8 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
         log(f"(f) width {w}: {sum(len(s.grid) for s in round_.values())} runs + extensions")
         sweeps |= tune(runner, round_)
         centre |= {i: best_run(sweeps[(i, w)])["lr"] for i, _ in round_}
-    seeded = {key: range(1, spec.tuning_seeds if key in _seeded(spec, configs, sweeps) else 1)
-              for key in sweeps}  # fmt: skip
+    chosen = _seeded(spec, configs, sweeps)
+    seeded = {key: range(1, spec.tuning_seeds if key in chosen else 1) for key in sweeps}
     later = {
         (key, seed): Sweep(maker(configs[key[0]], key[1], seed=seed), [best_run(runs)["lr"]])
         for key, runs in sweeps.items()
