@@ -373,7 +373,7 @@ def ablations(width: int) -> list[Ablation]:
         Ablation("basis_interval", 100),
         Ablation("basis_method", "power_qr"),
         Ablation("basis_method", "jacobi", seeds=4, note="batched solver, the CUDA default"),
-        Ablation("basis_method", "cholqr"),
+        Ablation("basis_method", "cholqr", seeds=4, note="batched orthogonal iteration"),
         Ablation("projection_dtype", "bfloat16", note="bf16 rotations; the solver stays fp32"),
         Ablation("stats_sync", "step", note="one process: same math, a check"),
         Ablation("basis_source", "identity", note="Signum"),

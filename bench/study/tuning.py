@@ -12,9 +12,11 @@ log-spaced grid:
 each grid extended one point at a time (up to ``tuning_max_extensions``) while its best lr
 sits at an edge, then ``tuning_seeds`` seeds at every best lr of ``tuning_widths`` (seed 0
 is the sweep's own run) and, at each wide width, at Muon's and the ``tuning_wide_seeded``
-best shard-local configurations' (the others keep seed 0 only). A configuration shares its
-runs with the other parts wherever the settings agree (same run name), so nothing is
-trained twice.
+best shard-local configurations' (the others keep seed 0 only). Each of ``variants()``
+(a configuration with one change, e.g. another basis solver) runs at that configuration's
+tuned lr of every width of ``tuning_widths`` with ``tuning_seeds`` seeds, set against its
+seeds there. A configuration shares its runs with the other parts wherever the settings
+agree (same run name), so nothing is trained twice.
 
 "Shard-local" as in (e): no collective inside ``step()`` besides the statistics average, at
 4 row shards (FSDP); AdamW is elementwise, so it is.
@@ -57,6 +59,24 @@ class Tuned:
     def sharded(self) -> bool:
         """Whether its update depends on the number of row shards (it has row blocks)."""
         return "row_blocks" in OPTIONS[self.optimizer]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A configuration of ``tuned()`` (label ``of``) with ``options`` on top, run at that
+    configuration's tuned lr with ``tuning_seeds`` seeds at every width of ``tuning_widths``
+    (no grid of its own) and set against its seeds there: whether a change is within the
+    seed noise at each width."""
+
+    label: str
+    of: str
+    options: dict[str, Any]
+
+
+def variants() -> list[Variant]:
+    """The variants of (f), in report order."""
+    cholqr = {"basis_method": "cholqr"}  # the batched orthogonal iteration, not eigh
+    return [Variant("Dobb, 16 blocks, Cholesky-QR refresh", "Dobb, 16 blocks", cholqr)]
 
 
 def tuned(spec=None) -> list[Tuned]:
@@ -128,15 +148,28 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
                 rows = row_block_options(t.optimizer, n)  # at its default: its sweep's run
                 run = maker(t, shard_width, options=t.options | rows)
                 later[("shards", i, n)] = Sweep(run, [lr])
-    log(f"(f) seeds and row shards: {len(later)} runs")
+    index = {t.label: i for i, t in enumerate(configs)}
+    for v, variant in enumerate(variants()):  # at the tuned lrs of tuning_widths, seeded
+        i = index[variant.of]
+        for w in spec.tuning_widths:
+            lr = best_run(sweeps[(i, w)])["lr"]
+            for seed in range(spec.tuning_seeds):
+                run = maker(configs[i], w, options=configs[i].options | variant.options, seed=seed)
+                later[("variant", v, w, seed)] = Sweep(run, [lr])
+    log(f"(f) seeds, row shards and variants: {len(later)} runs")
     done = tune(runner, later)
     seeds = {
         key: [best_run(runs)] + [done[(key, s)][0] for s in seeded[key]]
         for key, runs in sweeps.items()
     }
     shards = {(i, n): done[("shards", i, n)][0] for _, i, n in filter(_is_shard, later)}
+    variant_seeds = {
+        (v, w): [done[("variant", v, w, s)][0] for s in range(spec.tuning_seeds)]
+        for v, _ in enumerate(variants())
+        for w in spec.tuning_widths
+    }
     return {"sweeps": sweeps, "seeds": seeds, "shards": shards, "shard_width": shard_width,
-            "configs": configs}  # fmt: skip
+            "configs": configs, "variants": variant_seeds}  # fmt: skip
 
 
 def _seeded(spec, configs: list[Tuned], sweeps: dict) -> set:
@@ -157,7 +190,12 @@ def _is_shard(key) -> bool:
 
 def all_runs(tuning: dict) -> list[list[dict]]:
     """Every summary of (f), for the study's compute total."""
-    return [*tuning["sweeps"].values(), *tuning["seeds"].values(), [*tuning["shards"].values()]]
+    return [
+        *tuning["sweeps"].values(),
+        *tuning["seeds"].values(),
+        [*tuning["shards"].values()],
+        *tuning["variants"].values(),
+    ]
 
 
 # ---- analysis --------------------------------------------------------------------------
@@ -197,7 +235,31 @@ def analyse_tuning(tuning: dict) -> dict:
         best_local.append({"n_embd": w, "label": name, "mean": a["mean"], "muon": muon["mean"],
                            "gap": a["mean"] - muon["mean"], "noise": noise})  # fmt: skip
     return {"rows": rows, "widths": widths, "best_local": best_local,
-            "shards": _shard_rows(tuning, rows)}  # fmt: skip
+            "shards": _shard_rows(tuning, rows), "variants": _variant_rows(tuning)}  # fmt: skip
+
+
+def _variant_rows(tuning: dict) -> list[dict]:
+    """Each variant at each width: its seeds against its configuration's seeds there (the
+    difference of means, ``compare_seeds``)."""
+    index = {t.label: i for i, t in enumerate(tuning["configs"])}
+    rows = []
+    for (v, w), runs in sorted(tuning["variants"].items()):
+        variant = variants()[v]
+        stats = seed_stats(runs)
+        reference = seed_stats(tuning["seeds"][(index[variant.of], w)])
+        rows.append(
+            {
+                "label": variant.label,
+                "of": variant.of,
+                "options": dict(variant.options),
+                "n_embd": w,
+                "lr": runs[0]["lr"],
+                "seeds": stats,
+                "reference": reference,
+                "pair": compare_seeds(stats, reference),
+            }
+        )
+    return rows
 
 
 def _shard_rows(tuning: dict, rows: list[dict]) -> dict:

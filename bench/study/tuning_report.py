@@ -47,6 +47,56 @@ def tuning_findings(report: dict) -> list[str]:
         f"Goal on the tuned gaps (a shard-local update within {GOAL_GAP:g} of Muon at "
         f"{in_words(GOAL_WIDTHS)} widths, or better): {goal}; within {GOAL_GAP:g} at width "
         f"{', '.join(map(str, close)) or 'none'}.",
+        *[f"(f) {variant_sentence(rows)}" for rows in _by_variant(report["variants"])],
+    ]
+
+
+def _by_variant(rows: list[dict]) -> list[list[dict]]:
+    """The rows of ``analyse_tuning``'s variants grouped by variant, in report order."""
+    labels = dict.fromkeys(r["label"] for r in rows)
+    return [[r for r in rows if r["label"] == label] for label in labels]
+
+
+def variant_sentence(rows: list[dict]) -> str:
+    """``VARIANT vs CONFIGURATION at its tuned lrs: width W: Δ of means X (2 pooled std Y,
+    Welch t Z): within the noise; ...``, one clause per width."""
+    clauses = [
+        f"width {r['n_embd']}: Δ of means {r['pair']['diff']:+.4f} ({NOISE} pooled std "
+        f"{NOISE_FACTOR * r['pair']['pooled_std']:.4f}, Welch t {r['pair']['welch_t']:.2f}): "
+        f"{'beyond' if r['pair']['exceeds'] else 'within'} the noise"
+        for r in rows
+    ]
+    first = rows[0]
+    return f"{first['label']} vs {first['of']} at its tuned lrs: " + "; ".join(clauses) + "."
+
+
+def _variant_lines(variants: list[dict], table) -> list[str]:
+    """The variants of (f), each width a row (nothing if there are none)."""
+    if not variants:
+        return []
+
+    def stats(s: dict) -> str:
+        losses = ", ".join(map(fmt_loss, s["losses"]))
+        return f"{fmt_loss(s['mean'])} ± {s['std']:.4f} ({losses})"
+
+    return [
+        "",
+        "Variants: a configuration with one change, at its tuned lr and seeds of each width "
+        f"(mean ± std (per seed)); beyond noise: |Δ of means| > {NOISE} pooled std:",
+        "",
+        table(
+            "variant|width|lr|variant's loss|configuration|configuration's loss|Δ of means|"
+            f"{NOISE} pooled std|Welch t|beyond noise",
+            [
+                f"{r['label']}|{r['n_embd']}|{_lr(r['lr'])}|{stats(r['seeds'])}|{r['of']}|"
+                f"{stats(r['reference'])}|{r['pair']['diff']:+.4f}|"
+                f"{NOISE_FACTOR * r['pair']['pooled_std']:.4f}|{r['pair']['welch_t']:.2f}|"
+                f"{'yes' if r['pair']['exceeds'] else 'no'}"
+                for r in variants
+            ],
+        ),
+        "",
+        *[f"- {variant_sentence(rows)}" for rows in _by_variant(variants)],
     ]
 
 
@@ -125,6 +175,7 @@ def tuning_section(report: dict, spec: dict, out: Path, link, table) -> list[str
         ),
         "",
         *[f"- {best_local_sentence(b)}" for b in report["best_local"]],
+        *_variant_lines(report["variants"], table),
         *_shard_lines(report["shards"], table),
     ]
 

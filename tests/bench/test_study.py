@@ -184,14 +184,15 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     for row in report["ablations"]:
         assert row["loss"] == min(summary(run)["final_val_loss"] for run in row["runs"])
     assert report["checks"]["stats_sync=step"] == 0  # one process: identical runs
-    # a seeded ablation (the batched refresh): its seed mean against Dobb's seeds
-    (jacobi,) = [r for r in report["ablations"] if r["value"] == "jacobi"]
-    losses = [summary(run)["final_val_loss"] for run in jacobi["seeds"]["runs"]]
-    assert jacobi["seeds"]["n"] == 4 and jacobi["seeds"]["mean"] == pytest.approx(np.mean(losses))
-    assert jacobi["seeds"]["pair"]["diff"] == pytest.approx(
-        np.mean(losses) - report["seeds"]["dobb"]["mean"]
-    )
-    assert "4 seeds: mean" in text
+    # the seeded ablations (the batched refreshes): each seed mean against Dobb's seeds
+    for solver in ("jacobi", "cholqr"):
+        (row,) = [r for r in report["ablations"] if r["value"] == solver]
+        losses = [summary(run)["final_val_loss"] for run in row["seeds"]["runs"]]
+        assert row["seeds"]["n"] == 4 and row["seeds"]["mean"] == pytest.approx(np.mean(losses))
+        assert row["seeds"]["pair"]["diff"] == pytest.approx(
+            np.mean(losses) - report["seeds"]["dobb"]["mean"]
+        )
+        assert f"4 seeds: mean {row['seeds']['mean']:.4f}" in text
 
     # (d): MuonBP of (a) with only the period changed, against its seed-0 run
     assert "## (d) MuonBP's period" in text and (out / "muonbp_period.png").exists()
@@ -264,6 +265,26 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     blockmuon = next(r for r in tuning["rows"] if r["label"] == "BlockMuon")
     (at,) = [e for e in blockmuon["widths"] if e["n_embd"] == shards["n_embd"]]
     assert shards["rows"][1]["losses"]["BlockMuon"] == min(at["losses"])
+    # (f) variants: the Cholesky-QR refresh at Dobb's tuned lr and seeds of each width
+    (variant,) = tuning["variants"]  # one tuning width
+    (at,) = [e for e in _label_row(tuning, variant["of"])["widths"] if e["n_embd"] == 64]
+    assert variant["n_embd"] == 64 and variant["lr"] == at["best_lr"]
+    assert variant["reference"]["runs"] == at["seeds"]["runs"]
+    losses = [summary(run)["final_val_loss"] for run in variant["seeds"]["runs"]]
+    assert len(losses) == spec["tuning_seeds"] and variant["seeds"]["losses"] == losses
+    for run in variant["seeds"]["runs"]:
+        config = json.loads((out / "runs" / run / "run.json").read_text())["config"]
+        assert config["optimizer_options"]["basis_method"] == "cholqr"
+        assert config["lr"] == at["best_lr"]
+    pair = study_stats.compare_seeds(variant["seeds"], variant["reference"])
+    assert pair["diff"] == pytest.approx(np.mean(losses) - at["seeds"]["mean"])
+    verdict = "beyond" if pair["exceeds"] else "within"
+    sentence = (
+        f"{variant['label']} vs Dobb, 16 blocks at its tuned lrs: width 64: Δ of means "
+        f"{pair['diff']:+.4f} (2 x pooled std {2 * pair['pooled_std']:.4f}, Welch t "
+        f"{pair['welch_t']:.2f}): {verdict} the noise."
+    )
+    assert f"- {sentence}" in text and f"- (f) {sentence}" in text  # section and summary
     assert report["compute"]["runs"] == report["new_runs"] == len(list((out / "runs").iterdir()))
     for run in (out / "runs").iterdir():  # each run names the code that trained it
         (start,) = json.loads((run / "code.json").read_text())
