@@ -18,9 +18,11 @@ Both warm-started solvers keep the basis of blocks whose ``Qᵀ C Q`` is already
 (Distributed Shampoo's criterion). ``guarded`` decides on the device: a block whose result is
 non-finite or not orthonormal keeps its previous basis, and ``BlockFailures`` counts such
 blocks on the device and warns once the count reaches the host without a sync. A matrix's
-first refresh (``COLD_METHODS``) runs Jacobi from the identity with more sweeps.
+first refresh (``COLD_METHODS``) runs Jacobi from the identity with more sweeps (or CuPy).
 ``refresh_bases`` is the one dispatch point (``python -m bench.results.eigensolve`` times
-every method).
+every method); ``resolve_method`` says which solver ``"auto"`` runs where: ``eigh`` on CPU,
+CuPy or ``cholqr`` on CUDA, ``cholqr`` in a capturable refresh (CUDA graphs,
+``torch.compile(fullgraph=True)``), whose failure counts stay on the device.
 """
 
 import contextlib
@@ -36,16 +38,28 @@ BASIS_METHODS = ("eigh", "power_qr", "jacobi", "cholqr", "cupy", "auto")
 
 ``"eigh"`` the reference ``eigenbasis``; ``"power_qr"`` one orthogonal-iteration step with
 Householder QR (``power_qr_basis``); ``"jacobi"`` ``jacobi_basis``; ``"cholqr"``
-``cholqr_basis``; ``"cupy"`` ``cupy_eigenbasis``; ``"auto"`` ``"eigh"`` on CPU tensors and
-``AUTO_CUDA`` on CUDA tensors. All but ``"eigh"`` are wrapped in ``guarded``.
+``cholqr_basis``; ``"cupy"`` ``cupy_eigenbasis``; ``"auto"`` (``resolve_method``):
+``"eigh"`` on CPU tensors; on CUDA tensors ``"cupy"`` where CuPy is importable, else
+``AUTO_CUDA``; ``AUTO_CAPTURABLE`` on every device for a capturable refresh. All but
+``"eigh"`` are wrapped in ``guarded``.
 """
 COLD_METHODS = ("jacobi_cold", "auto_cold")
 """Start methods for a matrix's first refresh (what Dobb's ``COLD_START`` maps to), when no
 previous basis exists: ``"jacobi_cold"`` ``jacobi_basis`` from the identity with
-``JACOBI_COLD_SWEEPS`` sweeps (batched, no host read); ``"auto_cold"`` ``"eigh"`` on CPU
-tensors and ``"jacobi_cold"`` on CUDA tensors.
+``JACOBI_COLD_SWEEPS`` sweeps (batched, no host read, ``O(JACOBI_COLD_SWEEPS s)``
+kernels); ``"auto_cold"`` ``"eigh"`` on CPU tensors, on CUDA tensors ``"cupy"`` where
+CuPy is importable, else ``"jacobi_cold"``; ``"jacobi_cold"`` on every device for a
+capturable refresh (it runs once per matrix, in the eager warm-up before a capture).
 """
-AUTO_CUDA = "jacobi"  # batched kernels only; eigh and qr loop over matrices on CUDA
+# "auto" on CUDA without CuPy: cholqr's kernels and passes over the block stack per refresh
+# do not grow with the block size s, jacobi's grow as O(s) (tests/test_step_counts.py counts
+# both); torch's eigh and qr loop over the matrices on CUDA. "jacobi" was the default.
+AUTO_CUDA = "cholqr"
+AUTO_CAPTURABLE = "cholqr"  # "auto" with capturable=True, on every device
+CAPTURABLE_METHODS = ("auto", "cholqr", "jacobi")
+"""``method`` names a capturable refresh accepts: batched kernels only, no host read, no
+Python branch on device values (``eigh`` and ``power_qr`` call per-matrix solvers on CUDA
+that read their error flags, CuPy cannot be captured)."""
 
 EIGH_JITTER = 1e-7  # relative diagonal jitter: C + JITTER * mean(diag C) * I
 # Sweeps per refresh, measured on bench.results.eigensolve.refresh_problem (eigh's fp32
@@ -307,54 +321,62 @@ def orthogonality_error(q: Tensor) -> Tensor:
 class BlockFailures:
     """Device-side counts of the blocks ``guarded`` rejected, reported without a sync.
 
-    ``add`` adds a ``(n,)`` bool mask's count to a device counter (one per method and device)
-    and queues a non-blocking copy of it to the host (pinned memory and an event
-    on CUDA). ``report`` warns once for every counter whose copy has arrived and grown since
-    its last report: on CPU at once, on CUDA at the first guarded call (or ``report``) after
-    the copy completes. It reads host memory only (``tolist``), never the device.
+    ``add`` adds a ``(n,)`` bool mask's count to a 0-d device counter (one per device, made
+    by ``counter``) and nothing else: it can run inside a captured or compiled step.
+    ``report`` queues a non-blocking copy of every counter to the host (pinned memory and an
+    event on CUDA), then warns once for every counter whose copy has arrived and grown since
+    its last report: on CPU at once, on CUDA at a later ``report``. It reads host memory
+    only (``tolist``), never the device.
     """
 
     def __init__(self):
-        self._device: dict[tuple, Tensor] = {}
-        self._host: dict[tuple, tuple[Tensor, object]] = {}
-        self._reported: dict[tuple, int] = {}
+        self._device: dict[torch.device, Tensor] = {}
+        self._methods: dict[torch.device, dict[str, None]] = {}  # ordered set of names
+        self._host: dict[torch.device, tuple[Tensor, object]] = {}
+        self._reported: dict[torch.device, int] = {}
+
+    def counter(self, device: torch.device) -> Tensor:
+        """The 0-d int64 counter of ``device``, made on first use (make it before a CUDA
+        graph capture: a tensor made during one would be zeroed again at every replay)."""
+        if device not in self._device:
+            self._device[device] = torch.zeros((), dtype=torch.int64, device=device)
+        return self._device[device]
 
     def add(self, method: str, bad: Tensor) -> None:
         """Count ``bad`` (``(n,)`` bool, blocks on one device) for ``method``."""
-        key = (method, bad.device)
-        if key not in self._device:
-            self._device[key] = torch.zeros((), dtype=torch.int64, device=bad.device)
-            pinned = bad.device.type == "cuda"
-            self._host[key] = (torch.zeros((), dtype=torch.int64, pin_memory=pinned), None)
-            self._reported[key] = 0
-        self._device[key] += bad.sum()
-        host, _ = self._host[key]
-        host.copy_(self._device[key], non_blocking=True)
-        event = None
-        if bad.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self._host[key] = (host, event)
+        self.counter(bad.device).add_(bad.sum())
+        self._methods.setdefault(bad.device, {})[method] = None
 
     def report(self, stacklevel: int = 2) -> None:
         """One ``RuntimeWarning`` per counter that grew since its last report (see class)."""
-        for key, (host, event) in self._host.items():
+        for device, count in self._device.items():
+            host, _ = self._host.get(device, (None, None))
+            if host is None:
+                host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
+                self._reported[device] = 0
+            host.copy_(count, non_blocking=True)
+            event = torch.cuda.Event() if device.type == "cuda" else None
+            if event is not None:
+                event.record()
+            self._host[device] = (host, event)
+        for device, (host, event) in self._host.items():
             if event is not None and not event.query():
-                continue  # the copy is still on its way; the next report reads it
+                continue  # the copy is still on its way; a later report reads it
             count = host.tolist()
-            if count > self._reported[key]:
+            if count > self._reported[device]:
+                methods = ", ".join(map(repr, self._methods.get(device, ())))
                 warnings.warn(
-                    f"basis_method={key[0]!r} returned a non-finite or non-orthonormal basis "
-                    f"for {count - self._reported[key]} blocks on {key[1]} ({count} in all); "
+                    f"basis_method {methods} returned a non-finite or non-orthonormal basis "
+                    f"for {count - self._reported[device]} blocks on {device} ({count} in all); "
                     "they kept their previous basis",
                     RuntimeWarning,
                     stacklevel=stacklevel + 1,
                 )
-                self._reported[key] = count
+                self._reported[device] = count
 
     @property
     def total(self) -> int:
-        """Blocks rejected so far, every method and device (reads the device: for tests)."""
+        """Blocks rejected so far, every device (reads the device: for tests and logs)."""
         return sum(int(count) for count in self._device.values())
 
 
@@ -364,7 +386,13 @@ BASIS_FAILURES = BlockFailures()  # what ``guarded`` counts into unless given an
 @contextlib.contextmanager
 def full_precision_matmuls():
     """fp32 matmuls in IEEE precision inside the block (TF32, which a trainer may enable with
-    ``set_float32_matmul_precision("high")``, would cost the solvers three digits)."""
+    ``set_float32_matmul_precision("high")``, would cost the solvers three digits).
+
+    Under ``torch.compile`` (where setting the precision breaks the graph) it changes
+    nothing: a compiled refresh runs at the precision its caller set (``docs/gpu.md``)."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
@@ -377,14 +405,16 @@ def guarded(
     method: str,
     solve: Callable[[Tensor, Tensor], Tensor],
     failures: BlockFailures | None = None,
+    report: bool = True,
 ):
     """``solve`` in at least fp32 with IEEE matmuls, and a safety net decided on the device.
 
     A block whose ``C`` is not finite, or that ``solve`` returns non-finite or not
     orthonormal (``orthogonality_error > ORTHO_TOL``, NaN included), keeps its previous
     basis, re-orthonormalised (``_orthonormal_start``: the identity where the previous one
-    is singular); ``failures`` (default ``BASIS_FAILURES``) counts it and warns when the
-    count reaches the host. A ``LinAlgError`` inside ``solve`` (which cannot say which block
+    is singular); ``failures`` (default ``BASIS_FAILURES``) counts it on the device and, if
+    ``report``, warns when the count reaches the host (a capturable refresh leaves the
+    report to its caller). A ``LinAlgError`` inside ``solve`` (which cannot say which block
     failed) keeps every block's previous basis. No host read.
     """
     failures = BASIS_FAILURES if failures is None else failures
@@ -403,20 +433,57 @@ def guarded(
             bad |= ~cov.isfinite().all(-1).all(-1)  # Jacobi maps a NaN pivot to θ = 0
         q = torch.where(bad[:, None, None], previous, q)
         failures.add(method, bad)
-        failures.report(stacklevel=2)
+        if report:
+            failures.report(stacklevel=2)
         return q
 
     return run
 
 
-def basis_solver(method: str, device: torch.device) -> Callable[[Tensor, Tensor], Tensor]:
-    """The ``(cov, basis) -> new basis`` function of ``method`` (``BASIS_METHODS`` or
-    ``COLD_METHODS``) for stacks on ``device``."""
+def cupy_available() -> bool:
+    """Whether ``import cupy`` works (``"auto"`` then prefers CuPy's batched ``eigh`` on
+    CUDA)."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_method(method: str, device: torch.device, capturable: bool = False) -> str:
+    """The solver ``method`` (``BASIS_METHODS`` or ``COLD_METHODS``) names for stacks on
+    ``device``: ``"auto"`` and ``"auto_cold"`` resolved (see ``BASIS_METHODS``)."""
     if method not in BASIS_METHODS + COLD_METHODS:
         raise ValueError(f"invalid basis method {method!r}; choose one of {BASIS_METHODS}")
-    if method in ("auto", "auto_cold"):
-        cold = method == "auto_cold"
-        method = ("jacobi_cold" if cold else AUTO_CUDA) if device.type == "cuda" else "eigh"
+    if capturable and method not in CAPTURABLE_METHODS + COLD_METHODS:
+        raise ValueError(
+            f"basis method {method!r} cannot run in a capturable refresh; choose one of "
+            f"{CAPTURABLE_METHODS}"
+        )
+    if method == "auto_cold":
+        cuda = device.type == "cuda" and not capturable
+        if cuda and cupy_available():
+            return "cupy"
+        return "jacobi_cold" if cuda or capturable else "eigh"
+    if method == "auto":
+        if capturable:
+            return AUTO_CAPTURABLE
+        if device.type != "cuda":
+            return "eigh"
+        return "cupy" if cupy_available() else AUTO_CUDA
+    return method
+
+
+def basis_solver(
+    method: str,
+    device: torch.device,
+    failures: BlockFailures | None = None,
+    capturable: bool = False,
+) -> Callable[[Tensor, Tensor], Tensor]:
+    """The ``(cov, basis) -> new basis`` function of ``method`` (``BASIS_METHODS`` or
+    ``COLD_METHODS``, through ``resolve_method``) for stacks on ``device``; ``failures`` and
+    ``capturable`` (no report in the call) go to ``guarded``."""
+    method = resolve_method(method, device, capturable)
     if method == "eigh":
         return lambda cov, _: eigenbasis(cov)
     solve = {
@@ -426,11 +493,17 @@ def basis_solver(method: str, device: torch.device) -> Callable[[Tensor, Tensor]
         "cholqr": cholqr_basis,
         "cupy": lambda cov, _: cupy_eigenbasis(cov),
     }[method]
-    return guarded(method, solve)
+    return guarded(method, solve, failures, report=not capturable)
 
 
 def refresh_bases(
-    covs: list[Tensor], bases: list[Tensor], method: str = "eigh", run=None
+    covs: list[Tensor],
+    bases: list[Tensor],
+    method: str = "eigh",
+    run=None,
+    *,
+    failures: BlockFailures | None = None,
+    capturable: bool = False,
 ) -> list[Tensor]:
     """New bases for many stacks at once: one batched call per block size.
 
@@ -438,7 +511,7 @@ def refresh_bases(
     layers) are concatenated so that the solver of ``method`` (one of ``BASIS_METHODS``) runs
     once per distinct block size. ``run(fn, cov, basis)`` evaluates ``fn`` on the concatenated
     stacks (default: directly; Dobb can pass ``dobb.distributed.sharding.split_over_ranks`` to
-    share the work between ranks).
+    share the work between ranks). ``failures`` and ``capturable`` go to ``basis_solver``.
     """
     run = run or (lambda fn, *stacks: fn(*stacks))
     by_size: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
@@ -446,7 +519,7 @@ def refresh_bases(
         by_size.setdefault((cov.shape[-1], cov.dtype, cov.device), []).append(i)
     new: list[Tensor] = [torch.empty(0)] * len(covs)
     for (_, _, device), indices in by_size.items():
-        basis_fn = basis_solver(method, device)
+        basis_fn = basis_solver(method, device, failures, capturable)
         cov = torch.cat([covs[i] for i in indices])
         result = run(basis_fn, cov, torch.cat([bases[i] for i in indices]).to(cov.dtype))
         for i, part in zip(indices, result.split([covs[i].shape[0] for i in indices])):

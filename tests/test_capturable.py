@@ -1,19 +1,22 @@
 """``Dobb(capturable=True)``: the same training as the default step, no host read in a
-steady step, a non-finite batch a device-side no-op, and a steady step that
-``torch.compile(fullgraph=True)`` traces (no graph break)."""
+steady or a warm refresh step, a non-finite batch a device-side no-op, and steady and
+refresh steps that ``torch.compile(fullgraph=True)`` traces (no graph break)."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 from opcount import count_step, tiny_gpt
 
+import dobb.eigensolve
 from dobb.optim.registry import build_optimizer
 
 TOKENS = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
 # (options, exact, steps): with Lion on the scalars the bits agree; bias corrections from
 # device counters (capturable AdamW, as torch's, and Adam coefficients) round differently,
-# and a refresh (step 11) can turn rounding into a different basis: those stop at step 10
+# and a refresh (step 11) can turn rounding into a different basis: those stop at step 10.
+# Both runs use cholqr, what "auto" means with capturable=True (the default step: eigh on CPU)
 VARIANTS = {
     "one-sided": ({}, False, 13),
     "one-sided, lion": ({"scalar_algorithm": "lion"}, True, 13),
@@ -48,7 +51,8 @@ def test_capturable_trains_as_the_default_step(variant):
     for capturable in (False, True):
         model = tiny_gpt(2)
         extra = {"capturable": True, "nonfinite": "skip"} if capturable else {}
-        opt = build_optimizer("dobb", model, foreach=True, basis_interval=10, **options, **extra)
+        extra |= {"foreach": True, "basis_interval": 10, "basis_method": "cholqr"}
+        opt = build_optimizer("dobb", model, **options, **extra)
         train(opt, model, steps)
         runs.append(model)
     for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
@@ -113,27 +117,76 @@ def test_refresh_schedule_on_the_host():
     assert opt.refresh_due()  # step 4 = 1 + 3
 
 
-def test_compiled_steady_step_has_no_graph_break():
-    """``torch.compile(fullgraph=True)`` raises at the first graph break; the compiled
-    steady step computes what the eager one does."""
+CAPTURABLE = {"capturable": True, "nonfinite": "skip", "foreach": True}
+
+
+@pytest.mark.parametrize("method", ["eigh", "cupy", "power_qr"])
+def test_solvers_that_cannot_be_captured_are_rejected_at_construction(method):
+    with pytest.raises(ValueError, match=f"basis_method='{method}' cannot run in a captured"):
+        build_optimizer("dobb", tiny_gpt(1), basis_method=method, **CAPTURABLE)
+
+
+def test_a_capturable_warm_refresh_step_reads_nothing():
+    """Step 4 refreshes every basis from the last one ("auto" is cholqr here, on the CPU
+    too); the default step reads the device once in a refresh step (the non-finite check)."""
+    counter = count_step("dobb", 4, warmup_steps=3, basis_interval=3, **CAPTURABLE)
+    assert counter.ops["aten::linalg_cholesky_ex"] > 0  # the refresh ran
+    assert counter.ops["aten::_linalg_eigh"] == 0 and counter.ops["aten::atan"] == 0
+    assert counter.host_reads == 0
+
+
+def test_refresh_failures_stay_on_the_device_until_refresh_due(monkeypatch):
+    """A captured refresh cannot warn: every rejected block is counted on the device, and
+    ``refresh_due`` (host-side, between steps) warns once the count reaches the host."""
+    monkeypatch.setattr(dobb.eigensolve, "cholqr_basis", lambda cov, _: cov * float("nan"))
+    model = tiny_gpt(1)
+    opt = build_optimizer("dobb", model, basis_interval=3, **CAPTURABLE)
+    train(opt, model, 3)  # step 1: the cold refresh, Jacobi from the identity
+    before = {k: v.clone() for k, v in opt.state[model.blocks[0].mlp.fc.weight].items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert opt.refresh_due()  # nothing failed yet
+        train(opt, model, 3)  # step 4 refreshes (every block fails), steps 5, 6 do not
+    blocks = opt.basis_failures.total
+    dobb_matrices = [p for p, state in opt.state.items() if "basis" in state]
+    assert blocks == sum(s.count for p in dobb_matrices for s in opt.local_blocks(p)) > 0
+    after = opt.state[model.blocks[0].mlp.fc.weight]
+    torch.testing.assert_close(after["basis"], before["basis"])  # kept (re-orthonormalised)
+    with pytest.warns(RuntimeWarning, match=rf"'cholqr' returned .* for {blocks} blocks on cpu"):
+        assert opt.refresh_due()
+
+
+def test_compiled_steady_and_refresh_steps_match_the_eager_ones():
+    """After an eager first step (the cold refresh), ``torch.compile(opt.step,
+    fullgraph=True)`` (which raises at a graph break) runs two refresh periods
+    (``basis_interval=3``: refreshes at steps 4 and 7) as the eager capturable step does."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     models, opts = [], []
     for _ in range(2):
         model = tiny_gpt(1)
-        opt = build_optimizer("dobb", model, capturable=True, nonfinite="skip", foreach=True)
-        train(opt, model, 1)  # the first step refreshes: eager
+        opt = build_optimizer("dobb", model, basis_interval=3, **CAPTURABLE)
+        train(opt, model, 1)
         models.append(model)
         opts.append(opt)
     compiled = torch.compile(opts[1].step, fullgraph=True, backend="eager")
-    for _ in range(4):
-        assert not opts[1].refresh_due()
+    due = []
+    for _ in range(7):  # steps 2 to 8
+        due.append(opts[1].refresh_due())
         for model in models:
             model.zero_grad(set_to_none=True)
             backward(model)
         opts[0].step()
         compiled()
+        if len(due) == 1:  # step 2 stacked the bases for the steady step
+            stacks = list(opts[1]._basis_stacks.values())
+    assert due == [False, False, True, False, False, True, False]
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b)
-    # the host counters are guarded once and then traced as dynamic: 2 graphs, not 4
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+    # the steady step's stacked bases were refilled in place (a CUDA graph reads them there)
+    assert len(stacks) > 0 and list(opts[1]._basis_stacks.values()) == stacks
+    for bases, stacked in stacks:
+        assert torch.equal(stacked, torch.stack(bases))
+    # steady and refresh, each traced with static host counts and then dynamic ones: a
+    # graph per step would be 7
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4

@@ -20,7 +20,7 @@ from dobb.blocks import BlockStack, block_stacks
 from dobb.distributed.groups import axis_groups, check_group
 from dobb.distributed.placement import matrix_placement
 from dobb.distributed.sharding import block_state_like, param_block_stacks, split_over_ranks
-from dobb.eigensolve import BASIS_METHODS, refresh_bases
+from dobb.eigensolve import BASIS_METHODS, CAPTURABLE_METHODS, BlockFailures, refresh_bases
 from dobb.optim.base import MatrixOptimizer, state_dtype
 from dobb.optim.batching import each
 from dobb.optim.dobb_statistics import ROW_KEYS, STACK_KEYS, DobbStatistics
@@ -29,7 +29,7 @@ from dobb.optim.dobb_update import COEFFICIENTS, dobb_update, dobb_update_batche
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 # Warm-started solvers need a start: a matrix's first refresh runs batched Jacobi from the
 # identity with more sweeps (dobb.eigensolve.COLD_METHODS; no per-block eigh loop, no host
-# read), or eigh where "auto" means eigh (CPU).
+# read), or eigh where "auto" means eigh (CPU), or CuPy's eigh (CUDA, CuPy installed).
 COLD_START = {
     "power_qr": "jacobi_cold", "cholqr": "jacobi_cold", "jacobi": "jacobi_cold",
     "auto": "auto_cold",
@@ -85,8 +85,10 @@ class Dobb(MatrixOptimizer):
         stats_beta: ``beta2`` (0.95). basis_interval: ``k`` (10).
         update_scale: ``alpha``: a number, ``"adamw"`` (0.2), ``"lion"`` (1.0) or ``"muon"``
             (``1/sqrt(d_in)``, the RMS of Muon's spectrally scaled update).
-        basis_method: ``"auto"`` (``"eigh"`` on CPU, ``"jacobi"`` elsewhere), ``"eigh"``,
-            ``"jacobi"``, ``"cholqr"``, ``"power_qr"``, ``"cupy"`` (``dobb.eigensolve``).
+        basis_method: ``"auto"`` (``"eigh"`` on CPU; on CUDA CuPy's batched ``"cupy"`` if
+            importable, else ``"cholqr"``; ``"cholqr"`` everywhere if capturable),
+            ``"eigh"``, ``"jacobi"``, ``"cholqr"``, ``"power_qr"``, ``"cupy"``
+            (``dobb.eigensolve``); rejected blocks are counted in ``basis_failures``.
         basis_source: ``"activations"``; ablation controls ``"gradients"``, ``"random"``,
             ``"identity"`` (Signum).
         missing_stats: ``"raise"`` without statistics at a step with ``lr > 0``, or
@@ -95,10 +97,12 @@ class Dobb(MatrixOptimizer):
             over (a ProcessGroup or a mesh of data axes), on refresh steps (exact) or every
             ``"step"``; each rank solving ~1/P of the bases (True).
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf inputs (checked per rank).
-        capturable: a steady step (no basis due) with no host read, for CUDA graphs and
-            ``torch.compile(fullgraph=True)``; needs ``nonfinite="skip"``; the refresh
-            schedule is counted on the host (``refresh_due``, ``count_replay``;
-            ``docs/gpu.md``).
+        capturable: steps with no host read, for CUDA graphs and
+            ``torch.compile(fullgraph=True)``: steady steps and warm refreshes (a batched
+            solver, ``CAPTURABLE_METHODS``; a matrix's first refresh, Jacobi from the
+            identity, belongs in the eager warm-up); needs ``nonfinite="skip"``; the refresh
+            schedule is counted on the host (``refresh_due``, ``count_replay``), failures
+            of the solver on the device (reported by ``refresh_due``; ``docs/gpu.md``).
 
     Sharding: each shard updates alone; column shards must hold whole blocks (else
     construction raises). ``state_dict()`` averages the statistics first (a collective).
@@ -161,7 +165,8 @@ class Dobb(MatrixOptimizer):
             projection_dtype=projection_dtype,
         )  # fmt: skip
         self._host_counts: dict[Tensor, list[int]] = {}  # capturable: [step, stats_steps]
-        self._basis_stacks: dict[tuple, Tensor] = {}  # see _stacked_bases
+        self._basis_stacks: dict[tuple, tuple[list[Tensor], Tensor]] = {}  # _stacked_bases
+        self.basis_failures = BlockFailures()  # blocks whose new basis the guard rejected
         super().__init__(
             params, defaults, nonfinite=nonfinite, foreach=foreach, capturable=capturable
         )
@@ -187,6 +192,12 @@ class Dobb(MatrixOptimizer):
         for key, allowed in choices.items():
             if group[key] not in allowed:
                 raise ValueError(f"invalid {key}: {group[key]!r} (one of {allowed})")
+        if self.capturable and group["basis_method"] not in CAPTURABLE_METHODS:
+            raise ValueError(
+                f"basis_method={group['basis_method']!r} cannot run in a captured step (it "
+                "reads the device or loops over matrices, or CuPy cannot be captured); with "
+                f"capturable=True use one of {CAPTURABLE_METHODS} ('auto' is 'cholqr' there)"
+            )
         scale = group["update_scale"]
         if scale not in UPDATE_SCALE_MODES and not (isinstance(scale, float | int) and scale > 0):
             raise ValueError(
@@ -275,6 +286,7 @@ class Dobb(MatrixOptimizer):
             "momentum": torch.zeros_like(param, dtype=dtype),
         }
         self._host_counts[param] = [0, 0]
+        self.basis_failures.counter(device)  # made before any capture (see BlockFailures)
         dim = self._input_dims.get(param, 1)
         sides = (  # (keys, blocks, the param dim they tile, random bases)
             (STACK_KEYS, self._stacks(param, group), dim, group["basis_source"] == "random"),
@@ -378,14 +390,16 @@ class Dobb(MatrixOptimizer):
     def _stacked_bases(self, batch: list[tuple], keys, dtype) -> list[Tensor]:
         """``batch``'s bases under each ``(cov, basis)`` key, stacked ``(n, count, s, s)`` in
         ``dtype`` (the projections') once and kept between steps: bases change only in
-        ``_refresh`` and on a load, which drop these copies (memory: a copy of the bases)."""
+        ``_refresh``, which refills these copies in place (a captured steady step reads them
+        where the capture found them), and on a load, which drops them (memory: a copy of
+        the bases)."""
         out = []
         for _, key in keys:
             cache_key = (key, dtype, *(id(state) for _, state, _ in batch))
             if cache_key not in self._basis_stacks:
                 bases = [local(state[key]) for _, state, _ in batch]
-                self._basis_stacks[cache_key] = torch.stack(bases).to(dtype)
-            out.append(self._basis_stacks[cache_key])
+                self._basis_stacks[cache_key] = (bases, torch.stack(bases).to(dtype))
+            out.append(self._basis_stacks[cache_key][1])
         return out
 
     def _host_count(self, param: Tensor, state: dict) -> list[int]:
@@ -395,14 +409,20 @@ class Dobb(MatrixOptimizer):
         return self._host_counts[param]
 
     def refresh_due(self) -> bool:
-        """Capturable: whether the next ``step()`` may refresh a basis (run it eagerly, not
-        as a graph replay). Host counts only: no device read."""
-        return any(
+        """Capturable: whether the next ``step()`` may refresh a basis (replay the refresh
+        graph, not the steady one; a matrix's first step runs eagerly). Host counts only: no
+        device read. When due it also reports the solver's failures (``basis_failures``,
+        counted on the device by the previous refreshes) whose non-blocking copy has
+        reached the host."""
+        due = any(
             p not in self._host_counts or self._host_counts[p][0] % g["basis_interval"] == 0
             for g in self.param_groups
             if g["algorithm"] == self.algorithm
             for p in g["params"]
         )
+        if due:
+            self.basis_failures.report()
+        return due
 
     def count_replay(self) -> None:
         """Capturable: count a replayed steady step (a CUDA graph replay runs no Python)."""
@@ -436,6 +456,8 @@ class Dobb(MatrixOptimizer):
         super().load_state_dict(state_dict)
         self._host_counts.clear()  # capturable: read again from the loaded counters
         self._basis_stacks.clear()
+        for p in self.state:
+            self.basis_failures.counter(local(p).device)
         self.statistics.mark_synced()
 
     def state_dict(self) -> dict[str, Any]:
@@ -451,9 +473,10 @@ class Dobb(MatrixOptimizer):
 
     def _refresh(self, due: list[tuple[dict[str, Any], dict[str, Any], float]]) -> None:
         """Recompute the bases of ``due`` ``(state, group, stats_steps)`` matrices, one batched
-        solver call per method, side and block size (``eigh`` on a matrix's first
-        statistics). Input blocks are shared out over the data ranks (``shard_refresh``);
-        row blocks are computed where they live: an FSDP rank holds only its own."""
+        solver call per method, side and block size (``COLD_START`` on a matrix's first
+        statistics; rejected blocks counted in ``basis_failures``). Input blocks are shared
+        out over the data ranks (``shard_refresh``); row blocks are computed where they
+        live: an FSDP rank holds only its own."""
         by_method: dict[tuple[str, bool], list[tuple[dict, str, str]]] = {}
         for state, group, stats_steps in due:
             method = group["basis_method"]
@@ -462,15 +485,17 @@ class Dobb(MatrixOptimizer):
                 by_method.setdefault((method, split), []).extend(
                     (state, cov_key, basis_key) for cov_key, basis_key in keys if cov_key in state
                 )
-        if due:
-            self._basis_stacks.clear()
         for (method, split), keys in by_method.items():
             if not keys:
                 continue
             targets = [local(state[b]) for state, _, b in keys]
             covs = [local(state[c]) for state, c, _ in keys]
             run = self._run if split else None
-            torch._foreach_copy_(targets, refresh_bases(covs, targets, method, run))
+            solver = dict(failures=self.basis_failures, capturable=self.capturable)
+            torch._foreach_copy_(targets, refresh_bases(covs, targets, method, run, **solver))
+        if due:  # refill the stacked copies where a captured steady step reads them
+            for bases, stacked in self._basis_stacks.values():
+                stacked.copy_(torch.stack(bases))
 
     @property
     def stats_groups(self) -> list:
