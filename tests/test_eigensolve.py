@@ -11,7 +11,9 @@ from multirank import run_ranks
 from bench.results.eigensolve import eigen_residual, main, refresh_problem
 from bench.tools.opcount import OpCounter
 from dobb.eigensolve import (
+    AUTO_CUDA,
     BASIS_METHODS,
+    CAPTURABLE_METHODS,
     COLD_METHODS,
     JACOBI_COLD_SWEEPS,
     BlockFailures,
@@ -25,6 +27,7 @@ from dobb.eigensolve import (
     orthogonality_error,
     power_qr_basis,
     refresh_bases,
+    resolve_method,
 )
 
 
@@ -312,3 +315,28 @@ def test_sharded_refresh_matches_one_process():
     for results in run_ranks(_refresh_split_over_ranks, 2):
         for method, q in results.items():
             torch.testing.assert_close(q, refresh_bases([cov], [basis], method)[0])
+
+
+def test_auto_resolves_to_eigh_on_cpu_cupy_or_cholqr_on_cuda_and_cholqr_if_capturable(
+    monkeypatch,
+):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda:0")
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    table = {  # (method, device, capturable): solver, without CuPy
+        ("auto", cpu, False): "eigh",
+        ("auto", cuda, False): AUTO_CUDA,
+        ("auto", cpu, True): "cholqr",
+        ("auto", cuda, True): "cholqr",
+        ("auto_cold", cpu, False): "eigh",
+        ("auto_cold", cuda, False): "jacobi_cold",
+        ("auto_cold", cpu, True): "jacobi_cold",
+        ("jacobi", cuda, True): "jacobi",
+    }
+    assert {key: resolve_method(*key) for key in table} == table
+    monkeypatch.setitem(sys.modules, "cupy", sys)  # an importable stand-in
+    assert resolve_method("auto", cuda) == resolve_method("auto_cold", cuda) == "cupy"
+    assert resolve_method("auto", cpu) == "eigh"
+    assert resolve_method("auto", cuda, capturable=True) == "cholqr"  # CuPy is not capturable
+    for method in set(BASIS_METHODS) - set(CAPTURABLE_METHODS):
+        with pytest.raises(ValueError, match=f"{method!r} cannot run in a capturable refresh"):
+            resolve_method(method, cuda, capturable=True)

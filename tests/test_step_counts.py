@@ -6,11 +6,15 @@ non-finite check; Dion with randomized Cholesky QR once more, for its fallback).
 on the tiny GPT at 4 and 16 layers.
 """
 
+import sys
+
 import pytest
 import torch
 from opcount import count_step, count_steps, tiny_gpt
 
+from bench.tools.opcount import OpCounter
 from dobb.blocks import block_stacks
+from dobb.eigensolve import refresh_bases, resolve_method
 from dobb.optim.registry import build_optimizer
 from dobb.train.model import GPT, gpt_config
 
@@ -113,3 +117,31 @@ def test_bytes_per_steady_step():
     assert steady_bytes_per_element(**two_sided) < 235
     sixteen = steady_bytes_per_element()
     assert steady_bytes_per_element(projection_dtype="bfloat16") < 0.95 * sixteen
+
+
+def refresh_counts(method: str, n: int, s: int) -> tuple[int, float]:
+    """Ops and passes over the block stack of one warm-started ``refresh_bases`` call on
+    ``n`` random PSD blocks of size ``s`` (a pass: reading or writing as many bytes as the
+    ``(n, s, s)`` stack, ``OpCounter.bytes``), after a call on one block (Jacobi caches its
+    schedule). The batched solvers' ops do not depend on the values."""
+    x = torch.randn(n, s, s, generator=torch.Generator().manual_seed(0))
+    cov, basis = x.mT @ x / s, torch.linalg.qr(x).Q
+    refresh_bases([cov[:1]], [basis[:1]], method)
+    with OpCounter() as counter:
+        refresh_bases([cov], [basis], method)
+    assert counter.host_reads == 0
+    return counter.total, counter.bytes / (cov.numel() * cov.element_size())
+
+
+def test_cuda_default_refresh_does_not_grow_with_the_block_size(monkeypatch):
+    """What ``basis_method="auto"`` runs on CUDA without CuPy (``AUTO_CUDA``), counted on
+    16 blocks: kernels and passes over the stack independent of ``s``. Counted on
+    2026-12-02: cholqr 164 ops and 111 passes at s = 100 and 400; the previous default,
+    jacobi, 11,216 and 44,816 ops, 4,919 and 19,319 passes (O(s) rounds a sweep)."""
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    method = resolve_method("auto", torch.device("cuda"))
+    (ops, passes), (ops_400, passes_400) = (refresh_counts(method, 16, s) for s in (100, 400))
+    assert ops == ops_400 <= 600
+    assert max(passes, passes_400) <= 300
+    jacobi = [refresh_counts("jacobi", 2, s)[0] for s in (20, 40)]  # ops do not depend on n
+    assert jacobi[1] > 1.8 * jacobi[0] > 600
