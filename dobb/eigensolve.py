@@ -297,7 +297,7 @@ def cupy_eigenbasis(cov: Tensor) -> Tensor:
         import cupy
     except ImportError as err:
         raise RuntimeError(
-            "basis_method='cupy' needs CuPy (pip install cupy-cuda12x); "
+            "basis_method='cupy' needs CuPy (pip install 'dobb[cupy]', or cupy-cuda13x); "
             "use basis_method='jacobi' or 'auto' without it"
         ) from err
     if cov.device.type != "cuda":
