@@ -67,6 +67,10 @@ CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "
 # row of the model and the block calls of MuonBP's timing)
 OPTIMIZERS = in_table("calltime")
 
+# The refresh Dobb's basis_method="auto" runs on CUDA when CuPy is not installed: the batched
+# orthogonal iteration with Cholesky-QR3 (dobb.eigensolve.cholqr_basis; issue #32).
+CUDA_SOLVER = "cholqr"
+
 # Paper's reference points (arXiv 2610.39412, abstract): GPT-2 XL, FSDP on 32 H100,
 # amortized optimizer-call time.
 PAPER_XL_32_H100_MS = {"dobb": 9.2, "dion": 124.1}
@@ -163,8 +167,8 @@ def predict(
     layout = layout or Layout(shard=world)
     if layout.world > 1 and network is None:
         network = Network()
-    # Dobb's basis_method="auto": eigh on CPU, batched Jacobi on CUDA (foreach: a GPU profile)
-    options.setdefault("solver", "jacobi" if hardware.foreach else "eigh")
+    # Dobb's basis_method="auto": eigh on CPU, CUDA_SOLVER on CUDA (foreach: a GPU profile)
+    options.setdefault("solver", CUDA_SOLVER if hardware.foreach else "eigh")
     work = build_work(name, matrices, layout=layout, foreach=hardware.foreach, **options)
     terms = work_time(work, hardware, network)
     # Python work per matrix (state lookups, building the batches), calibrated per matrix;

@@ -113,7 +113,8 @@ GPU_LAUNCH_S = 6e-6
 # eigh per s x s fp32 block through torch.linalg.eigh on CUDA: for n > 32 PyTorch loops
 # cuSOLVER syevd over the batch; pytorch/pytorch#174674 measured 914 ms for 500 blocks of
 # 100 x 100 (1.8 ms a block; GPU not named). The s³ term (10 ms at s = 400) is an
-# assumption. Dobb's batched Jacobi refresh is modeled op by op (costs.dobb.jacobi_kernels).
+# assumption. Dobb's batched refreshes are modeled op by op (costs.dobb.jacobi_kernels, and
+# costs.traced.solver_kernels for cholqr, the CUDA default).
 EIGH_TORCH_CUDA_S = (1.7e-3, 1.3e-10)
 # cuSOLVER QR / Cholesky / triangular solve of small matrices: latency-bound; assumption.
 GPU_FACTOR_LATENCY_S = {"qr": 150e-6, "small": 30e-6}
@@ -139,6 +140,25 @@ H100 = Hardware(
 )
 # H200: the H100's chip with HBM3e at 4.8 TB/s (NVIDIA H200 datasheet).
 H200 = replace(H100, name="H200 (datasheet x assumed efficiency)", memory_bandwidth=4.8e12 * 0.9)
+
+# A CUDA graph replays its kernels without host dispatch: the GPU launches each node after
+# the last, so what an eager op pays on the host (GPU_LAUNCH_S) drops to the gap between
+# kernels. NVIDIA's "Getting Started with CUDA Graphs" (developer.nvidia.com/blog/cuda-graphs/,
+# V100) measured that gap below a microsecond for short kernels; 1 us on an H100 is our
+# assumption (no replay was timed on the H200 here: benchmarks/gpu_check.sh times one).
+GRAPH_LAUNCH_S = 1e-6
+
+
+def captured(hw: Hardware, launch_s: float = GRAPH_LAUNCH_S) -> Hardware:
+    """``hw`` replaying the call as a CUDA graph: every op's fixed cost is ``launch_s`` and no
+    Python runs per matrix; rates, bandwidths and the factorizations' device-side latencies
+    (``latency_s``, ``eigh_s``) are unchanged."""
+    return replace(
+        hw,
+        name=f"{hw.name}, captured (CUDA graph replay)",
+        op_s=dict.fromkeys(hw.op_s, launch_s),
+        matrix_s={},
+    )
 
 
 @dataclass(frozen=True)

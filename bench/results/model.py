@@ -9,11 +9,20 @@ Every number in the prose is computed from the model or read from its constants.
 import math
 
 from bench.model import hardware
-from bench.model.costmodel import OPTIMIZERS, PAPER_XL_32_H100_MS, build_work, format_terms, predict
-from bench.model.hardware import H100, H200, Hardware, Network
+from bench.model.costmodel import (
+    CUDA_SOLVER,
+    OPTIMIZERS,
+    PAPER_XL_32_H100_MS,
+    build_work,
+    format_terms,
+    predict,
+)
+from bench.model.costs.traced import passes, solver_kernels
+from bench.model.hardware import H100, H200, Hardware, Network, captured
 from bench.model.workload import WIDTHS, Layout, hidden_matrices, transformer_matrices
 from bench.optimizers import CALL_SETTINGS
 from bench.tools.markdown import markdown_table
+from dobb.blocks import block_stacks
 from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
 
 XL_WORLD = 32  # GPUs of the paper's GPT-2 XL run (FSDP)
@@ -23,6 +32,7 @@ SETTINGS = CALL_SETTINGS  # the hyperparameters of every prediction here
 VARIANTS = {
     "Dobb, refresh replicated (shard_refresh=False)": ("dobb", dict(refresh="replicated")),
     "Dobb, eigh refresh (torch.linalg.eigh per block)": ("dobb", dict(solver="eigh")),
+    "Dobb, Jacobi refresh (the CUDA default before #32)": ("dobb", dict(solver="jacobi")),
     "Dobb before batching (per-matrix ops, eigh)": (
         "dobb",
         dict(launches="per_matrix", solver="eigh"),
@@ -32,6 +42,7 @@ VARIANTS = {
     "BlockMuon (period None)": ("muonbp", dict(period=None)),
 }
 UNBATCHED = {"dobb": "Dobb before batching (per-matrix ops, eigh)"}  # dashed in the plots
+CAPTURED = ("dobb", "muon")  # also priced as a replayed CUDA graph (hardware.captured)
 # Published figures the assumed constants of ``bench.model.hardware`` rest on (its comments
 # give the same sources); quoted beside the constants, never used by the model.
 NVLINK4_BYTES_S = 450e9  # per direction per GPU (NVLink 4 datasheet)
@@ -79,6 +90,10 @@ def paper_section(hw: Hardware = H100) -> tuple[str, dict[str, dict[str, float]]
         rows[label + " (hierarchical)"] = predict_variant(
             label, matrices, hw, world=world, network=Network()
         )
+    for name in CAPTURED:
+        rows[captured_label(name)] = xl_predict(
+            name, matrices, captured(hw), world=world, network=Network()
+        )
     for algorithm in ("hierarchical", "ring"):
         rows[f"Dion, {dion_all_reduces()} all-reduces per matrix ({algorithm})"] = xl_predict(
             "dion",
@@ -90,6 +105,7 @@ def paper_section(hw: Hardware = H100) -> tuple[str, dict[str, dict[str, float]]
         )
     dobb, dion = rows["dobb (hierarchical)"]["total"], rows["dion (hierarchical)"]["total"]
     before = rows[UNBATCHED["dobb"] + " (hierarchical)"]["total"]
+    replayed = rows[captured_label("dobb")]["total"]
     paper = PAPER_XL_32_H100_MS
 
     def versus(label, model, reference):
@@ -99,6 +115,7 @@ def paper_section(hw: Hardware = H100) -> tuple[str, dict[str, dict[str, float]]
         ["", "paper (ms)", "model, our implementation (ms)", "model / paper"],
         [
             versus("Dobb", dobb, paper["dobb"]),
+            versus("Dobb, captured (CUDA graph replay)", replayed, paper["dobb"]),
             versus("Dion", dion, paper["dion"]),
             ["Dion / Dobb", f"{paper['dion'] / paper['dobb']:.1f}", f"{dion / dobb:.2f}", ""],
             versus(UNBATCHED["dobb"], before, paper["dobb"]),
@@ -111,6 +128,11 @@ def paper_section(hw: Hardware = H100) -> tuple[str, dict[str, dict[str, float]]
         f"over {fsdp_cluster()}, profile `{hw.name}`, per-call ms by category:"
     )
     return "\n\n".join([head, format_terms(rows), table]), rows
+
+
+def captured_label(name: str) -> str:
+    """The row of ``name`` priced as a replayed CUDA graph in ``paper_section``."""
+    return f"{name}, captured (CUDA graph replay) (hierarchical)"
 
 
 def dion_all_reduces(collectives: str = "batched") -> int:
@@ -192,10 +214,10 @@ def scaling(worlds: dict[str, list[float]], widths: dict[str, list[float]]) -> s
 What drives each curve in the model (H100 profile, two-level collectives; dashed: Dobb before
 batching, per-matrix ops and a per-block eigh):
 
-- Dobb (ours: same-shape matrices batched, `shard_refresh=True`, the batched Jacobi refresh
-  of `basis_method="auto"` on CUDA) goes from {ms(dobb[0])} ms at {first} GPUs to
+- Dobb (ours: same-shape matrices batched, `shard_refresh=True`, the batched `{CUDA_SOLVER}`
+  refresh of `basis_method="auto"` on CUDA) goes from {ms(dobb[0])} ms at {first} GPUs to
   {ms(dobb[-1])} ms at {last}: its update is row-local, each rank refreshes 1/p of the
-  blocks, and what remains is a fixed number of launches per shape and the Jacobi rounds.
+  blocks, and what remains is a fixed number of launches per shape and per refresh.
   Before batching the same model gives {ms(before[0])} ms and {ms(before[-1])} ms.
 - Dion goes from {ms(dion[0])} to {ms(dion[-1])} ms: its small factorizations (QR of the
   k x r sketch, Cholesky, two triangular solves per matrix) are replicated on every rank,
@@ -221,6 +243,8 @@ def discussion(rows: dict[str, dict[str, float]]) -> str:
     dobb, dion = rows["dobb (hierarchical)"], rows["dion (hierarchical)"]
     replicated = rows["Dobb, refresh replicated (shard_refresh=False) (hierarchical)"]
     eigh = rows["Dobb, eigh refresh (torch.linalg.eigh per block) (hierarchical)"]
+    jacobi = rows["Dobb, Jacobi refresh (the CUDA default before #32) (hierarchical)"]
+    replayed = rows[captured_label("dobb")]
     before = rows[UNBATCHED["dobb"] + " (hierarchical)"]
     muonbp, muon = rows["muonbp (hierarchical)"], rows["muon (hierarchical)"]
     paper = PAPER_XL_32_H100_MS
@@ -242,10 +266,10 @@ How to read this (and where and why it disagrees with the paper):
 - The model describes *our* implementation: matrices of one shape updated together (a few
   batched kernels per shape: {shapes} shapes in GPT-2 XL), some Python work per matrix, each
   op with a fixed cost; at a refresh each rank's 1/{XL_WORLD} of the blocks through the batched
-  Jacobi solver, then one all-gather per block size; Dion's {rounds} all-reduce rounds per step
-  each sent for all matrices in one buffer (`dobb.distributed.reduce.all_reduce_`), its
-  ops per matrix. The paper's implementation is not described in its abstract. All of it
-  is a *prediction* from assumed H100 constants.
+  `{CUDA_SOLVER}` solver (`basis_method="auto"` on CUDA), then one all-gather per block
+  size; Dion's {rounds} all-reduce rounds per step each sent for all matrices in one buffer
+  (`dobb.distributed.reduce.all_reduce_`), its ops per matrix. The paper's implementation
+  is not described in its abstract. All of it is a *prediction* from assumed H100 constants.
 - **Dion**: {ms(dion["total"])} ms predicted against the paper's {paper["dion"]} ms
   ({dion["total"] * 1e3 / paper["dion"]:.1f}x). Latency-bound terms (small factorizations,
   per-op costs, collective latency) are {dion_fixed:.0%} of it; its communication is
@@ -255,14 +279,17 @@ How to read this (and where and why it disagrees with the paper):
   The agreement with the paper rests on assumed latencies of small cuSOLVER calls and of
   PyTorch ops (the GPU section measures both on an H200).
 - **Dobb**: {ms(dobb["total"])} ms predicted against the paper's {paper["dobb"]} ms
-  ({dobb["total"] * 1e3 / paper["dobb"]:.1f}x): matmul and memory
+  ({dobb["total"] * 1e3 / paper["dobb"]:.1f}x; Muon {ms(muon["total"])} ms): matmul and memory
   {ms(dobb["matmul"] + dobb["memory"])} ms, per-op costs {ms(dobb["overhead"])} ms, the
   refresh's small factorizations {ms(dobb["factorization"])} ms and the statistics
   all-reduce and bases all-gather {ms(dobb["comm_latency"] + dobb["comm_bandwidth"])} ms
-  (amortized). With `torch.linalg.eigh` for the refresh ({blocks_per_rank} blocks per rank,
-  one cuSOLVER call each) it would be {ms(eigh["total"])} ms; before batching (per-matrix
-  ops and eigh) {ms(before["total"])} ms; without sharding the refresh
-  (`shard_refresh=False`) {ms(replicated["total"])} ms.
+  (amortized). {refresh_words()}
+  Replayed as CUDA graphs (steady and refresh step captured, {launch_us()} us a kernel) it
+  is {ms(replayed["total"])} ms (per-op costs {ms(replayed["overhead"])} ms). With the
+  closed-form Jacobi refresh (the CUDA default before #32) it is {ms(jacobi["total"])} ms;
+  with `torch.linalg.eigh` ({blocks_per_rank} blocks per rank, one cuSOLVER call each)
+  {ms(eigh["total"])} ms; before batching (per-matrix ops and eigh) {ms(before["total"])} ms;
+  without sharding the refresh (`shard_refresh=False`) {ms(replicated["total"])} ms.
 - **MuonBP**: {ms(muonbp["total"])} ms (Muon: {ms(muon["total"])} ms), of which
   {ms(muonbp["overhead"])} ms are per-op costs: shard-local Newton-Schulz on a rank's rows
   is cheap (a = d_out / p).
@@ -271,6 +298,29 @@ How to read this (and where and why it disagrees with the paper):
   in the paper) hinges on assumed constants: per-op and factorization latencies above all.
   Read the absolute numbers as order-of-magnitude and the breakdown as the useful part.
 """
+
+
+def refresh_words() -> str:
+    """The ``CUDA_SOLVER`` refresh's kernels and passes at GPT-2 XL's block sizes, in words
+    (counted from the code: ``costs.traced``)."""
+    sizes = sorted(
+        {
+            s.size
+            for m in hidden_matrices("gpt2-xl")
+            for s in block_stacks(m.d_in, SETTINGS["num_blocks"])
+        }
+    )
+    counts = "; ".join(
+        f"s = {s}: {len(solver_kernels(CUDA_SOLVER, s, 1))} kernels, "
+        f"{passes(CUDA_SOLVER, s):.0f} passes over the stack"
+        for s in sizes
+    )
+    return f"Its `{CUDA_SOLVER}` solve, counted from the code, launches ({counts})."
+
+
+def launch_us() -> str:
+    """The assumed per-kernel cost of a replayed CUDA graph, in us."""
+    return f"{hardware.GRAPH_LAUNCH_S * 1e6:g}"
 
 
 # the prose of ``constants_section``; every number is a slot filled from the constants
@@ -284,12 +334,16 @@ other value is our assumption):
   {bmm} for the fp32 block products of Dobb.
 - HBM3 {hbm} TB/s (datasheet) x {hbm_eff} (assumed; section 7 holds a measured profile's copy
   bandwidth when there is one). H200: {h200} TB/s (datasheet) x {h200_eff}.
-- Per-op cost {launch} us (PyTorch eager dispatch + launch; assumed).
+- Per-op cost {launch} us (PyTorch eager dispatch + launch; assumed); {graph} us a kernel in
+  a replayed CUDA graph (assumed; NVIDIA's "Getting Started with CUDA Graphs" blog measured
+  under a microsecond between short kernels on a V100).
 - eigh per s x s block on CUDA through `torch.linalg.eigh`: {a} ms + {b} s · s³ (PyTorch
   loops cuSOLVER syevd over the batch; pytorch/pytorch#174674 measured {eigh} ms a block at
-  s={s}; the s³ term is assumed). The batched Jacobi refresh (`dobb.eigensolve.jacobi_basis`)
-  is modeled op by op: {sweeps} sweeps of rounds, each solving all slot pairs (up to
-  {slot} x {slot}) at once (CuPy's syevjBatched, same issue: {syevj} us a block at s={s}).
+  s={s}; the s³ term is assumed). The batched refreshes are modeled op by op: `cholqr` (the
+  CUDA default) from its ops as dispatched (`bench.model.costs.traced`), the closed-form
+  Jacobi (`dobb.eigensolve.jacobi_basis`) by hand: {sweeps} sweeps of rounds, each solving
+  all slot pairs (up to {slot} x {slot}) at once (CuPy's syevjBatched, same issue: {syevj} us a
+  block at s={s}).
 - Small factorizations on GPU (QR, Cholesky, triangular solves): {qr} us (QR) / {small} us
   latency + FLOPs at {factor} TFLOP/s (assumed).
 - Links: NVLink 4 {nvlink} GB/s per direction per GPU (datasheet), {intra} GB/s used
@@ -319,6 +373,7 @@ def constants_section() -> str:
         "h200": H200_HBM_BYTES_S / 1e12,
         "h200_eff": H200.memory_bandwidth / H200_HBM_BYTES_S,
         "launch": h.GPU_LAUNCH_S * 1e6,
+        "graph": h.GRAPH_LAUNCH_S * 1e6,
         "a": h.EIGH_TORCH_CUDA_S[0] * 1e3,
         "b": h.EIGH_TORCH_CUDA_S[1],
         "eigh": ISSUE_174674["eigh"] * 1e3,

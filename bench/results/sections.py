@@ -222,11 +222,11 @@ def check_table(record: dict, hw: Hardware) -> tuple[str, list[float]]:
 
 def refresh_solver(meta: dict) -> str:
     """The refresh solver a call-time record's Dobb ran (``basis_method``; ``"auto"`` is
-    Jacobi on CUDA); records without the field ran ``eigh``."""
+    ``AUTO_CUDA`` on CUDA); records without the field ran ``eigh``."""
     method = meta.get("basis_method") or "eigh"
     if method == "auto":
         method = AUTO_CUDA if meta.get("device", "cpu").startswith("cuda") else "eigh"
-    return "jacobi" if method == "jacobi" else "eigh"
+    return method if method in ("jacobi", "cholqr") else "eigh"
 
 
 def check_section(record: dict, hw: Hardware, title: str) -> str:

@@ -16,6 +16,7 @@ from bench.model.costs.kernels import (
     matmul,
     no_launch,
 )
+from bench.model.costs.traced import solver_kernels
 from bench.model.hardware import Collective
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
 from dobb.blocks import block_stacks
@@ -76,8 +77,9 @@ def work(
     of the ``p`` ranks of the innermost data axis refreshes ``1/p`` of the blocks of each
     size, then one all-gather per block size shares the bases; ``"replicated"``
     (``shard_refresh=False``): every rank refreshes every block it holds. ``solver``:
-    ``"eigh"`` (``torch.linalg.eigh``: one fitted cost per block) or ``"jacobi"``
-    (``dobb.eigensolve.jacobi_basis``: batched kernels, ``jacobi_kernels``).
+    ``"eigh"`` (``torch.linalg.eigh``: one fitted cost per block), ``"jacobi"``
+    (``dobb.eigensolve.jacobi_basis``: batched kernels, ``jacobi_kernels``) or another
+    batched ``basis_method`` such as ``"cholqr"`` (``traced.solver_kernels``).
     Two-sided Dobb (``two_sided=True``, ``row_blocks``: None for one block of each rank's
     rows) runs ``two_sided_ops`` instead of the one-sided rotations; its row bases are
     refreshed where they live (never shared out), and under row-parallel TP its row
@@ -147,11 +149,14 @@ def work(
 
 def refresh_kernels(size: int, count: int, blocks: int, solver: str) -> list[Kernel]:
     """Refreshing ``blocks`` of the ``count`` bases of one ``size`` that a rank holds: cat
-    the stacks, solve (``eigh``: jitter, one fitted call, flip; or ``jacobi_kernels``),
-    copy all ``count`` into the state."""
+    the stacks, solve (``eigh``: jitter, one fitted call, flip; ``jacobi_kernels``; any other
+    batched ``basis_method``, e.g. ``cholqr``: ``traced.solver_kernels``, its ops counted
+    from the code), copy all ``count`` into the state."""
     elements = blocks * size * size
     if solver == "jacobi":
         solve = jacobi_kernels(size, blocks)
+    elif solver != "eigh":  # a batched solver: its kernels counted from the code
+        solve = solver_kernels(solver, size, blocks)
     else:
         solve = [
             elementwise(elements, 3, new=True),  # C + jitter I
