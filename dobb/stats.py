@@ -3,6 +3,7 @@ counts) gathered by forward pre-hooks in training mode; ``S_b = A_b / n`` at the
 (costs and precision: ``docs/baselines.md``).
 """
 
+import itertools
 import sys
 import weakref
 from collections.abc import Iterator
@@ -177,10 +178,15 @@ class GramCache:
 
 
 class BlockStatistics:
-    """Running sums ``A`` (one ``(count, size, size)`` tensor per stack) and token count.
+    """Running sums ``A`` (one ``(count, size, size)`` tensor per stack) and token count ``n``.
 
-    Layers that share a ``GramCache`` and are fed the same input tensor in one forward pass
-    compute its products ``X_bᵀ X_b`` once; sums are bit-identical with or without a cache.
+    ``tokens`` is a 0-d tensor on the sums' device, in their dtype (exact to 2^24 tokens per
+    step in fp32, then rounded by at most 2^-24 relatively), so that adding to it reads
+    nothing on the host and a compiled model traces it; ``seen`` (host) says whether
+    anything was added since the last reset, written only by the accumulating code that runs
+    with real tensors, never read in traced code. Layers that share a ``GramCache`` and are
+    fed the same input tensor in one forward pass compute its products ``X_bᵀ X_b`` once;
+    sums are bit-identical with or without a cache.
     """
 
     def __init__(
@@ -195,30 +201,55 @@ class BlockStatistics:
         self.sums = [
             torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device) for s in stacks
         ]
-        self.tokens = 0
+        self.tokens = torch.zeros((), dtype=dtype, device=device)
+        self.seen = False
         self.cache = cache
+        self.key = next(_KEYS)  # how the hook's op finds this object (and its cache)
+        _LIVE[self.key] = self
 
-    @torch.no_grad()
-    def add(self, x: Tensor) -> None:
-        """Accumulate ``x`` of shape ``(..., width)``: the layer input's local columns."""
+    def local_input(self, x: Tensor) -> Tensor:
+        """``x`` as this rank's ``(..., width)`` columns, the sums moved to its device."""
         if isinstance(x, DTensor):  # this rank's features only (e.g. row-parallel TP input)
             x = x.to_local()
         if x.shape[-1] != self.width:
             raise ValueError(f"activation has {x.shape[-1]} features, expected {self.width}")
         if self.sums[0].device != x.device:  # the model moved after track()
             self.sums = [total.to(x.device) for total in self.sums]
-        out_dtype = self.sums[0].dtype
-        compute_dtype = gram_dtype(x.device, out_dtype)
+            self.tokens = self.tokens.to(x.device)
+        return x
+
+    def observe(self, x: Tensor, forward: bool = False) -> None:
+        """``add(x)`` through the op ``dobb::observe`` (which a compiler traces as one op),
+        gated as a forward pre-hook's input (``forward``) or always (an output gradient)."""
+        x = self.local_input(x)
+        compute_dtype = gram_dtype(x.device, self.sums[0].dtype)
+        grad_enabled = torch.is_grad_enabled()
+        observe(x, self.sums, self.tokens, self.key, compute_dtype, forward, grad_enabled)
+
+    @torch.no_grad()
+    def add(self, x: Tensor) -> None:
+        """Accumulate ``x`` of shape ``(..., width)``: the layer input's local columns."""
+        x = self.local_input(x)
+        self.accumulate(x, self.sums, self.tokens, gram_dtype(x.device, self.sums[0].dtype))
+
+    def accumulate(
+        self, x: Tensor, sums: list[Tensor], tokens: Tensor, compute_dtype: torch.dtype
+    ) -> None:
+        """``A_b += X_bᵀ X_b`` into ``sums``, ``n += N`` into ``tokens``; ``X``: ``x`` as
+        ``(N, width)``, its products read in ``compute_dtype`` (shared through the cache).
+        ``sums``/``tokens`` are this object's (eager) or the compiled graph's copies of them."""
+        out_dtype = sums[0].dtype
         if self.cache is not None:
             grams = self.cache.grams(x, self.stacks, compute_dtype, out_dtype)
         else:
             grams = block_grams(x, self.stacks, compute_dtype, out_dtype)
-        torch._foreach_add_(self.sums, grams)  # A_b += X_bᵀ X_b
-        self.tokens += x.numel() // self.width
+        torch._foreach_add_(sums, grams)  # A_b += X_bᵀ X_b
+        tokens.add_(x.numel() // self.width)
+        self.seen = True
 
     def pop_mean(self) -> list[Tensor] | None:
         """``S_b = A_b / n`` for every stack, then reset; None if nothing was seen."""
-        if self.tokens == 0:
+        if not self.seen:
             return None
         means = [total / self.tokens for total in self.sums]
         self.reset()
@@ -226,11 +257,14 @@ class BlockStatistics:
 
     def reset(self) -> None:
         """Zero the sums and the token count, and empty the shared cache."""
-        for total in self.sums:
-            total.zero_()
-        self.tokens = 0
+        torch._foreach_zero_([*self.sums, self.tokens])
+        self.seen = False
         if self.cache is not None:
             self.cache.clear()
+
+
+_KEYS = itertools.count()
+_LIVE: "weakref.WeakValueDictionary[int, BlockStatistics]" = weakref.WeakValueDictionary()
 
 
 def in_backward() -> bool:
@@ -257,17 +291,51 @@ def in_reentrant_checkpoint_forward() -> bool:
     return False
 
 
+@torch.library.custom_op("dobb::observe", mutates_args=("sums", "tokens"))
+def observe(
+    x: Tensor,
+    sums: list[Tensor],
+    tokens: Tensor,
+    key: int,
+    compute_dtype: torch.dtype,
+    forward: bool,
+    grad_enabled: bool,
+) -> None:
+    """A statistics hook's work, one opaque op to a compiler: feed ``BlockStatistics``
+    ``key`` the tensor ``x`` (``accumulate`` into ``sums``, ``tokens``).
+
+    ``forward``: ``x`` is a layer's input, counted unless this forward is an
+    activation-checkpoint recompute in backward, or runs without grad outside a reentrant
+    checkpoint's forward (``grad_enabled``: the grad mode where the hook ran, as a compiled
+    graph runs its ops under no_grad). These checks read the autograd engine and the Python
+    stack, so they run here, with real tensors, never in traced code. Else ``x`` is an
+    output gradient, always counted."""
+    stats = _LIVE.get(key)
+    if stats is None or (forward and in_backward()):
+        return
+    if not forward or grad_enabled or in_reentrant_checkpoint_forward():
+        stats.accumulate(x, sums, tokens, compute_dtype)
+
+
+@observe.register_fake
+def _(x, sums, tokens, key, compute_dtype, forward, grad_enabled) -> None:
+    """No outputs: the op only adds into ``sums`` and ``tokens``."""
+
+
 def statistics_hook(stats: BlockStatistics):
     """A forward pre-hook feeding ``stats`` each token once per forward pass: in training
     mode with grad on, or in the no-grad forward of reentrant activation checkpointing; never
     in a checkpoint's recompute during backward (the same tokens again, on backward's
-    critical path)."""
+    critical path). Traced by ``torch.compile`` without a graph break: what it reads here
+    (``module.training``, grad and autocast modes, shapes) Dynamo guards on, and the rest
+    is the op ``dobb::observe``."""
 
     def hook(module: nn.Module, args) -> None:
-        if not module.training or in_backward():
+        if not module.training:
             return
-        if torch.is_grad_enabled() or in_reentrant_checkpoint_forward():
-            stats.add(args[0])
+        if not torch.compiler.is_compiling() and in_backward():
+            return  # eager: not even the op in a recompute (compiled: the op checks)
+        stats.observe(args[0], forward=True)
 
     return hook
 
@@ -282,6 +350,6 @@ def output_gradient_hook(stats: BlockStatistics):
 
     def hook(module: nn.Module, args, output: Tensor) -> None:
         if module.training and torch.is_grad_enabled() and output.requires_grad:
-            output.register_hook(stats.add)
+            output.register_hook(stats.observe)
 
     return hook

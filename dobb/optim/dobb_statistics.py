@@ -106,7 +106,7 @@ class DobbStatistics:
     def pending_inputs(self) -> list[tuple[Tensor, Tensor]]:
         """``(param, sum)`` of every accumulator holding this step's tokens (to check that
         they are finite before anything changes)."""
-        return [(p, t) for p, s in self._hooked() if s.tokens for t in s.sums]
+        return [(p, t) for p, s in self._hooked() if s.seen for t in s.sums]
 
     def discard(self) -> None:
         """Drop this step's accumulated statistics (a skipped or failed step)."""
@@ -127,7 +127,7 @@ class DobbStatistics:
                     needed.clear()
                 if tracks_outputs(group) and self.opt._row_stacks(p, group):
                     needed["output-gradient"] = self._row_stats
-                missing = [k for k, s in needed.items() if p not in s or s[p].tokens == 0]
+                missing = [k for k, s in needed.items() if p not in s or not s[p].seen]
                 if p.grad is not None and missing:
                     raise RuntimeError(
                         f"{self.opt.name_of(p)} has no {missing[0]} statistics for this step. "
@@ -200,11 +200,11 @@ class DobbStatistics:
         """Fold this step's moments ``S_b`` into ``C_b`` for every matrix that has them.
 
         ``C_b <- S_b`` the first time, else ``C_b <- beta C_b + (1 - beta) S_b``, where
-        ``S_b = A_b / n`` (``A_b``: the hooks' sums over ``n`` tokens, then reset), for the
-        input blocks and (two-sided) the row blocks alike. A matrix folds only when every
-        side has moments. Returns every matrix's ``stats_steps`` after the fold, counted
-        from ``stats_steps`` (capturable: the host's counts, and ``live`` 0 keeps ``C_b``)
-        or else read from the CPU counters.
+        ``S_b = A_b / n`` (``A_b``: the hooks' sums over ``n`` tokens, both on the device,
+        then reset), for the input blocks and (two-sided) the row blocks alike. A matrix
+        folds only when every side has moments. Returns every matrix's ``stats_steps``
+        after the fold, counted from ``stats_steps`` (capturable: the host's counts, and
+        ``live`` 0 keeps ``C_b``) or else read from the CPU counters.
         """
         if stats_steps is None:
             stats_steps = torch.stack([state["stats_steps"] for _, state, _ in active]).tolist()
@@ -214,7 +214,7 @@ class DobbStatistics:
         for i in range(len(active)):
             sources = self._sources(i, active, moments)
             hooks = [src for _, src in sources if not isinstance(src, list)]
-            if not sources or any(h is None or h.tokens == 0 for h in hooks):
+            if not sources or any(h is None or not h.seen for h in hooks):
                 for h in hooks:
                     if h is not None:
                         h.reset()
@@ -222,13 +222,13 @@ class DobbStatistics:
             folding.append((i, sources))
             for h in hooks:
                 sums += h.sums
-                tokens += [float(h.tokens)] * len(h.sums)
-                h.tokens = 0
+                tokens += [h.tokens] * len(h.sums)
+                h.seen = False
         if not folding:
             return stats_steps
-        hook_means = iter(torch._foreach_div(sums, tokens) if sums else [])
+        hook_means = iter(torch._foreach_div(sums, tokens) if sums else [])  # device n
         if sums:
-            torch._foreach_zero_(sums)
+            torch._foreach_zero_([*sums, *dict.fromkeys(tokens)])  # each counter once
         self._gram_cache.clear()
         first, later = ([], []), {}  # (covs, means) to copy; beta -> (covs, means) to lerp
         for i, sources in folding:

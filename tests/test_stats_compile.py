@@ -1,0 +1,141 @@
+"""Dobb's statistics in a compiled model: no graph break, no recompile after warm-up.
+
+``opt.track(model)`` hooks every tracked layer with a forward pre-hook whose work is one
+opaque op (``dobb::observe``); Dynamo traces the hook, guarding on what it reads (training
+mode, grad and autocast modes, shapes). Compiled per block (torchtitan's way, also with
+``fullgraph=True``, where a break is an error) and whole, with and without activation
+checkpointing; the losses and the optimizer's statistics and bases equal eager's.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
+
+from dobb import Dobb, param_groups
+
+WIDTH, HIDDEN, DEPTH, STEPS = 16, 32, 2, 4
+
+
+class Block(nn.Module):
+    """Attention-like (``q``, ``k`` fed one tensor) then an MLP (``fc``, ``proj``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.k = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.fc = nn.Linear(WIDTH, HIDDEN, bias=False)
+        self.proj = nn.Linear(HIDDEN, WIDTH, bias=False)
+
+    def forward(self, x):  # x: (batch, seq, WIDTH)
+        scores = self.q(x) @ self.k(x).mT / WIDTH**0.5  # (batch, seq, seq)
+        x = x + torch.softmax(scores, dim=-1) @ x
+        return x + self.proj(torch.relu(self.fc(x)))
+
+
+class Checkpointed(nn.Module):
+    """``block`` run through ``checkpoint(block, x, use_reentrant=reentrant)``."""
+
+    def __init__(self, block, reentrant):
+        super().__init__()
+        self.block, self.reentrant = block, reentrant
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+class Net(nn.Module):
+    """``DEPTH`` blocks between an input and a head layer (both AdamW); ``ac``: None, or
+    each block wrapped in ``Checkpointed(block, reentrant=ac)`` (torchtitan wraps, then
+    compiles the wrapper)."""
+
+    def __init__(self, ac=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, WIDTH)  # reentrant checkpoints need an input with grad
+        blocks = (Block() for _ in range(DEPTH))
+        self.blocks = nn.ModuleList(b if ac is None else Checkpointed(b, ac) for b in blocks)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def data(step):
+    return torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(step))
+
+
+def train(compile_as=None, ac=None, backend="aot_eager", steps=STEPS, **options):
+    """Losses, the model and its optimizer after ``steps`` steps (a basis refresh every 2),
+    the model compiled as ``compile_as``: None (eager), "block", "block_fullgraph" (each
+    entry of ``model.blocks``, checkpoint wrapper included) or "whole"; the tokens the
+    hooks counted at each step (all layers, both sides); and Dynamo's graph count after the
+    first step and at the end."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = Net(ac)
+    groups = param_groups(model, exclude=r"^(inp|head)\.")
+    opt = Dobb(groups, lr=1e-2, num_blocks=2, basis_interval=2, **options)
+    opt.track(model)
+    run = torch.compile(model, backend=backend) if compile_as == "whole" else model
+    if compile_as in ("block", "block_fullgraph"):
+        for block in model.blocks:
+            block.compile(backend=backend, fullgraph=compile_as == "block_fullgraph")
+    losses, tokens, graphs = [], [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = run(data(len(losses)))
+        loss.backward()
+        tokens.append(sum(float(s.tokens) for _, s in opt.statistics._hooked()))
+        opt.step()
+        losses.append(loss.detach())
+        graphs.append(counters["stats"]["unique_graphs"])
+    return torch.stack(losses), opt, tokens, (graphs[0], graphs[-1])
+
+
+def statistics_and_bases(opt):
+    """Every tensor of every Dobb matrix's state (``C_b``, bases, momentum, ...)."""
+    return [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return {ac: train(None, ac) for ac in (None, False, True)}
+
+
+def assert_compiled_matches(compiled, eager, tokens_per_step):
+    """No break, no recompile after the first step, every token counted once (none in a
+    recompute), and the losses and optimizer state of eager training."""
+    losses, opt, tokens, (warm, final) = compiled
+    want_losses, want_opt, want_tokens, _ = eager
+    assert dict(counters["graph_break"]) == {}
+    assert warm == final > 0  # every graph compiled in the first step: no recompile after
+    assert tokens == want_tokens == [tokens_per_step] * STEPS
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+    for got, want in zip(statistics_and_bases(opt), statistics_and_bases(want_opt), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+TOKENS = 2 * 8 * 4 * DEPTH  # (batch, seq) tokens into 4 tracked layers per block
+
+
+CASES = [(how, ac) for how in ("block_fullgraph", "whole") for ac in (None, False, True)]
+AC_NAMES = {None: "no_ac", False: "non_reentrant", True: "reentrant"}
+
+
+@pytest.mark.parametrize("compile_as, ac", CASES, ids=lambda v: AC_NAMES.get(v, v))
+def test_compiled_tracking_has_no_graph_break_and_matches_eager(compile_as, ac, eager):
+    assert_compiled_matches(train(compile_as, ac), eager[ac], TOKENS)
+
+
+@pytest.mark.parametrize("compile_as", ["block_fullgraph", "whole"])
+def test_two_sided_output_gradient_hooks_compile_too(compile_as):
+    """``row_stats="outputs"``: a hook on each layer's output feeds it ``dL/dy`` in backward."""
+    options = {"two_sided": True, "row_stats": "outputs"}
+    both_sides = 2 * TOKENS
+    assert_compiled_matches(train(compile_as, **options), train(**options), both_sides)
