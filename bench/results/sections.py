@@ -16,6 +16,7 @@ from bench.model.hardware import H100, H200, Hardware
 from bench.model.workload import hidden_matrices
 from bench.optimizers import LAB
 from bench.results import calltime, calltime_sharded
+from bench.results.gpu_checks import checks_section
 from bench.results.model import XL_WORLD, ms, paper_section
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import AUTO_CUDA
@@ -242,19 +243,22 @@ def check_section(record: dict, hw: Hardware, title: str) -> str:
 
 
 def gpu_section(files: list[Path]) -> str | None:
-    """Tables of GPU JSON files (call-time records, calibrations, eigh backends), if any."""
+    """Tables of GPU JSON files (checks, call-time records, calibrations, eigh backends), if
+    any."""
     if not files:
         return None
-    records, profiles, eighs = [], [], []
+    records, profiles, eighs, checks = [], [], [], []
     for f in files:
         data = json.loads(f.read_text())
-        if "optimizers" in data:
+        if "checks" in data:
+            checks.append(checks_section(f.name, data))
+        elif "optimizers" in data:
             records.append((f, data))
         elif "rates" in data:
             profiles.append((f, Hardware.from_json(data)))
         elif "eigh_backends" in data:
             eighs.append((f, data["eigh_backends"]))
-    parts = [gpu_table(records)]
+    parts = [*checks, gpu_table(records)]
     for f, record in records:  # the assumed H200 constants against the measurement
         if record["meta"].get("complete") and record["meta"]["device"].startswith("cuda"):
             title = f"Cost model with the *assumed* H200 profile vs `{f.name}`:"

@@ -1,0 +1,1 @@
+"""Drivers of the GPU checks (``benchmarks/gpu_check.sh``): ``bench.gpu.check``."""
