@@ -19,6 +19,14 @@ from pathlib import Path
 from bench.results.calltime import write_json
 
 
+def setting(record: dict, key: str):
+    """``meta[key]``, or the Newton-Schulz dtype for ``"ns_dtype"`` (each process measures its
+    own matmul times, so only the dtype they chose must agree)."""
+    if key == "ns_dtype":
+        return (record["meta"].get("newton_schulz") or {}).get("ns_dtype")
+    return record["meta"].get(key)
+
+
 def merge(parts: list[Path]) -> dict:
     """The record of ``parts`` (call-time JSON files, one optimizer or more each)."""
     record: dict | None = None
@@ -34,11 +42,11 @@ def merge(parts: list[Path]) -> dict:
         commands.append(part.get("meta", {}).get("command", ""))
         if record is None:
             record = {"meta": dict(part["meta"]), "hooks": part.get("hooks"), "optimizers": {}}
-        for key in ("device_name", "newton_schulz"):  # never one table from two machines
-            if part["meta"].get(key) != record["meta"].get(key):
+        for key in ("device_name", "ns_dtype"):  # never one table from two machines
+            if setting(part, key) != setting(record, key):
                 raise ValueError(
-                    f"{path.name} has {key} {part['meta'].get(key)!r}, the first part "
-                    f"{record['meta'].get(key)!r}: time every part on one machine"
+                    f"{path.name} has {key} {setting(part, key)!r}, the first part "
+                    f"{setting(record, key)!r}: time every part on one machine"
                 )
         record["optimizers"].update(part.get("optimizers") or {})
     if record is None:

@@ -53,3 +53,18 @@ def test_parts_from_two_machines_are_refused(tmp_path):
     parts[1].write_text(json.dumps(data))
     with pytest.raises(ValueError, match="device_name 'AMD EPYC'.*one machine"):
         merge(parts)
+
+
+def test_parts_with_their_own_newton_schulz_timings_merge_but_not_two_dtypes(tmp_path):
+    """Each process measures its own Gram-matmul times: only the chosen dtype must agree."""
+    parts = [_part(tmp_path / f"{n}.json", n, 0.01) for n in ("dobb", "muon")]
+    for part, (dtype, ms) in zip(parts, (("bfloat16", 12.0), ("bfloat16", 15.9))):
+        data = json.loads(part.read_text())
+        data["meta"]["newton_schulz"] = {"ns_dtype": dtype, "matmul_ms": {dtype: ms}}
+        part.write_text(json.dumps(data))
+    assert sorted(merge(parts)["optimizers"]) == ["dobb", "muon"]
+    data = json.loads(parts[1].read_text())
+    data["meta"]["newton_schulz"]["ns_dtype"] = "float32"
+    parts[1].write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="ns_dtype 'float32'.*one machine"):
+        merge(parts)
