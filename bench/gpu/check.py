@@ -28,7 +28,6 @@ eager step (``Replay``).
 """
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -195,11 +194,25 @@ def capturable_run(device: torch.device, basis_interval: int):
     return model, opt, static, step
 
 
-def captured(
-    device: torch.device, out: Path, steps: int, warmup: int = 2, repeats: int = 20
-) -> Record:
-    """Eager and graph-replayed training of the same capturable Dobb (see module)."""
+def on_side_stream(step: Callable[[], torch.Tensor], side) -> torch.Tensor:
+    """``step()`` on CUDA stream ``side`` (None: where it is), ordered after the current
+    stream's work and before its next (PyTorch's warm-up before a capture)."""
+    if side is None:
+        return step()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        loss = step()
+    torch.cuda.current_stream().wait_stream(side)
+    return loss
+
+
+def captured(device: torch.device, out: Path, steps: int, repeats: int = 20) -> Record:
+    """Eager and graph-replayed training of the same capturable Dobb (see module). The first
+    ``interval + 1`` steps run eagerly on a side stream (the cold refresh at step 1, a warm
+    one at step ``interval + 1``: every code path runs once before it is captured); the
+    steady graph is captured at the next step, the refresh graph at the next refresh."""
     interval = 3
+    warmup = interval + 1
     record = Record(out, device=str(device), steps=steps, basis_interval=interval)
     tokens = batches(device, steps)
     eager_model, eager_opt, eager_in, eager_step = capturable_run(device, interval)
@@ -211,11 +224,8 @@ def captured(
         eager_losses.append(float(eager_step()))
         static.copy_(batch)
         due = opt.refresh_due()
-        if i < warmup:  # builds the state and runs the first (cold) refresh
-            with torch.cuda.stream(side) if side else contextlib.nullcontext():
-                loss = step()
-            if side:
-                torch.cuda.current_stream().wait_stream(side)
+        if i < warmup:
+            loss = on_side_stream(step, side)
         elif due not in graphs:
             graphs[due] = Replay(step, device)
             loss = graphs[due].loss

@@ -20,7 +20,7 @@ def checks(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     names = ["dobb", "adamw", "no-such-optimizer"]
     check.correctness(CPU, out / "correctness.json", steps=2, names=names)
-    check.captured(CPU, out / "captured.json", steps=5, repeats=3)
+    check.captured(CPU, out / "captured.json", steps=8, repeats=3)
     check.compiled(CPU, out / "compiled.json", steps=2, backend="eager")
     parts = [str(out / f"{name}.json") for name in ("correctness", "captured", "compiled")]
     check.main(["merge", str(out / "gpu_check.json"), *parts, str(out / "absent.json")])
