@@ -65,3 +65,22 @@ def checks_section(name: str, data: dict) -> str:
     if data.get("missing"):
         parts.append(f"Did not finish: {', '.join(data['missing'])}.")
     return "\n\n".join(parts)
+
+
+def solvers_section(name: str, data: dict) -> str:
+    """The refresh solvers' table of ``python -m bench.results.eigensolve`` JSON (``rows``):
+    ms per call, aten ops and host reads per call, worst residual; a failed method its
+    error."""
+    rows = []
+    for r in data["rows"]:
+        measured = (
+            [f"{r['seconds'] * 1e3:.3f}", r["ops"], r["host_reads"], f"{r['residual']:.1e}", ""]
+            if "seconds" in r
+            else ["–", "–", "–", "–", r.get("error", "")]
+        )
+        rows.append([r["method"], r["s"], r["n"], *measured])
+    headers = ["method", "s", "blocks", "ms per call", "ops", "host reads", "residual", "error"]
+    return (
+        f"### Refresh solvers `{name}`\n\n{data['device_name']}, torch {data['torch']}, "
+        f"`{data['command']}`:\n\n" + markdown_table(headers, rows, "lrrrrrrl", pad=False)
+    )

@@ -16,7 +16,7 @@ from bench.model.hardware import H100, H200, Hardware
 from bench.model.workload import hidden_matrices
 from bench.optimizers import LAB
 from bench.results import calltime, calltime_sharded
-from bench.results.gpu_checks import checks_section
+from bench.results.gpu_checks import checks_section, solvers_section
 from bench.results.model import XL_WORLD, ms, paper_section
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import AUTO_CUDA
@@ -243,8 +243,8 @@ def check_section(record: dict, hw: Hardware, title: str) -> str:
 
 
 def gpu_section(files: list[Path]) -> str | None:
-    """Tables of GPU JSON files (checks, call-time records, calibrations, eigh backends), if
-    any."""
+    """Tables of GPU JSON files (checks, refresh solvers, call-time records, calibrations,
+    eigh backends), if any."""
     if not files:
         return None
     records, profiles, eighs, checks = [], [], [], []
@@ -252,6 +252,8 @@ def gpu_section(files: list[Path]) -> str | None:
         data = json.loads(f.read_text())
         if "checks" in data:
             checks.append(checks_section(f.name, data))
+        elif "rows" in data and "command" in data:  # bench.results.eigensolve
+            checks.append(solvers_section(f.name, data))
         elif "optimizers" in data:
             records.append((f, data))
         elif "rates" in data:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench.gpu import check
+from bench.results import eigensolve
 from bench.results.sections import gpu_section
 
 CPU = torch.device("cpu")
@@ -62,3 +63,13 @@ def test_the_merged_checks_render_in_the_gpu_section(checks):
     assert "graphs captured: steady, refresh" in text
     assert f"{merged['checks']['compiled']['graph_breaks']} graph breaks" in text
     assert "Did not finish: absent." in text
+
+
+def test_the_solver_table_renders_each_method_or_its_error(tmp_path):
+    rows = eigensolve.benchmark([(8, 2)], "cpu", methods=("cholqr", "cupy"), repeats=1)
+    data = {"command": "eigensolve", "device_name": "cpu", "torch": "x", "rows": rows}
+    (tmp_path / "solvers.json").write_text(json.dumps(data))
+    text = gpu_section([tmp_path / "solvers.json"])
+    cholqr = next(line for line in text.splitlines() if line.startswith("| cholqr | 8 | 2 |"))
+    assert f"| {rows[0]['ops']} | 0 |" in cholqr  # ops, no host read
+    assert "| cupy | 8 | 2 | – |" in text and "needs CuPy" in text
