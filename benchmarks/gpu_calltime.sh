@@ -51,7 +51,7 @@ OPTIMIZERS=${OPTIMIZERS:-$("$PY" -c 'from bench.model.costmodel import OPTIMIZER
 print(" ".join(OPTIMIZERS))' 2>/dev/null || echo dobb dion muon adamw)}
 BASIS_METHOD=${BASIS_METHOD:-auto}  # Dobb's refresh solver; eigh where Dobb does not accept it
 SIZES=${SIZES:-100:144,400:16}    # solver table: block size:count (XL: 100 and 400)
-METHODS=${METHODS:-eigh,jacobi,cholqr,power_qr,jacobi_cold,cupy}
+METHODS=${METHODS:-eigh,cupy,cholqr,jacobi,power_qr,jacobi_cold}  # slowest last
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"

@@ -50,14 +50,15 @@ def eigen_residual(cov: Tensor, q: Tensor) -> Tensor:
 
 
 def benchmark(
-    sizes, device: str, methods=BASIS_METHODS + COLD_METHODS, repeats: int = 5
+    sizes, device: str, methods=BASIS_METHODS + COLD_METHODS, repeats: int = 5, on_row=None
 ) -> list[dict]:
     """Time ``refresh_bases`` per method on ``refresh_problem(n, s)`` for ``(s, n)`` in ``sizes``.
 
     Per row: median and all seconds of ``repeats`` timed calls after one warm-up call (CUDA
     synchronised around each), the aten ops and host reads one call dispatches, and the
     worst block's eigen-residual and orthogonality error. A method that cannot run here
-    (``cupy`` without CuPy or CUDA) gets its error instead.
+    (``cupy`` without CuPy or CUDA) gets its error instead. ``on_row(rows)`` is called after
+    every row (``main`` rewrites its JSON there, so a timeout keeps the rows done).
     """
     rows = []
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
@@ -69,6 +70,8 @@ def benchmark(
                 refresh_bases([cov], [basis], method)
             except Exception as err:  # reported in its row, so that the other methods still run
                 rows.append({**row, "error": f"{type(err).__name__}: {err}"})
+                if on_row:
+                    on_row(rows)
                 continue
             times = []
             for _ in range(repeats):
@@ -91,6 +94,8 @@ def benchmark(
                 }
             )
             print(json.dumps(rows[-1]), file=sys.stderr)
+            if on_row:
+                on_row(rows)
     return rows
 
 
@@ -104,7 +109,6 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = parser.parse_args(argv)
     sizes = [tuple(int(v) for v in pair.split(":")) for pair in args.sizes.split(",")]
-    rows = benchmark(sizes, args.device, args.methods.split(","), args.repeats)
     device = torch.device(args.device)
     result = {
         "command": COMMAND + " ".join(sys.argv[1:] if argv is None else argv),
@@ -113,14 +117,18 @@ def main(argv=None) -> None:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "rows": rows,
+        "rows": [],
     }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+
+    def write(rows):
+        if args.out:
+            result["rows"] = rows
+            with open(args.out, "w") as f:
+                f.write(json.dumps(result, indent=1) + "\n")
+
+    rows = benchmark(sizes, args.device, args.methods.split(","), args.repeats, on_row=write)
+    if not args.out:
+        print(json.dumps({**result, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -65,8 +65,12 @@ def test_the_merged_checks_render_in_the_gpu_section(checks):
     assert "Did not finish: absent." in text
 
 
-def test_the_solver_table_renders_each_method_or_its_error(tmp_path):
-    rows = eigensolve.benchmark([(8, 2)], "cpu", methods=("cholqr", "cupy"), repeats=1)
+def test_the_solver_rows_are_reported_as_they_go_and_render_with_errors(tmp_path):
+    seen = []  # rows done at each on_row call (main rewrites its JSON there)
+    rows = eigensolve.benchmark(
+        [(8, 2)], "cpu", ("cholqr", "cupy"), repeats=1, on_row=lambda r: seen.append(len(r))
+    )
+    assert seen == [1, 2]
     data = {"command": "eigensolve", "device_name": "cpu", "torch": "x", "rows": rows}
     (tmp_path / "solvers.json").write_text(json.dumps(data))
     text = gpu_section([tmp_path / "solvers.json"])
