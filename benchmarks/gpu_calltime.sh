@@ -12,7 +12,8 @@
 #   DEVICE=cpu CONFIG=tiny TOKENS=64 LAYERS=1 COMPILE_BACKEND=eager OUT=/tmp/gpu_smoke \
 #     bash benchmarks/gpu_calltime.sh
 #
-# With the device tool (10 minutes a call, so one call per script; both within 12 minutes):
+# With the device tool (10 minutes a call, so one call per script): this script is issue
+# #32's one command; gpu_scale.sh (<= 5 minutes more) only if the session's time allows:
 #   run(command="OUT=$OUT bash benchmarks/gpu_calltime.sh", timeout_s=540)  # nothing carried
 #   run(command="OUT=$OUT bash benchmarks/gpu_scale.sh", carry=["benchmarks/gpu/data"],
 #       timeout_s=330)                          # the data: see gpu_scale.sh's header

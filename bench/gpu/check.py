@@ -83,6 +83,7 @@ def batches(device: torch.device, steps: int) -> list[torch.Tensor]:
 
 
 def sync(device: torch.device) -> None:
+    """Wait for ``device``'s work (all of its streams) to finish."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -11,11 +11,17 @@ def number(x) -> str:
 
 
 def correctness_table(record: dict) -> str:
+    """Per optimizer: the largest parameter and loss differences, device against CPU."""
     rows = [
-        [name, number(r.get("max_param_diff")), number(r.get("max_param")),
-         number(r.get("max_loss_diff")), r.get("error", "")]
+        [
+            name,
+            number(r.get("max_param_diff")),
+            number(r.get("max_param")),
+            number(r.get("max_loss_diff")),
+            r.get("error", ""),
+        ]
         for name, r in record.get("optimizers", {}).items()
-    ]  # fmt: skip
+    ]
     headers = ["optimizer", "max abs param diff", "max abs param", "max loss diff", "error"]
     meta = record["meta"]
     return (
@@ -26,6 +32,7 @@ def correctness_table(record: dict) -> str:
 
 
 def captured_text(record: dict) -> str:
+    """The captured graphs, their agreement with eager training and their replay times."""
     timing = record.get("timing", {})
     ms = {k: number(v * 1e3 if v else None) for k, v in timing.items()}
     return (
@@ -40,6 +47,7 @@ def captured_text(record: dict) -> str:
 
 
 def compiled_text(record: dict) -> str:
+    """Graph breaks, graphs compiled, losses against eager, and the hooks' share."""
     hooks = record.get("hooks", {})
     share = f"{hooks['share']:.1%}" if "share" in hooks else "–"
     return (

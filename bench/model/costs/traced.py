@@ -27,9 +27,22 @@ from dobb.eigensolve import basis_solver
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm"}  # 2 m k n FLOPs per (m, k) @ (k, n)
 FACTORIZATIONS = {"linalg_cholesky_ex", "linalg_solve_triangular", "triangular_solve"}
 REDUCTIONS = {
-    "sum", "mean", "amax", "amin", "max", "min", "all", "any", "argmax", "argmin",
-    "linalg_vector_norm", "norm", "sort", "argsort", "topk",
-}  # fmt: skip
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "all",
+    "any",
+    "argmax",
+    "argmin",
+    "linalg_vector_norm",
+    "norm",
+    "sort",
+    "argsort",
+    "topk",
+}
 
 
 @dataclass(frozen=True)
