@@ -311,5 +311,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for key, value in entry.items():
                 if isinstance(value, Tensor) and state[key].dtype != value.dtype:
                     state[key] = state[key].to(value.dtype)
-                if key in COUNTERS:  # torch moves some onto the device: a sync every step
-                    state[key] = state[key].to(local(param).device if self.capturable else "cpu")
+                if key in COUNTERS and isinstance(value, Tensor):
+                    # torch moves some onto the device (a sync every step): copy the saved
+                    # counter instead, so that moving it back to the host reads no device
+                    device = local(param).device if self.capturable else "cpu"
+                    state[key] = value.detach().to(device, copy=True)
