@@ -35,7 +35,7 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
                for s in runs]
         for name, runs in report["sweeps"].items()
     }  # fmt: skip
-    runs = {f"{n} (lr {best_lr[n]:.4g})": out / "runs" / seeds[n]["runs"][0] for n in seeds}
+    runs, unlogged = curve_runs(out, seeds, best_lr)
     plots = [compare.plot_sweep(out, sweeps), *compare.plot_curves(out, runs)]
     ablation_plot = plot_ablations(out, report, "dobb", "ablations.png")
     period_plot = plot_ablations(out, report, "muonbp", "muonbp_period.png")
@@ -82,6 +82,15 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         ),
         "",
         *[f"![{p}]({link(p)})" for p in plots],
+        *(
+            [
+                "",
+                f"Not in the loss curves: {', '.join(unlogged)}: no step log (`metrics.jsonl`) "
+                "of the seed-0 run on record (only its config and summary are kept).",
+            ]
+            if unlogged
+            else []
+        ),
         "",
         "Learning-rate sweeps (final val loss; hidden-matrix lr, all parameters for AdamW):",
         "",
@@ -156,6 +165,17 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         *(tuning_section(report["tuning"], spec, out, link, table) if "tuning" in report else []),
     ]
     doc.write_text("\n".join(lines))
+
+
+def curve_runs(
+    out: Path, seeds: dict[str, Any], best_lr: dict[str, float]
+) -> tuple[dict[str, Path], list[str]]:
+    """The loss curves of (a): each optimizer's seed-0 run at its tuned lr, by label, if its
+    step log is on record; and the optimizers whose log is not."""
+    runs = {n: out / "runs" / seeds[n]["runs"][0] for n in seeds}
+    logged = {n for n, run in runs.items() if (run / "metrics.jsonl").exists()}
+    curves = {f"{n} (lr {best_lr[n]:.4g})": run for n, run in runs.items() if n in logged}
+    return curves, [n for n in runs if n not in logged]
 
 
 def _ablation_table(report: dict[str, Any], name: str) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 from bench import cli as lab
 from bench import compare, study
+from bench.study import report as study_report
 from bench.study import runs as study_runs
 from bench.study import stats as study_stats
 from dobb.optim.base import NonFiniteGradientError
@@ -135,6 +136,16 @@ def test_a_run_in_progress_elsewhere_is_refused(tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX)  # as a worker that outlived a killed study would
         with pytest.raises(RuntimeError, match="another process is training"):
             study_runs.run_one(cfg)
+
+
+def test_loss_curves_leave_out_a_run_without_its_step_log(tmp_path):
+    for run in ("muon-lr0.02", "adamw-lr0.002"):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+    (tmp_path / "runs" / "muon-lr0.02" / "metrics.jsonl").write_text("")
+    seeds = {"muon": {"runs": ["muon-lr0.02"]}, "adamw": {"runs": ["adamw-lr0.002"]}}
+    curves, unlogged = study_report.curve_runs(tmp_path, seeds, {"muon": 0.02, "adamw": 0.002})
+    assert curves == {"muon (lr 0.02)": tmp_path / "runs" / "muon-lr0.02"}
+    assert unlogged == ["adamw"]
 
 
 # ------------------------------------------------------------------ the tiny pipeline
