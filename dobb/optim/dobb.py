@@ -425,7 +425,8 @@ class Dobb(MatrixOptimizer):
         return due
 
     def count_replay(self) -> None:
-        """Capturable: count a replayed steady step (a CUDA graph replay runs no Python)."""
+        """Capturable: count a replayed step, steady or refresh (a CUDA graph replay runs
+        no Python)."""
         for counts in self._host_counts.values():
             counts[0] += 1
             counts[1] += counts[1] > 0
