@@ -291,7 +291,11 @@ def in_reentrant_checkpoint_forward() -> bool:
     return False
 
 
-@torch.library.custom_op("dobb::observe", mutates_args=("sums", "tokens"))
+# Python runs inside at every call (the checks, the cache), so a CUDA graph must not
+# replay it: inductor leaves the op out of its CUDA graphs (cudagraph_unsafe).
+@torch.library.custom_op(
+    "dobb::observe", mutates_args=("sums", "tokens"), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def observe(
     x: Tensor,
     sums: list[Tensor],

@@ -70,6 +70,11 @@ def data(step):
     return torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(step))
 
 
+def counted(opt):
+    """Tokens the hooks have counted since the last step, all layers, both sides."""
+    return sum(int(s.tokens) for _, s in opt.statistics._hooked())
+
+
 def train(compile_as=None, ac=None, backend="aot_eager", steps=STEPS, **options):
     """Losses, the model and its optimizer after ``steps`` steps (a basis refresh every 2),
     the model compiled as ``compile_as``: None (eager), "block", "block_fullgraph" (each
@@ -91,7 +96,7 @@ def train(compile_as=None, ac=None, backend="aot_eager", steps=STEPS, **options)
         opt.zero_grad()
         loss = run(data(len(losses)))
         loss.backward()
-        tokens.append(sum(float(s.tokens) for _, s in opt.statistics._hooked()))
+        tokens.append(counted(opt))
         opt.step()
         losses.append(loss.detach())
         graphs.append(counters["stats"]["unique_graphs"])
@@ -139,3 +144,23 @@ def test_two_sided_output_gradient_hooks_compile_too(compile_as):
     options = {"two_sided": True, "row_stats": "outputs"}
     both_sides = 2 * TOKENS
     assert_compiled_matches(train(compile_as, **options), train(**options), both_sides)
+
+
+def test_compiled_eval_and_no_grad_forwards_count_nothing():
+    """Dynamo guards on training mode and grad mode: each mode gets its graph, and only a
+    training forward with grad counts (outside a reentrant checkpoint's forward)."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = Net()
+    opt = Dobb(param_groups(model, exclude=r"^(inp|head)\."), lr=1e-2, num_blocks=2)
+    opt.track(model)
+    for block in model.blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        model(data(0))
+    model.eval()
+    model(data(0))
+    assert counted(opt) == 0 and not any(s.seen for _, s in opt.statistics._hooked())
+    model.train()
+    model(data(0))
+    assert counted(opt) == TOKENS and dict(counters["graph_break"]) == {}
