@@ -12,11 +12,13 @@ import torch
 import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
 from dobb import Dobb, param_groups
 
 WIDTH, HIDDEN, DEPTH, STEPS = 16, 32, 2, 4
+OP = "dobb::observe"  # the op each statistics hook dispatches
 
 
 class Block(nn.Module):
@@ -164,3 +166,21 @@ def test_compiled_eval_and_no_grad_forwards_count_nothing():
     model.train()
     model(data(0))
     assert counted(opt) == TOKENS and dict(counters["graph_break"]) == {}
+
+
+def test_compiled_layers_fed_one_tensor_share_its_gram_product():
+    """q and k read one tensor: inside the compiled graph too, its ``X_bᵀ X_b`` runs once
+    (the cache runs in the op, on the real tensors)."""
+    torch._dynamo.reset()
+    model = Net()
+    opt = Dobb(param_groups(model, exclude=r"^(inp|head)\."), lr=1e-2, num_blocks=2)
+    opt.track(model)
+    for block in model.blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    model(data(0)).backward()  # compiles
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(data(1))
+    inside = [e.name for e in prof.events() if e.cpu_parent and e.cpu_parent.name == OP]
+    stacks = len(opt.statistics._stats[model.blocks[0].q.weight].stacks)  # 1 per layer here
+    assert [e.name for e in prof.events()].count(OP) == 4 * DEPTH  # one op per layer
+    assert inside.count("aten::bmm") == 3 * DEPTH * stacks  # inputs: x (q, k), fc's, proj's
