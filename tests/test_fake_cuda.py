@@ -93,7 +93,8 @@ def measure(name: str, foreach: bool | None, **options) -> dict:
         fresh.step()
     cpu.append(counter.host_reads)
     params = (fake_params, list(model.parameters()))
-    return {"fake": fake, "cpu": cpu, "load": load_reads, "params": params}
+    sites = reads.by_site()  # (op, library line) -> reads: where a mismatch comes from
+    return {"fake": fake, "cpu": cpu, "load": load_reads, "params": params, "sites": sites}
 
 
 @pytest.mark.parametrize("foreach", [None, False], ids=["default", "matrix-by-matrix"])
@@ -106,8 +107,8 @@ def test_every_optimizer_steps_on_fake_cuda(name, foreach):
     for fake, cpu in zip(*result["params"], strict=True):
         assert torch.equal(fake, cpu)
     extra = HOST_COUNTER_READS.get((name, foreach), 0)
-    assert result["fake"] == [n - extra for n in result["cpu"]], result
-    assert result["load"] == 0  # state_dict, a fresh optimizer, load_state_dict
+    assert result["fake"] == [n - extra for n in result["cpu"]], result["sites"]
+    assert result["load"] == 0, result["sites"]  # state_dict, a fresh optimizer, load, forward
 
 
 def test_capturable_dobb_reads_nothing_on_fake_cuda():
