@@ -8,8 +8,9 @@ with its periodic work (Dobb: a cold refresh at step 1, a warm one at step 3; Mu
 steps at 1 and 3), a ``state_dict`` round trip into a fresh optimizer and a step after it.
 Every state tensor must be on the device (step counters on the host unless capturable),
 the twins must equal a CPU run of the same steps bit for bit, and the host reads of each
-step must equal the profiler's count on the CPU. The per-optimizer table in docs/gpu.md
-("Checked on fake CUDA") is held to the measured counts.
+step must equal the profiler's count on the CPU. Dobb's variants (two-sided, Adam
+coefficients, bf16 projections, capturable, each solver) are held alike. The
+per-optimizer table in docs/gpu.md ("Checked on fake CUDA") is held to the measured counts.
 """
 
 import functools
@@ -97,18 +98,41 @@ def measure(name: str, foreach: bool | None, **options) -> dict:
     return {"fake": fake, "cpu": cpu, "load": load_reads, "params": params, "sites": sites}
 
 
+def check_against_cpu(result: dict, extra_cpu_reads: int = 0) -> None:
+    """The fake run's parameters equal the CPU run's bit for bit, each step reads the host
+    as often as the profiler counts on the CPU (less ``extra_cpu_reads``, reads of host
+    tensors that only the CPU profiler counts), and loading reads nothing."""
+    for fake, cpu in zip(*result["params"], strict=True):
+        assert torch.equal(fake, cpu)
+    expected = [n - extra_cpu_reads for n in result["cpu"]]
+    assert result["fake"] == expected, result["sites"]
+    assert result["load"] == 0, result["sites"]  # state_dict, a fresh optimizer, load, forward
+
+
 @pytest.mark.parametrize("foreach", [None, False], ids=["default", "matrix-by-matrix"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_every_optimizer_steps_on_fake_cuda(name, foreach):
     """Construction, steady and periodic steps, a round trip: no device mismatch, no op
-    without a fake kernel, state on the device; the same parameters as on the CPU, and
-    the profiler's host reads (``foreach=None``: batched on CUDA, and on the CPU here)."""
-    result = measure(name, foreach)
-    for fake, cpu in zip(*result["params"], strict=True):
-        assert torch.equal(fake, cpu)
-    extra = HOST_COUNTER_READS.get((name, foreach), 0)
-    assert result["fake"] == [n - extra for n in result["cpu"]], result["sites"]
-    assert result["load"] == 0, result["sites"]  # state_dict, a fresh optimizer, load, forward
+    without a fake kernel, state on the device; the same parameters and host reads as on
+    the CPU (``foreach=None``: batched on CUDA, and on the CPU here)."""
+    check_against_cpu(measure(name, foreach), HOST_COUNTER_READS.get((name, foreach), 0))
+
+
+DOBB_VARIANTS = {
+    "two-sided, adam coefficients, bf16 projections": dict(
+        two_sided=True, coefficients="adam", projection_dtype="bfloat16"
+    ),
+    "two-sided, capturable": dict(two_sided=True, capturable=True, nonfinite="skip"),
+    "jacobi": dict(basis_method="jacobi"),
+    "power_qr": dict(basis_method="power_qr"),
+    "eigh": dict(basis_method="eigh"),  # reads each eigh's error flag and checks its result
+    "lion scalars": dict(scalar_algorithm="lion"),
+}
+
+
+@pytest.mark.parametrize("variant", DOBB_VARIANTS)
+def test_dobb_variants_step_on_fake_cuda(variant):
+    check_against_cpu(measure("dobb", None, **DOBB_VARIANTS[variant]))
 
 
 def test_capturable_dobb_reads_nothing_on_fake_cuda():
