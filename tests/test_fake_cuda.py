@@ -101,12 +101,13 @@ def measure(name: str, foreach: bool | None, **options) -> dict:
 def check_against_cpu(result: dict, extra_cpu_reads: int = 0) -> None:
     """The fake run's parameters equal the CPU run's bit for bit, each step reads the host
     as often as the profiler counts on the CPU (less ``extra_cpu_reads``, reads of host
-    tensors that only the CPU profiler counts), and loading reads nothing."""
+    tensors that only the CPU profiler counts), and building and loading read nothing."""
     for fake, cpu in zip(*result["params"], strict=True):
         assert torch.equal(fake, cpu)
     expected = [n - extra_cpu_reads for n in result["cpu"]]
     assert result["fake"] == expected, result["sites"]
-    assert result["load"] == 0, result["sites"]  # state_dict, a fresh optimizer, load, forward
+    # state_dict, a fresh optimizer (Dobb's placement indices: host tensors), load, forward
+    assert result["load"] == 0, result["sites"]
 
 
 @pytest.mark.parametrize("foreach", [None, False], ids=["default", "matrix-by-matrix"])
