@@ -80,7 +80,8 @@ def counted(opt):
 def train(compile_as=None, ac=None, backend="aot_eager", steps=STEPS, **options):
     """Losses, the model and its optimizer after ``steps`` steps (a basis refresh every 2),
     the model compiled as ``compile_as``: None (eager), "block", "block_fullgraph" (each
-    entry of ``model.blocks``, checkpoint wrapper included) or "whole"; the tokens the
+    entry of ``model.blocks``, checkpoint wrapper included), "inside_checkpoint" (the
+    block inside each checkpoint wrapper, fullgraph) or "whole"; the tokens the
     hooks counted at each step (all layers, both sides); and Dynamo's graph count after the
     first step and at the end."""
     torch._dynamo.reset()
@@ -93,6 +94,9 @@ def train(compile_as=None, ac=None, backend="aot_eager", steps=STEPS, **options)
     if compile_as in ("block", "block_fullgraph"):
         for block in model.blocks:
             block.compile(backend=backend, fullgraph=compile_as == "block_fullgraph")
+    if compile_as == "inside_checkpoint":  # checkpoint(compiled block): AC around the graph
+        for wrapper in model.blocks:
+            wrapper.block.compile(backend=backend, fullgraph=True)
     losses, tokens, graphs = [], [], []
     for _ in range(steps):
         opt.zero_grad()
@@ -131,7 +135,9 @@ def assert_compiled_matches(compiled, eager, tokens_per_step):
 TOKENS = 2 * 8 * 4 * DEPTH  # (batch, seq) tokens into 4 tracked layers per block
 
 
-CASES = [(how, ac) for how in ("block_fullgraph", "whole") for ac in (None, False, True)]
+CASES = [(how, ac) for how in ("block_fullgraph", "whole") for ac in (None, False, True)] + [
+    ("inside_checkpoint", ac) for ac in (False, True)
+]
 AC_NAMES = {None: "no_ac", False: "non_reentrant", True: "reentrant"}
 
 
