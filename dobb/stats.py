@@ -77,6 +77,7 @@ def gram_dtype(device: torch.device, out_dtype: torch.dtype) -> torch.dtype:
 _OUT_DTYPE_BMM: dict[tuple[str, torch.dtype], bool] = {}
 
 
+@torch.compiler.assume_constant_result  # traced code gets the answer, never the probe
 def _has_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.bmm(a, b, out_dtype=torch.float32)`` runs for ``dtype`` inputs on
     ``device`` (CUDA on recent torch; not CPU). Probed once per device type and dtype."""

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
+import dobb.stats
 from dobb import Dobb, param_groups
 
 WIDTH, HIDDEN, DEPTH, STEPS = 16, 32, 2, 4
@@ -190,3 +191,19 @@ def test_compiled_layers_fed_one_tensor_share_its_gram_product():
     stacks = len(opt.statistics._stats[model.blocks[0].q.weight].stacks)  # 1 per layer here
     assert [e.name for e in prof.events()].count(OP) == 4 * DEPTH  # one op per layer
     assert inside.count("aten::bmm") == 3 * DEPTH * stacks  # inputs: x (q, k), fc's, proj's
+
+
+def test_the_16bit_product_probe_is_a_constant_to_a_compiler(monkeypatch):
+    """Under fp16 autocast on CUDA the hook asks whether ``bmm`` has ``out_dtype`` there (a
+    probe ``bmm`` in ``try``): traced, the probe would land in the graph and raise at run
+    time where the answer is no. A compiler gets the answer instead (the CPU's: no)."""
+    monkeypatch.setattr(dobb.stats, "_OUT_DTYPE_BMM", {})  # not yet probed
+
+    def scale(x):
+        return x * (2 if dobb.stats._has_out_dtype(x.device, torch.float16) else 3)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(scale, backend="eager", fullgraph=True)  # no dead code dropped
+    assert torch.equal(compiled(torch.ones(2)), scale(torch.ones(2)))
+    assert dict(counters["graph_break"]) == {}
