@@ -205,8 +205,12 @@ class BlockStatistics:
         self.tokens = torch.zeros((), dtype=dtype, device=device)
         self.seen = False
         self.cache = cache
-        self.key = next(_KEYS)  # how the hook's op finds this object (and its cache)
-        _LIVE[self.key] = self
+        # How the op ``dobb::observe`` finds this object: a CPU tensor, not an int, so that a
+        # compiled block traces it as an input and every block shares one graph (an int
+        # would be a constant guarded on, one recompile per layer).
+        key = next(_KEYS)
+        self.key = torch.tensor(key, device="cpu")
+        _LIVE[key] = self
 
     def local_input(self, x: Tensor) -> Tensor:
         """``x`` as this rank's ``(..., width)`` columns, the sums moved to its device."""
@@ -221,11 +225,36 @@ class BlockStatistics:
 
     def observe(self, x: Tensor, forward: bool = False) -> None:
         """``add(x)`` gated as a forward pre-hook's input (``forward``) or not (an output
-        gradient): ``observe_tensor``, which a compiler traces as the op ``dobb::observe``."""
+        gradient): ``gated``, which a compiler traces as the op ``dobb::observe``."""
         x = self.local_input(x)
         compute_dtype = gram_dtype(x.device, self.sums[0].dtype)
-        run = observe_op if torch.compiler.is_compiling() else observe_tensor
-        run(x, self.sums, self.tokens, self.key, compute_dtype, forward, torch.is_grad_enabled())
+        gates = (compute_dtype, forward, torch.is_grad_enabled())
+        if torch.compiler.is_compiling():
+            observe_op(x, self.sums, self.tokens, self.key, *gates)
+        else:
+            self.gated(x, self.sums, self.tokens, *gates)
+
+    def gated(
+        self,
+        x: Tensor,
+        sums: list[Tensor],
+        tokens: Tensor,
+        compute_dtype: torch.dtype,
+        forward: bool,
+        grad_enabled: bool,
+    ) -> None:
+        """``accumulate(x, ...)`` if ``x`` is to be counted.
+
+        ``forward``: ``x`` is a layer's input, counted unless this forward is an
+        activation-checkpoint recompute in backward, or runs without grad outside a reentrant
+        checkpoint's forward (``grad_enabled``: the grad mode where the hook ran, as a
+        compiled graph runs its ops under no_grad). Else ``x`` is an output gradient, always
+        counted. These checks read the autograd engine and the Python stack, so a compiled
+        model runs them inside the op ``dobb::observe``, with real tensors."""
+        if forward and in_backward():
+            return
+        if not forward or grad_enabled or in_reentrant_checkpoint_forward():
+            self.accumulate(x, sums, tokens, compute_dtype)
 
     @torch.no_grad()
     def add(self, x: Tensor) -> None:
@@ -296,31 +325,23 @@ def observe_tensor(
     x: Tensor,
     sums: list[Tensor],
     tokens: Tensor,
-    key: int,
+    key: Tensor,
     compute_dtype: torch.dtype,
     forward: bool,
     grad_enabled: bool,
 ) -> None:
-    """A statistics hook's work: feed ``BlockStatistics`` ``key`` the tensor ``x``
-    (``accumulate`` into ``sums``, ``tokens``).
-
-    ``forward``: ``x`` is a layer's input, counted unless this forward is an
-    activation-checkpoint recompute in backward, or runs without grad outside a reentrant
-    checkpoint's forward (``grad_enabled``: the grad mode where the hook ran, as a compiled
-    graph runs its ops under no_grad). Else ``x`` is an output gradient, always counted.
-    These checks read the autograd engine and the Python stack: a compiled model runs this
-    function as the op ``observe_op``, with real tensors, never in traced code."""
-    stats = _LIVE.get(key)
-    if stats is None or (forward and in_backward()):
-        return
-    if not forward or grad_enabled or in_reentrant_checkpoint_forward():
-        stats.accumulate(x, sums, tokens, compute_dtype)
+    """A statistics hook's work in a compiled model: ``BlockStatistics.gated`` of the object
+    whose ``key`` (a 0-d CPU tensor) this is, on ``sums`` and ``tokens`` (its own, or the
+    compiled graph's copies of them)."""
+    stats = _LIVE.get(int(key))
+    if stats is not None:
+        stats.gated(x, sums, tokens, compute_dtype, forward, grad_enabled)
 
 
 # ``observe_tensor`` as one opaque op to a compiler. Python runs inside at every call (the
 # checks, the cache), so a CUDA graph must not replay it: inductor leaves it out of its
-# CUDA graphs (cudagraph_unsafe). Eager calls skip the op's dispatch (~0.2 ms a call on
-# our CPU, as much as a small layer's products).
+# CUDA graphs (cudagraph_unsafe). Eager hooks call ``BlockStatistics.gated`` directly and
+# skip the op's dispatch (~0.2 ms a call on our CPU, as much as a small layer's products).
 observe_op = torch.library.custom_op(
     "dobb::observe",
     observe_tensor,

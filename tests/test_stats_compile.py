@@ -207,3 +207,14 @@ def test_the_16bit_product_probe_is_a_constant_to_a_compiler(monkeypatch):
     compiled = torch.compile(scale, backend="eager", fullgraph=True)  # no dead code dropped
     assert torch.equal(compiled(torch.ones(2)), scale(torch.ones(2)))
     assert dict(counters["graph_break"]) == {}
+
+
+def test_many_blocks_compiled_one_by_one_share_one_graph(monkeypatch):
+    """torchtitan compiles each of many identical blocks: tracked, they still share one graph,
+    as untracked ones do. A per-layer constant in the traced hook (an int key) recompiled
+    once per layer, and past Dynamo's recompile limit ``fullgraph=True`` failed."""
+    monkeypatch.setattr(f"{__name__}.DEPTH", torch._dynamo.config.recompile_limit + 2)
+    _, _, tokens, graphs = train("block_fullgraph", steps=2)
+    assert dict(counters["graph_break"]) == {}
+    assert graphs == (1, 1)
+    assert tokens == [2 * 8 * 4 * (torch._dynamo.config.recompile_limit + 2)] * 2
