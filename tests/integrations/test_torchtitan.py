@@ -2,11 +2,15 @@
 
 Marked ``torchtitan``: deselected by ``make test`` (pyproject's ``addopts``), run by
 ``make test-torchtitan`` after ``pip install -e ".[torchtitan]"``. One ``torchrun`` of two
-ranks runs eight torchtitan jobs in turn (``torchtitan_rank.py``): the debug llama3 with
+ranks runs ten torchtitan jobs in turn (``torchtitan_rank.py``): the debug llama3 with
 Dobb, Muon and Dion under FSDP and Dobb under TP, each for 4 steps saving DCP checkpoints
 at steps 2 and 4, and each again resumed from its step-2 checkpoint; the two step-4
-checkpoints of every pair must be bit-identical. The CPU shim is ``torchtitan_cpu.py``,
-the assets (tokenizer, 400 documents) are written by ``titan_assets.py``.
+checkpoints of every pair must be bit-identical. Dobb and Muon under FSDP run once more
+with torchtitan's compile switch on (``COMPILE``: each transformer block compiled with
+``fullgraph=True``, where a graph break is an error, and the loss): their losses and step-4
+checkpoints must equal the eager run's bit for bit, with no graph break. The CPU shim is
+``torchtitan_cpu.py``, the assets (tokenizer, 400 documents) are written by
+``titan_assets.py``.
 """
 
 import json
@@ -35,18 +39,27 @@ LAYOUTS = {
     "fsdp": [],  # data_parallel_shard_degree -1: both ranks
     "tp": ["--parallelism.tensor_parallel_degree", "2"],
 }
-RUN_TIMEOUT = 420  # seconds for all eight jobs (about 75 on two cores)
+# jobs run again with torchtitan's compile switch on, as (optimizer, layout)
+COMPILED = [("dobb", "fsdp"), ("muon", "fsdp")]
+# the model's blocks and the loss; aot_eager: Dynamo and AOTAutograd as with inductor, the
+# graphs run by torch's eager kernels (inductor's C++ builds would take minutes on 2 cores)
+COMPILE = ["--compile.enable", "--compile.components", "model,loss"]
+COMPILE += ["--compile.backend", "aot_eager"]
+RUN_TIMEOUT = 420  # seconds for all ten jobs (about 75 on two cores)
 
 
-def job_args(out: Path, name: str, layout: str, resume: bool) -> list[str]:
+def job_args(out: Path, name: str, layout: str, resume: bool, compiled: bool = False) -> list:
+    """torchtitan's command line of one job; its dump folder is ``out/{name}_{layout}``
+    with ``_resumed`` (from the step-2 checkpoint) or ``_compiled`` appended."""
+    suffix = "_resumed" if resume else "_compiled" if compiled else ""
     folder = out / f"{name}_{layout}"
     args = [
         "--module", "titan_configs", "--config", "llama3_cpu",
-        "--optimizer.name", name, *LAYOUTS[layout],
+        "--optimizer.name", name, *LAYOUTS[layout], *(COMPILE if compiled else []),
         "--debug.seed", "0", "--training.steps", str(STEPS),
         "--checkpoint.enable", "--checkpoint.interval", str(SAVE_EVERY),
         "--comm.init_timeout_seconds", "120",
-        "--dump_folder", str(folder.with_name(folder.name + "_resumed") if resume else folder),
+        "--dump_folder", str(folder.with_name(folder.name + suffix)),
     ]  # fmt: skip
     if resume:
         args += [
@@ -68,7 +81,7 @@ def runs(tmp_path_factory):
         job_args(root / "runs", name, layout, resume)
         for name, layout, _ in JOBS
         for resume in (False, True)
-    ]
+    ] + [job_args(root / "runs", name, layout, False, compiled=True) for name, layout in COMPILED]
     (root / "jobs.json").write_text(json.dumps(jobs))
     env = {
         **os.environ,
@@ -113,6 +126,11 @@ def flatten(tree, prefix=""):
         yield prefix[:-1], tree
 
 
+def same(a, b) -> bool:
+    """Bit-identical tensors, or equal other values."""
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 @pytest.mark.parametrize("name, layout, state_key", JOBS, ids=[f"{n}-{lay}" for n, lay, _ in JOBS])
 def test_resume_gives_a_bit_identical_checkpoint(runs, name, layout, state_key):
     out, _ = runs
@@ -121,18 +139,38 @@ def test_resume_gives_a_bit_identical_checkpoint(runs, name, layout, state_key):
     assert straight["train_state"]["step"] == resumed["train_state"]["step"] == STEPS
     a, b = dict(flatten(straight)), dict(flatten(resumed))
     assert a.keys() == b.keys()
-    differ = [
-        key
-        for key in a
-        if not (
-            torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
-        )
-    ]
+    differ = [key for key in a if not same(a[key], b[key])]
     assert not differ, f"{len(differ)} entries differ after a resume, e.g. {differ[:5]}"
     # the registry's optimizer ran: its state, on the hidden matrices, moved the weights
     assert f"optimizer.state.layers.0.attention.wo.weight.{state_key}" in a
     first = load_checkpoint(out / f"{name}_{layout}" / "checkpoint" / f"step-{SAVE_EVERY}")
     assert not torch.equal(first["layers.0.attention.wo.weight"], a["layers.0.attention.wo.weight"])
+
+
+def records(folder: Path) -> list[dict]:
+    """The ``record-rank*.json`` of a job's two ranks (``torchtitan_rank.py``)."""
+    return [json.loads((folder / f"record-rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("name, layout", COMPILED, ids=[f"{n}-{lay}" for n, lay in COMPILED])
+def test_compiled_blocks_train_as_eager_without_graph_breaks(runs, name, layout):
+    out, _ = runs
+    eager, compiled = out / f"{name}_{layout}", out / f"{name}_{layout}_compiled"
+    eager_losses = records(eager)[0]["losses"]
+    assert len(eager_losses) == STEPS
+    for record in records(compiled):
+        assert record["graph_breaks"] == {}, f"graph breaks in {compiled.name}"
+        # one graph for all the blocks (identical blocks share it), one for the loss; more
+        # would mean a recompile per block, which fullgraph turns into an error past the limit
+        assert record["frames_compiled"] == 2, record
+        assert record["losses"] == eager_losses
+    # Dobb's statistics were gathered inside the compiled blocks (dobb::observe): every
+    # basis, statistic count and weight equals the eager run's
+    a = dict(flatten(load_checkpoint(eager / "checkpoint" / f"step-{STEPS}")))
+    b = dict(flatten(load_checkpoint(compiled / "checkpoint" / f"step-{STEPS}")))
+    assert a.keys() == b.keys()
+    differ = [key for key in a if not same(a[key], b[key])]
+    assert not differ, f"{len(differ)} entries differ from eager, e.g. {differ[:5]}"
 
 
 def test_dobb_counted_steps_and_statistics_once_per_step(runs):
@@ -147,7 +185,7 @@ def test_dobb_counted_steps_and_statistics_once_per_step(runs):
 
 def test_the_jobs_fit_the_ci_budget(runs):
     _, wall = runs
-    assert wall < 180, f"eight torchtitan jobs took {wall:.0f} s; the CI stage allows ~120"
+    assert wall < 180, f"ten torchtitan jobs took {wall:.0f} s; the CI stage allows ~120"
 
 
 # ------------------------------------------------------------------ in one process

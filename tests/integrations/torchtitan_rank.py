@@ -4,6 +4,11 @@ parsing, ``Trainer`` build, ``train()`` and ``close()``, as ``torchtitan.train``
 
 Run under ``torchrun``: ``torchtitan_rank.py JOBS.json``, where the file holds a list of
 argument lists, each as for ``python -m torchtitan.train`` (``--module ... --config ...``).
+
+Each rank writes ``record-rank{r}.json`` into each job's dump folder: the job's losses by
+step (torchtitan's global average, as its metrics log them) and what Dynamo did in that job
+(graph breaks by reason, frames compiled); Dynamo's caches and counters are reset between
+jobs, so a compiled job's numbers are its own.
 """
 
 import json
@@ -16,19 +21,50 @@ from torchtitan_cpu import install  # noqa: E402
 
 install()
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.tools.logging import init_logger  # noqa: E402
 
 
+def record_losses(trainer) -> dict[int, float]:
+    """Losses by step, filled as ``trainer.metrics_processor.log(step, loss, ...)`` runs."""
+    losses, log = {}, trainer.metrics_processor.log
+
+    def logged(step, global_avg_loss, *args, **kwargs):
+        losses[step] = global_avg_loss
+        return log(step, global_avg_loss, *args, **kwargs)
+
+    trainer.metrics_processor.log = logged
+    return losses
+
+
+def write_record(config, losses: dict[int, float]) -> None:
+    counters = torch._dynamo.utils.counters
+    record = {
+        "losses": losses,
+        "graph_breaks": dict(counters["graph_break"]),
+        "frames_compiled": counters["stats"]["unique_graphs"],
+    }
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    folder = Path(config.dump_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"record-rank{rank}.json").write_text(json.dumps(record))
+
+
 def main(jobs_file: str) -> None:
     init_logger()
     for args in json.loads(Path(jobs_file).read_text()):
-        trainer = ConfigManager().parse_args(args).build()
+        torch._dynamo.reset()  # Dynamo's caches
+        torch._dynamo.utils.counters.clear()
+        config = ConfigManager().parse_args(args)
+        trainer = config.build()
+        losses = record_losses(trainer)
         try:
             trainer.train()
         finally:
             trainer.close()
+        write_record(config, losses)
         del trainer
     if dist.is_initialized():
         dist.destroy_process_group()
