@@ -17,7 +17,13 @@ from torch.utils.hooks import RemovableHandle
 
 from dobb._dtensor import DTensor, local
 from dobb.blocks import BlockStack, block_stacks
-from dobb.distributed.groups import axis_groups, check_group
+from dobb.distributed.groups import (
+    STATS_GROUP_FIX,
+    axis_groups,
+    check_group,
+    check_stats_group,
+    shared_axis,
+)
 from dobb.distributed.placement import matrix_placement
 from dobb.distributed.sharding import block_state_like, param_block_stacks, split_over_ranks
 from dobb.eigensolve import BASIS_METHODS, CAPTURABLE_METHODS, BlockFailures, refresh_bases
@@ -223,7 +229,8 @@ class Dobb(MatrixOptimizer):
         if group["block_size"] is not None:
             num_blocks = -(-param.shape[dim] // group["block_size"])
         key = (id(param), dim, num_blocks)
-        if key not in self._layouts:
+        if key not in self._layouts:  # at construction, and at track() for (d_in, d_out)
+            check_stats_group(self._data_parallel_groups, param, dim, self.name_of(param))
             self._layouts[key] = param_block_stacks(param, dim, num_blocks, self.name_of(param))
         return self._layouts[key]
 
@@ -234,13 +241,15 @@ class Dobb(MatrixOptimizer):
         dim = 1 - self._input_dims.get(param, 1)
         key = (id(param), dim, "rows", group["row_blocks"])
         if key not in self._layouts:
-            data = {g.group_name for g in self._data_parallel_groups}
             row_groups = matrix_placement(param).groups_splitting(dim)
-            if group["row_stats"] == "outputs" and data & {g.group_name for g in row_groups}:
+            if group["row_stats"] == "outputs" and shared_axis(
+                self._data_parallel_groups, row_groups
+            ):
                 raise NotImplementedError(
                     f"{self.name_of(param)}: row_stats='outputs' keeps each rank's row blocks, "
-                    "but this matrix's rows are split over data-parallel ranks (FSDP), whose "
-                    "output gradients differ; use row_stats='gradients'"
+                    "averaged over stats_group, but this matrix's rows are split over ranks of "
+                    "stats_group: FSDP's data ranks (use row_stats='gradients') or a "
+                    f"tensor-parallel axis ({STATS_GROUP_FIX})"
                 )
             if group["row_blocks"] is None:  # one block of the rows this rank holds
                 start, stop = matrix_placement(param).span(dim)

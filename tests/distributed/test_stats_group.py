@@ -1,0 +1,121 @@
+"""Dobb's ``stats_group`` must be data-parallel ranks: an axis that splits a matrix's input
+columns (row-parallel TP) or, with ``row_stats="outputs"``, its rows (column-parallel TP)
+raises at construction, or at ``track()`` for a ``(d_in, d_out)`` weight; the data axes
+are accepted. Groups are compared by their ranks: a second mesh or a ProcessGroup over the
+TP ranks is refused like the TP mesh itself."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from layouts import MLP, parallelize
+from multirank import run_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dobb
+
+
+class TransposedLinear(nn.Module):
+    """Stores its weight as ``(d_in, d_out)`` and computes ``x @ W``, like GPT-2's Conv1D."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_in, d_out))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def _outcome(build):
+    """``"ok"`` if ``build()`` returns, else the exception's type name and message."""
+    try:
+        build()
+    except (ValueError, NotImplementedError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+def _tp_cases(world):
+    """Row-parallel fc2 (its input columns split over TP) and column-parallel fc1 (rows)."""
+    model, _, _, _ = parallelize(MLP(20, 16), "tp", world)
+    tp_mesh = model.fc2.weight.device_mesh
+    new_group = dist.new_group(list(range(world)))  # the TP ranks, another group name
+    groups = dobb.param_groups(model, exclude="^$")
+    fc1 = [("fc1.weight", model.fc1.weight)]
+    return {
+        "tp mesh": lambda: dobb.Dobb(groups, lr=0.1, stats_group=tp_mesh),
+        "world group": lambda: dobb.Dobb(groups, lr=0.1, stats_group=dist.group.WORLD),
+        "new group": lambda: dobb.Dobb(groups, lr=0.1, stats_group=new_group),
+        "tp, none": lambda: dobb.Dobb(groups, lr=0.1),
+        # column-parallel fc1 alone: one-sided, its inputs are the same on every TP rank
+        "fc1 one-sided": lambda: dobb.Dobb(fc1, lr=0.1, stats_group=dist.group.WORLD),
+        "fc1 outputs": lambda: dobb.Dobb(
+            fc1, lr=0.1, two_sided=True, row_stats="outputs", stats_group=new_group
+        ),
+        "fc1 gradients": lambda: dobb.Dobb(
+            fc1, lr=0.1, two_sided=True, row_stats="gradients", stats_group=dist.group.WORLD
+        ),
+    }
+
+
+def _fsdp_cases(world):
+    """FSDP shards dim 0: an nn.Linear's rows (fine), a (d_in, d_out) weight's inputs."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_shard",))
+    model = MLP(18, 3)
+    for module in (model.fc1, model.fc2, model):
+        fully_shard(module, mesh=mesh)
+    dobb.stats.register_layer(TransposedLinear, input_dim=0)
+    transposed = TransposedLinear(16, 6)
+    fully_shard(transposed, mesh=mesh)
+
+    def track_transposed():
+        opt = dobb.Dobb(dobb.param_groups(transposed), lr=0.1, num_blocks=4, stats_group=mesh)
+        opt.track(transposed)
+
+    def train_linear():
+        opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"), lr=0.1, stats_group=mesh)
+        opt.track(model)
+        model(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+
+    return {"fsdp data axis": train_linear, "fsdp transposed": track_transposed}
+
+
+def outcomes(rank, world):
+    return {
+        name: _outcome(build) for name, build in {**_tp_cases(world), **_fsdp_cases(world)}.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def results():
+    per_rank = run_ranks(outcomes, 2, timeout=120)
+    assert per_rank[0] == per_rank[1]  # every rank decides alike
+    return per_rank[0]
+
+
+@pytest.mark.parametrize("case", ["tp mesh", "world group", "new group"])
+def test_a_group_splitting_input_columns_raises(results, case):
+    message = results[case]
+    assert message.startswith("ValueError: fc2.weight: stats_group"), message
+    assert "ranks [0, 1]" in message and "mesh axis 'tensor'" in message, message
+    assert "pass only the data-parallel axes" in message, message
+    assert "stats_group=None" in message, message
+
+
+def test_a_transposed_weight_split_along_its_inputs_raises_at_track(results):
+    message = results["fsdp transposed"]
+    assert message.startswith("ValueError: weight: stats_group"), message
+    assert "input dim 0" in message and "mesh axis 'data_shard'" in message, message
+
+
+def test_a_tp_axis_averaging_split_rows_of_output_moments_raises(results):
+    message = results["fc1 outputs"]
+    assert message.startswith("NotImplementedError: fc1.weight: row_stats='outputs'"), message
+    assert "pass only the data-parallel axes" in message, message
+
+
+@pytest.mark.parametrize("case", ["tp, none", "fc1 one-sided", "fc1 gradients", "fsdp data axis"])
+def test_data_axes_and_unsplit_inputs_are_accepted(results, case):
+    assert results[case] == "ok"
