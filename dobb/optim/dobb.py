@@ -101,7 +101,9 @@ class Dobb(MatrixOptimizer):
             ``"identity"`` (keep the basis).
         stats_group, stats_sync, shard_refresh: the data-parallel ranks ``C_b`` is averaged
             over (a ProcessGroup or a mesh of data axes), on refresh steps (exact) or every
-            ``"step"``; each rank solving ~1/P of the bases (True).
+            ``"step"``; each rank solving ~1/P of the bases (True). An axis of
+            ``stats_group`` that splits a matrix's input columns (row-parallel TP) raises
+            (``dobb.distributed.groups.check_stats_group``).
         nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf inputs (checked per rank).
         capturable: steps with no host read, for CUDA graphs and
             ``torch.compile(fullgraph=True)``: steady steps and warm refreshes (a batched
