@@ -60,6 +60,7 @@ from bench.model.hardware import H100, Hardware, Network
 from bench.model.workload import ONE_DEVICE, Layout, Matrix, hidden_matrices, layout_of
 from bench.optimizers import CALL_SETTINGS, cost_model, in_table
 from bench.tools.markdown import markdown_table
+from dobb.eigensolve import AUTO_CUDA
 from dobb.optim.registry import get_entry
 
 CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
@@ -67,9 +68,9 @@ CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "
 # row of the model and the block calls of MuonBP's timing)
 OPTIMIZERS = in_table("calltime")
 
-# The refresh Dobb's basis_method="auto" runs on CUDA when CuPy is not installed: the batched
-# orthogonal iteration with Cholesky-QR3 (dobb.eigensolve.cholqr_basis; issue #32).
-CUDA_SOLVER = "cholqr"
+# The refresh Dobb's basis_method="auto" runs on CUDA when CuPy is not installed (the library's
+# one constant, read here rather than restated)
+CUDA_SOLVER = AUTO_CUDA
 
 # Paper's reference points (arXiv 2610.39412, abstract): GPT-2 XL, FSDP on 32 H100,
 # amortized optimizer-call time.
