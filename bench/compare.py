@@ -71,6 +71,21 @@ UNCOMPARED = (
 )  # fmt: skip
 # Config fields added after runs were logged, with the value a config without them means.
 ADDED_FIELDS = {"eval_ema": None}
+# Before weight decay was a TrainConfig field (one protocol, issue #35), a run's hidden
+# matrices took the class default (or optimizer_options.weight_decay), and the scalar group
+# inherited it through torch.optim's default filling; these classes' defaults were 0.01
+# (torch.optim.AdamW's for "adamw"), every other optimizer's 0.
+PRE_PROTOCOL_WEIGHT_DECAY = {"dion": 0.01, "dion2": 0.01, "nordion2": 0.01, "adamw": 0.01}
+
+
+def weight_decay_of(config: dict[str, Any]) -> dict[str, float]:
+    """The weight decay a logged config trained with: ``weight_decay`` (hidden matrices)
+    and ``scalar_weight_decay`` (embeddings, head, norms, biases), also for older logs."""
+    if "weight_decay" in config:
+        return {k: config[k] for k in ("weight_decay", "scalar_weight_decay")}
+    default = PRE_PROTOCOL_WEIGHT_DECAY.get(config["optimizer"], 0.0)
+    decay = config.get("optimizer_options", {}).get("weight_decay", default)
+    return {"weight_decay": decay, "scalar_weight_decay": decay}
 
 
 def base_config(quick: bool = False, steps: int | None = None, overrides=None) -> TrainConfig:
@@ -111,7 +126,10 @@ def run_config(base: TrainConfig, optimizer: str, lr: float | None, out: Path) -
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     """The fields of a logged config that decide what a run computes; a field added later
     and missing from an older log takes its `ADDED_FIELDS` value (the old behaviour)."""
-    return {k: v for k, v in (ADDED_FIELDS | config).items() if k not in UNCOMPARED}
+    logged = ADDED_FIELDS | config | weight_decay_of(config)
+    options = {k: v for k, v in logged["optimizer_options"].items() if k != "weight_decay"}
+    logged["optimizer_options"] = options
+    return {k: v for k, v in logged.items() if k not in UNCOMPARED}
 
 
 def run(cfg: TrainConfig, log=print) -> dict[str, Any]:

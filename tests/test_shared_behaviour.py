@@ -9,6 +9,7 @@ from optim_db import ERROR_INPUTS, SMALL_INPUTS
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+from dobb.groups import param_groups
 from dobb.optim.base import NonFiniteGradientError
 from dobb.optim.dobb import Dobb
 from dobb.optim.registry import OPTIMIZERS, build_optimizer
@@ -304,3 +305,48 @@ def test_huge_finite_gradients_are_not_mistaken_for_nonfinite():
     layer.weight.grad = torch.full((3, 4), 1e30)
     opt.step()
     assert opt.skipped_steps == 0
+
+
+SCALAR_PARAMS = ("wte.weight", "fc.bias", "proj.bias", "ln.weight", "ln.bias", "head.weight")
+
+
+@pytest.mark.parametrize("scalar_weight_decay", [None, 0.2])
+@pytest.mark.parametrize("name, scalar", CASES)
+def test_scalar_parameters_take_their_own_weight_decay(name, scalar, scalar_weight_decay):
+    """Embeddings, norms, biases and the head decay by ``scalar_weight_decay`` (default 0)
+    whatever the hidden matrices' ``weight_decay`` is (torch.optim's default filling once
+    gave Dion's 0.01 to them). With zero gradients only the decay moves a parameter:
+    ``W <- W (1 - lr wd)``."""
+    extra = {} if scalar_weight_decay is None else {"scalar_weight_decay": scalar_weight_decay}
+    model, opt = make(name, scalar, weight_decay=0.5, **extra)
+    loss_of(model, 0).backward()  # Dobb's statistics
+    before = params(model)
+    for p in model.parameters():
+        p.grad.zero_()
+    opt.step()
+    after = params(model)
+    lr = {n: g["lr"] for g in opt.param_groups for n in g["param_names"]}
+    for n in SCALAR_PARAMS:
+        factor = 1 - lr[n] * (scalar_weight_decay or 0.0)
+        torch.testing.assert_close(after[n], before[n] * factor, rtol=0, atol=0, msg=n)
+    hidden = after["fc.weight"], before["fc.weight"] * (1 - lr["fc.weight"] * 0.5)
+    torch.testing.assert_close(*hidden, rtol=1e-6, atol=0)
+
+
+def test_negative_scalar_weight_decay_is_rejected():
+    with pytest.raises(ValueError, match="scalar_weight_decay must be >= 0"):
+        make("dion", "adamw", scalar_weight_decay=-0.1)
+
+
+@pytest.mark.parametrize("scalar", ["adamw", "lion"])
+@pytest.mark.parametrize("name", MATRIX_NAMES)
+def test_a_scalar_group_does_not_inherit_the_matrix_weight_decay(name, scalar):
+    """The classes themselves, built without the registry: a scalar group's weight decay is
+    its own key (default 0), never filled in from the constructor's ``weight_decay``."""
+    entry = OPTIMIZERS[name]
+    groups = param_groups(TinyLM(), entry.cls.algorithm, scalar_algorithm=scalar)
+    opt = entry.cls(groups, lr=0.01, weight_decay=0.5, **entry.hyperparameters)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0]
+    explicit = param_groups(TinyLM(), entry.cls.algorithm, scalar_options={"weight_decay": 0.1})
+    opt = entry.cls(explicit, lr=0.01, weight_decay=0.5, **entry.hyperparameters)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.1]

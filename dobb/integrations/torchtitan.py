@@ -23,7 +23,7 @@ from torchtitan.distributed.utils import get_spmd_backend
 
 from dobb._dtensor import DTensor
 from dobb.groups import DEFAULT_EXCLUDE, param_groups
-from dobb.optim.registry import get_entry
+from dobb.optim.registry import get_entry, without_algorithm
 from dobb.optim.scalar import SCALAR_ALGORITHMS
 
 TESTED_VERSION = "0.3.0"
@@ -115,6 +115,10 @@ class DobbOptimizersContainer(OptimizersContainer):
         scalar_algorithm: Literal["adamw", "lion"] = "adamw"
         """Algorithm of that group."""
 
+        scalar_weight_decay: float = 0.0
+        """Decoupled weight decay of that group (adamw too); the hidden matrices' is the
+        class's ``weight_decay`` (set it in ``options``). Never inherited from it."""
+
         exclude: str = DEFAULT_EXCLUDE
         """Regex searched in each canonical parameter name: matching layer weights go to
         the scalar group (torchtitan's llama3 ``output`` head matches the default)."""
@@ -190,10 +194,11 @@ def build(config: DobbOptimizersContainer.Config, model: nn.Module) -> torch.opt
     }
     if not entry.is_matrix:
         if config.scalar_lr is not None or config.scalar_algorithm != "adamw":
-            raise ValueError(f"{config.name!r} has one group: drop scalar_lr/scalar_algorithm")
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            raise ValueError(f"{config.name!r} has one lr: drop scalar_lr/scalar_algorithm")
+        decay = {"weight_decay": config.scalar_weight_decay}
+        groups = param_groups(model, exclude=config.exclude, scalar_options=decay)
         impl = OptimizersContainer._build_impl_kwargs(config)
-        return entry.cls(named_groups([{"params": params}]), **impl, **kwargs)
+        return entry.cls(named_groups([without_algorithm(g) for g in groups]), **impl, **kwargs)
     assert config.scalar_algorithm in SCALAR_ALGORITHMS, config.scalar_algorithm
     scalar_lr = entry.scalar_lr if config.scalar_lr is None else config.scalar_lr
     groups = param_groups(
@@ -201,7 +206,7 @@ def build(config: DobbOptimizersContainer.Config, model: nn.Module) -> torch.opt
         entry.cls.algorithm,
         exclude=config.exclude,
         scalar_algorithm=config.scalar_algorithm,
-        scalar_options={"lr": scalar_lr},
+        scalar_options={"lr": scalar_lr, "weight_decay": config.scalar_weight_decay},
     )
     optimizer = entry.cls(named_groups(groups), **kwargs)
     if entry.needs_statistics and kwargs.get("basis_source", "activations") == "activations":

@@ -90,7 +90,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if algorithm in SCALAR_ALGORITHMS:
             for key, value in SCALAR_DEFAULTS[algorithm].items():
                 param_group.setdefault(key, value)
-            keys = GROUP_KEYS | {"lr", "weight_decay"} | set(SCALAR_DEFAULTS[algorithm])
+            keys = GROUP_KEYS | {"lr"} | set(SCALAR_DEFAULTS[algorithm])
         else:
             keys = GROUP_KEYS | set(self.defaults)
         unknown = sorted(set(param_group) - keys)

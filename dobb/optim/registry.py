@@ -2,7 +2,8 @@
 
 ``build_optimizer("dion", model)`` routes hidden ``nn.Linear`` weights to the matrix
 optimizer and the rest to its AdamW (or Lion) group (``dobb.param_groups``); ``"adamw"`` is
-AdamW over every parameter. Dobb is also hooked to the model (``opt.track(model)``). Each
+AdamW over every parameter, in the same two groups (one lr; the scalar group's weight decay
+is ``scalar_weight_decay`` there too). Dobb is also hooked to the model (``opt.track(model)``). Each
 entry's starting learning rates, and why: ``docs/baselines.md``; every other
 hyperparameter is the class default. What the benchmarks know of an optimizer lives in the
 lab's table (``bench/optimizers.py``), test inputs in the tests' ``optim_db``.
@@ -99,6 +100,7 @@ def build_optimizer(
     *,
     scalar_lr: float | None = None,
     scalar_algorithm: str = "adamw",
+    scalar_weight_decay: float = 0.0,
     **overrides: Any,
 ) -> torch.optim.Optimizer:
     """Build optimizer ``name`` for ``model`` (and hook Dobb's statistics to it).
@@ -108,17 +110,23 @@ def build_optimizer(
             default: the entry's starting value.
         scalar_lr / scalar_algorithm: learning rate and algorithm (``"adamw"`` or
             ``"lion"``) of the group holding embeddings, head, norms and biases.
+        scalar_weight_decay: decoupled weight decay of that group (default none), for
+            every optimizer alike; ``weight_decay=`` (an override) is the hidden matrices'.
+            For ``"adamw"`` the same two groups are made, so its scalars follow this too.
         overrides: further constructor arguments, e.g. ``rank_fraction=0.25`` for Dion.
     """
     entry = get_entry(name)
     kwargs = {"lr": entry.lr if lr is None else lr, **entry.hyperparameters, **overrides}
+    if not scalar_weight_decay >= 0:
+        raise ValueError(f"scalar_weight_decay must be >= 0, got {scalar_weight_decay!r}")
     if not entry.is_matrix:
         if scalar_lr is not None or scalar_algorithm != "adamw":
             raise ValueError(
-                f"{name!r} has no separate scalar group; drop scalar_lr/scalar_algorithm"
+                f"{name!r} has one learning rate for every parameter; drop "
+                "scalar_lr/scalar_algorithm (scalar_weight_decay applies)"
             )
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        return entry.cls(params, **kwargs)
+        groups = param_groups(model, scalar_options={"weight_decay": scalar_weight_decay})
+        return entry.cls([without_algorithm(g) for g in groups], **kwargs)
     if scalar_algorithm not in SCALAR_ALGORITHMS:
         raise ValueError(
             f"scalar_algorithm must be one of {SCALAR_ALGORITHMS}, got {scalar_algorithm!r}"
@@ -127,9 +135,17 @@ def build_optimizer(
         model,
         entry.cls.algorithm,
         scalar_algorithm=scalar_algorithm,
-        scalar_options={"lr": entry.scalar_lr if scalar_lr is None else scalar_lr},
+        scalar_options={
+            "lr": entry.scalar_lr if scalar_lr is None else scalar_lr,
+            "weight_decay": scalar_weight_decay,
+        },
     )
     optimizer = entry.cls(groups, **kwargs)
     if entry.needs_statistics and kwargs.get("basis_source", "activations") == "activations":
         optimizer.track(model)
     return optimizer
+
+
+def without_algorithm(group: dict[str, Any]) -> dict[str, Any]:
+    """A ``param_groups`` group for a torch optimizer, which has no ``algorithm`` key."""
+    return {key: value for key, value in group.items() if key != "algorithm"}

@@ -15,7 +15,14 @@ from torch import Tensor
 from dobb.optim.batching import each, foreach_mul_
 
 SCALAR_ALGORITHMS = ("adamw", "lion")
-SCALAR_DEFAULTS = {"adamw": {"betas": (0.9, 0.95), "eps": 1e-8}, "lion": {"betas": (0.9, 0.99)}}
+# A scalar group's defaults. Its weight decay is its own (default none, as nanoGPT leaves
+# norms and biases undecayed), never the matrix optimizer's: torch.optim would otherwise
+# fill it in from the constructor's ``weight_decay``, so Dion's 0.01 would decay
+# embeddings, norms, biases and the head while Muon's 0 would not.
+SCALAR_DEFAULTS = {
+    "adamw": {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0},
+    "lion": {"betas": (0.9, 0.99), "weight_decay": 0.0},
+}
 
 
 def init_scalar_state(param: Tensor, algorithm: str, capturable: bool = False) -> dict:

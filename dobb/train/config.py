@@ -62,6 +62,13 @@ class TrainConfig:
     lr: float | None = None  # peak lr of the hidden matrices (all params for adamw); None: registry
     scalar_lr: float | None = None  # peak lr of embeddings/head/norms/biases; None: registry
     optimizer_options: dict = field(default_factory=dict)  # constructor args, e.g. {num_blocks: 8}
+    # ---- weight decay: one protocol for every optimizer (docs/harness.md). Decoupled,
+    # W <- W (1 - lr wd), on the hidden matrices (every optimizer, AdamW too) and, with its
+    # own value, on embeddings/head/norms/biases. None on either by default: the study's
+    # runs are 400 steps, where a decay of lr * wd * steps <= 0.02 * 0.01 * 400 = 8% of W
+    # is a weak regulariser that only some baselines applied by default before.
+    weight_decay: float = 0.0  # hidden matrices (AdamW: the same parameters)
+    scalar_weight_decay: float = 0.0  # embeddings, head, norms, biases
     grad_clip: float | None = None  # clip the global gradient norm to this; None: no clipping
     # ---- evaluation
     eval_interval: int = 100  # validate every this many steps (and always after the last)
@@ -103,6 +110,11 @@ class TrainConfig:
                 self.scalar_lr is None or 0 <= self.scalar_lr < math.inf,
                 "a finite number >= 0, or none",
             ),
+            "weight_decay": (0 <= self.weight_decay < math.inf, "a finite number >= 0"),
+            "scalar_weight_decay": (
+                0 <= self.scalar_weight_decay < math.inf,
+                "a finite number >= 0",
+            ),
             "grad_clip": (
                 self.grad_clip is None or 0 < self.grad_clip < math.inf,
                 "a finite number > 0, or none",
@@ -121,6 +133,12 @@ class TrainConfig:
         for key, (ok, expected) in checks.items():
             if not ok:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is invalid: must be {expected}")
+        if "weight_decay" in self.optimizer_options:
+            raise ConfigError(
+                "optimizer_options.weight_decay: weight decay is a top-level setting, the same "
+                "for every optimizer; set weight_decay=... (hidden matrices) and "
+                "scalar_weight_decay=... (embeddings, head, norms, biases) instead"
+            )
         if self.batch_size % self.grad_accum:
             raise ConfigError(
                 f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}"

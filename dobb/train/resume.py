@@ -21,13 +21,15 @@ from dobb.train.errors import RunError, RunWarning
 # field that differs from the checkpoint's run stops the resume (`resume_conflict`).
 RESUMABLE = frozenset(
     {"lr", "scalar_lr", "steps", "warmup_steps", "decay", "min_lr_ratio", "grad_clip"}
+    | {"weight_decay", "scalar_weight_decay"}
     | {"eval_interval", "eval_batches", "eval_ema", "grad_accum", "layout", "tensor_parallel"}
     | {"checkpoint_interval", "keep_checkpoints", "out_dir", "resume", "progress"}
     | {"data_cache", "timeout"}
 )
 
 
-RESUMABLE_OPTIONS = frozenset({"weight_decay", "nonfinite"})  # of optimizer_options
+# of optimizer_options; weight_decay for runs saved before it became a top-level setting
+RESUMABLE_OPTIONS = frozenset({"weight_decay", "nonfinite"})
 
 
 # optimizer group keys set from this run's config on resume; the rest must match the state

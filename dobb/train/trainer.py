@@ -349,6 +349,8 @@ def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: b
             model,
             cfg.lr,
             scalar_lr=cfg.scalar_lr,
+            weight_decay=cfg.weight_decay,
+            scalar_weight_decay=cfg.scalar_weight_decay,
             **cfg.optimizer_options,
             **distributed_options(cfg.optimizer, par),
         )

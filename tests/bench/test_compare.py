@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +102,30 @@ def test_a_run_logged_before_eval_ema_existed_is_the_same_config(tmp_path, monke
     assert compare.run(cfg, log=lambda *_: None) == {"final_val_loss": 1.5}
     with pytest.raises(FileExistsError, match=r"different config \(eval_ema\)"):
         compare.run(replace(cfg, eval_ema=0.9), log=lambda *_: None)
+
+
+@pytest.mark.parametrize("optimizer, decay", [("dion", 0.01), ("adamw", 0.01), ("muon", 0.0)])
+def test_a_run_logged_before_the_weight_decay_protocol_reads_as_it_trained(
+    tmp_path, monkeypatch, optimizer, decay
+):
+    """An old run.json without weight_decay trained with its class's default on the hidden
+    matrices, inherited by the scalar group: a Dion run then is not a run of the protocol
+    (none on either) and is refused, loudly, while a Muon run is the same config."""
+    cfg = compare.run_config(compare.base_config(quick=True), optimizer, None, tmp_path)
+    old = {k: v for k, v in cfg.to_dict().items() if "weight_decay" not in k}
+    assert compare.weight_decay_of(old) == {"weight_decay": decay, "scalar_weight_decay": decay}
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps({"config": old}))
+    (out / "summary.json").write_text(json.dumps({"final_val_loss": 1.5}))
+    monkeypatch.setattr(compare, "train", lambda cfg: pytest.fail("retrained a finished run"))
+    if decay:
+        with pytest.raises(FileExistsError, match="scalar_weight_decay, weight_decay"):
+            compare.run(cfg, log=lambda *_: None)
+        legacy = replace(cfg, weight_decay=decay, scalar_weight_decay=decay)
+        assert compare.run(legacy, log=lambda *_: None) == {"final_val_loss": 1.5}
+    else:
+        assert compare.run(cfg, log=lambda *_: None) == {"final_val_loss": 1.5}
 
 
 def test_the_collective_timeout_does_not_change_what_a_run_computes(tmp_path, monkeypatch):

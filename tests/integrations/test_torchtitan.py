@@ -237,6 +237,24 @@ def test_parameter_names_do_not_depend_on_checkpoint_or_compile_wrappers(titan):
     assert "layers.0.attention.wo.weight" in plain["dobb"]
 
 
+@pytest.mark.parametrize("name", ["dion", "adamw"])
+def test_the_scalar_group_takes_its_own_weight_decay(titan, name):
+    """Embeddings, norms and the head decay by ``scalar_weight_decay`` (default 0), never
+    by the hidden matrices' ``weight_decay`` (Dion's 0.01, AdamW's given here)."""
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    integration, model_registry = titan
+    set_spmd_backend("partial_dtensor")
+    options = '{"weight_decay": 0.3}'
+    for fields, scalar in (({}, 0.0), ({"scalar_weight_decay": 0.05}, 0.05)):
+        optimizers = container(
+            integration, debug_model(model_registry), name=name, options=options, **fields
+        )
+        (opt,) = optimizers.optimizers
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.3, scalar]
+        assert "lm_head.weight" in opt.param_groups[1]["param_names"]
+
+
 def test_config_selects_any_registry_optimizer_from_the_command_line(titan):
     from torchtitan.config import ConfigManager
 

@@ -136,8 +136,8 @@ def test_resume_with_changed_weight_decay_applies_it(finished, tmp_path):
     same = from_step_4(finished, tmp_path / "a")
     decayed = from_step_4(finished, tmp_path / "b")
     train(config(same, resume=True))
-    with pytest.warns(RunWarning, match="optimizer_options"):
-        train(config(decayed, resume=True, optimizer_options={"weight_decay": 0.5}))
+    with pytest.warns(RunWarning, match="weight_decay"):
+        train(config(decayed, resume=True, weight_decay=0.5))
     a, b = weights(same / "checkpoints/step_000008"), weights(decayed / "checkpoints/step_000008")
     assert not torch.equal(a["blocks.0.mlp.fc.weight"], b["blocks.0.mlp.fc.weight"])
 

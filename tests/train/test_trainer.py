@@ -243,6 +243,9 @@ def test_yaml_then_overrides_typed_by_field(tmp_path):
         ("layout=ring", "layout='ring' is invalid"),
         ("warmup_steps=5000", "warmup_steps=5000 is invalid"),
         ("grad_accum=3", "batch_size=16 is not divisible by grad_accum=3"),
+        ("weight_decay=-0.1", "weight_decay=-0.1 is invalid"),
+        ("scalar_weight_decay=inf", "scalar_weight_decay=inf is invalid"),
+        ("optimizer_options.weight_decay=0.1", "weight decay is a top-level setting"),
     ],
 )
 def test_bad_config_names_the_key(override, message):
