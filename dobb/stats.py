@@ -1,6 +1,15 @@
-"""Input-activation statistics: per-block second moments ``A_b += X_bᵀ X_b`` (and token
-counts) gathered by forward pre-hooks in training mode; ``S_b = A_b / n`` at the step
-(costs and precision: ``docs/baselines.md``).
+"""Input-activation statistics: per-block second moments gathered by forward pre-hooks.
+
+For a layer ``y = x Wᵀ`` with ``W`` of shape ``(d_out, d_in)``, every forward pass in
+training mode adds ``A_b += X_bᵀ X_b`` (``(s_b, s_b)``) for each input block ``b`` of
+``s_b`` columns (``X`` is the input flattened to ``(N, d_in)``, ``X_b`` its ``(N, s_b)``
+slice) and ``n += N``. At the optimizer step the token average ``S_b = A_b / n`` is taken
+and the accumulators reset.
+
+Cost: layers that share a ``GramCache`` and are fed the same input tensor (``q``, ``k``,
+``v``) compute its products once. Under bf16/fp16 autocast on an accelerator the products
+read the input in 16 bits and accumulate in fp32 (``gram_dtype``); elsewhere they are exact
+fp32 (fp64 for fp64 parameters).
 """
 
 import itertools
@@ -121,11 +130,16 @@ def block_grams(
 class GramCache:
     """Block Gram products of recent layer inputs, so that layers fed one tensor share them.
 
-    Layers fed one input (``q``, ``k``, ``v``) compute ``X_bᵀ X_b`` once. An entry is keyed
-    by the input's address, shape, strides, dtype, device, block layout and dtypes, and used
-    only while that tensor is alive (a weak reference) and unmodified (its ``_version``);
-    it is dropped when the input is freed, after ``max_entries`` newer inputs, or at
-    ``clear()`` (``docs/baselines.md``).
+    Layers fed the same input in a forward pass (``q``, ``k`` and ``v`` of attention) would
+    each compute ``X_bᵀ X_b``; with one cache the first computes it and the others reuse the
+    result. An entry is keyed by what fixes the products: the input's address, shape,
+    strides, dtype and device, the block layout relative to its first column, and the
+    compute and output dtypes. It is used only while the tensor that made it is alive (a
+    weak reference: the cache never keeps an input alive), still at that address and
+    unmodified (its ``_version``, bumped by every in-place op on it or its views). An entry
+    is dropped when its input is freed, when ``max_entries`` newer inputs have been seen (so
+    a forward pass holds a few ``(d_in, size)`` results at most, not one per layer: layers
+    that share an input usually run one after another), or at ``clear()``.
     """
 
     def __init__(self, max_entries: int = 4):

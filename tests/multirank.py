@@ -1,4 +1,4 @@
-"""Run a test function on N gloo ranks in spawned processes (DESIGN §5).
+"""Run a test function on N gloo ranks in spawned processes.
 
 ``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on every
 rank after ``init_process_group``, so ``fn`` may build meshes directly, e.g.

@@ -1,4 +1,4 @@
-"""Dobb on one device: the invariants of DESIGN §2, the torch.optim contract, bad input."""
+"""Dobb on one device: the invariants of docs/algorithm.md, the torch.optim contract, bad input."""
 
 import copy
 import math
@@ -123,7 +123,8 @@ def test_update_rms_is_one_before_scaling(num_blocks):
 
 
 def test_matches_per_block_reference_with_ragged_blocks():
-    """Three steps against a loop written straight from DESIGN §2 (fp64, explicit blocks)."""
+    """Three steps against a loop written straight from the formula of docs/algorithm.md
+    (fp64, explicit blocks)."""
     gen = torch.Generator().manual_seed(3)
     d_out, d_in, num_blocks, lr, mu, beta2 = 4, 10, 4, 0.05, 0.9, 0.8
     layer = nn.Linear(d_in, d_out, bias=False).double()

@@ -5,11 +5,12 @@
     python -m bench.results --quick --out-dir /tmp/bench   # tiny and fast (tests)
     python -m bench.results gpu-table FILE.json ...        # Markdown of GPU runs
 
-Measuring (``measure``): calibrate the cost model on this machine (``calibrate.calibrate``),
-time the optimizer calls in one process (``calltime.run``) and sharded over gloo ranks
-under FSDP, HSDP and TP (``calltime_sharded.run``), each into its JSON, and the run's own
-facts (date, machine, commands) into ``results_report.RUN_FILE``. Rendering
-(``results_report.render``) reads that JSON, the GPU runs (``benchmarks/gpu/*.json``,
+Measuring (``measure``): calibrate the cost model on this machine
+(``bench.model.calibrate.calibrate``), time the optimizer calls in one process
+(``bench.results.calltime.run``) and sharded over gloo ranks under FSDP, HSDP and TP
+(``bench.results.calltime_sharded.run``), each into its JSON, and the run's own facts (date,
+machine, commands) into ``bench.results.report.RUN_FILE``. Rendering
+(``bench.results.report.render``) reads that JSON, the GPU runs (``benchmarks/gpu/*.json``,
 written by ``benchmarks/gpu_calltime.sh``) and ``benchmarks/COMM.md`` when they exist, and
 adds the cost model's predictions and plots.
 """

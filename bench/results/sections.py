@@ -34,7 +34,7 @@ def measured_only_note(name: str) -> str:
 
 
 def machine_section(run: dict, rendered_by: str | None = None) -> str:
-    """The measuring run (``results_report.RUN_FILE``): when, by what, where, its commands;
+    """The measuring run (``bench.results.report.RUN_FILE``): when, by what, where, its commands;
     and the command that rendered the document again from the JSON, if one did."""
     lines = [
         f"- Generated: {run['date']} by `{run['invocation']}` ({run['wall_s']:.0f} s).",

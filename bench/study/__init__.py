@@ -28,10 +28,11 @@ name the commit that trained it):
 (f) Every optimizer tuned at every width (``bench.study.tuning``): its own lr grid at each
     width, seeds at each tuned lr, whether the tuned lr transfers across width.
 
-``bench.study.runs`` plans and runs the training runs (``study_gap``: those of (e),
-and their analysis); ``study_analysis`` turns them into numbers, ``study_findings`` into
-statements and ``study_report`` (with ``study_plots``, ``study_format`` and
-``study_gap_report``) into the document.
+``bench.study.runs`` plans and runs the training runs (``bench.study.gap``: those of (e),
+and their analysis; ``bench.study.tuning``: those of (f)); ``bench.study.analysis`` turns
+them into numbers (seed statistics: ``bench.study.stats``), ``bench.study.findings`` into
+statements and ``bench.study.report`` (with ``bench.study.plots``, ``bench.study.format``,
+``bench.study.gap_report`` and ``bench.study.tuning_report``) into the document.
 """
 
 import json

@@ -20,7 +20,7 @@ refresh steps, at 4 row shards (FSDP, column-parallel TP); a variant's input blo
 tile the column shards of row-parallel TP over 4 ranks when its block count at every
 ``d_in`` (the width and 4 x the width) is a multiple of 4.
 
-This module plans the runs and computes the numbers; `study_gap_report` writes the section.
+This module plans the runs and computes the numbers; ``bench.study.gap_report`` writes the section.
 """
 
 from dataclasses import dataclass, field

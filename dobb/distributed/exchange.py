@@ -1,6 +1,19 @@
-"""Whole-matrix work on sharded or replicated matrices: ``OwnerExchange`` gives each matrix
-a balanced owner rank and moves every piece to it (``gather``) and back (``scatter``), one
-``all_to_all_single`` per direction for all matrices together (``docs/baselines.md``).
+"""Whole-matrix work on sharded or replicated matrices: one owner rank per matrix.
+
+Muon needs each update matrix whole. ``OwnerExchange`` gives each matrix an owner among the
+ranks of a process group (balanced by size, the same on every rank), and moves data with
+one ``all_to_all_single`` per direction for all the matrices together:
+
+- ``gather``: every piece of a matrix goes to its owner, which assembles the whole matrix.
+  A piece held by several ranks (replicated mesh axes, DDP) is sent once, by one holder;
+  a piece the owner holds itself is not sent. When nothing needs sending (DDP: every
+  rank holds every matrix whole) the collective is skipped on every rank alike.
+- ``scatter``: the owner cuts its result into the pieces each rank holds and sends them.
+
+Each rank thus works on about ``1/size`` of the matrices. Rows and columns are global
+index tensors (``MatrixPlacement``), so uneven, empty and strided shards need no special
+case. The plan is built once, collectively (one ``all_gather_object`` of every rank's
+indices), and is never checkpointed.
 """
 
 import torch
@@ -13,8 +26,11 @@ from dobb.distributed.placement import MatrixPlacement
 class OwnerExchange:
     """Gather matrices to their owners and scatter the owners' results back.
 
-    ``placements``: this rank's ``MatrixPlacement`` of each matrix, in an order every rank
-    of ``group`` (the ranks holding pieces of them) shares.
+    Args:
+        placements: this rank's ``MatrixPlacement`` of each matrix, in an order that every
+            rank of ``group`` shares.
+        group: the ranks that hold pieces of these matrices (all ranks of their mesh, or
+            the data-parallel group for plain replicated tensors).
     """
 
     def __init__(self, placements: list[MatrixPlacement], group):

@@ -1,9 +1,19 @@
 """The process-group arguments of the optimizers: one name per meaning, one check.
 
-``stats_group`` (Dobb: averages its statistics), ``replica_group`` (the Muon family: shares
-out the whole-matrix work) and ``sync_group`` (Dion: the compressed sync of unaveraged
-gradients), each None, a ProcessGroup or a DeviceMesh of such axes (``docs/distributed.md``).
-A class's ``data_parallel_option`` names the one a harness's DDP/FSDP ranks go to.
+Each matrix optimizer takes at most one group of ranks, named for what it does with it:
+``stats_group`` (Dobb: the ranks that see different tokens, over which it averages its
+statistics), ``replica_group`` (Muon, MuonBP, NorMuon, Dion2, NorDion2: replicas that share
+out the whole-matrix work) and ``sync_group`` (Dion: replicas with unaveraged gradients,
+synced by the paper's compressed sync). ``docs/distributed.md`` has the table.
+
+Each argument is None (one process), a ProcessGroup, or a DeviceMesh whose axes are all
+such groups, e.g. ``mesh["data_replicate", "data_shard"]``.
+
+A harness whose DDP or FSDP averages the gradients over its data-parallel ranks asks the
+optimizer class which argument takes them. The class attribute ``data_parallel_option``
+names it; it is None where the optimizer needs no group then (Dion: its compressed sync
+needs gradients that are left unaveraged).
+
 ``check_stats_group`` refuses a ``stats_group`` that shares ranks with an axis splitting a
 matrix's input columns (a tensor-parallel axis): those ranks hold different blocks.
 """

@@ -1,6 +1,17 @@
-"""Where the pieces of a 2-D parameter live, read from its DTensor placements:
-``matrix_placement(param)`` gives the global rows and columns this rank holds and the mesh
-axes that split or copy them (derived layout, never checkpointed; ``docs/baselines.md``).
+"""Where the pieces of a 2-D parameter live, read from its DTensor placements.
+
+``matrix_placement(param)`` says which global rows and columns this rank holds and which
+mesh axes split dim 0 (rows), split dim 1 (columns) or hold copies. Rows and columns are
+global index tensors, computed by DTensor itself (``distribute_tensor`` of an ``arange``
+with the parameter's placements, no communication), so uneven and empty FSDP shards and
+the ``_StridedShard`` of a 2-D FSDP x TP mesh come out right without assuming contiguous,
+rank-ordered rows. Plain tensors are one whole matrix on every rank. ``MatrixPlacement``
+is the library's one description of the part of a matrix a rank holds; ``like_columns``
+lays out optimizer state indexed by a matrix's columns the way those columns are split.
+
+This is derived layout: the optimizers recompute it and never checkpoint it, so a
+checkpoint loads into another mesh.
+
 We say *axis* for a DeviceMesh axis and *dim* for a tensor dimension.
 """
 

@@ -1,7 +1,15 @@
-"""Batched all-reduce: ``all_reduce_(tensors, groups)`` sums ``tensors[i]`` over each group
-of ``groups[i]`` (``average=True``: divided by its size), one flat buffer per distinct group
-and dtype, groups visited in first-seen order (the same on every rank that lists its
-matrices in parameter order, so ranks on different groups do not deadlock).
+"""Batched all-reduce: many small tensors, each over its own process groups, in few calls.
+
+``all_reduce_(tensors, groups)`` sums ``tensors[i]`` over every group in ``groups[i]`` (one
+after another: summing over two mesh axes sums over their product). Tensors that share a
+group (and dtype) travel in one flat buffer, so a round of partial sums over many matrices
+costs one collective per distinct group and dtype, not one per matrix. Groups are visited
+in the order they first appear, which is the same on every rank when every rank lists its
+matrices in the same order (the optimizer's parameter order) and each list of groups in
+mesh-axis order; that is what keeps ranks on different groups from deadlocking.
+
+With ``average=True`` each sum is divided by its group's size: this is the library's one
+averaging all-reduce (Dobb's statistics, Dion's compressed sync and checkpointed momenta).
 """
 
 import torch

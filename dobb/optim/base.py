@@ -5,6 +5,20 @@ groups routed by an ``algorithm`` key (the subclass's own name for hidden matric
 ``"adamw"`` or ``"lion"`` for everything else), group validation, the non-finite-gradient
 check that runs before any state is touched, ``step(closure)``, and a ``load_state_dict``
 that keeps state dtypes. Subclasses write only their matrix update.
+
+Two options every subclass takes, what they mean at more length:
+
+nonfinite: ``"raise"`` (default) raises ``NonFiniteGradientError`` naming the first bad
+    parameter; ``"skip"`` skips the whole step. Either way no state changes and the
+    batch's pending statistics are dropped: the next clean batch steps normally. The
+    check reads only this rank's shards and communicates nothing, so under FSDP or TP
+    ranks can disagree; to skip consistently, decide on every rank from a global
+    quantity (``torch.nn.utils.clip_grad_norm_`` returns the all-reduced total norm:
+    skip ``step()`` when it is not finite).
+foreach: stack same-shape matrices into shared kernels (``(n, m, k)`` bmm and foreach
+    ops: a step's kernel count depends on the shapes, not the number of matrices).
+    None (default): on every device but the CPU; both paths compute the same update (a
+    test holds them together).
 """
 
 from typing import Any

@@ -1,6 +1,17 @@
-"""Group tensors that can share kernels, so a step costs O(groups) kernels, not O(tensors):
-``group_by`` finds same-shape, same-dtype groups, ``stack_apply`` runs a batched function
-once per stack (on by default off the CPU: ``MatrixOptimizer.batched``).
+"""Group tensors that can share kernels, so a step costs O(groups) kernels, not O(tensors).
+
+Whether an optimizer stacks same-shape matrices is its ``foreach`` option
+(``MatrixOptimizer.batched``): on by default off the CPU, where a launch costs more than
+the stacking copies; on the CPU one matrix at a time, where the copies cost more than the
+launches they save.
+
+Same-shape matrices stack into one ``(n, m, k)`` batch; tensors of one dtype and device
+with the same hyperparameters share ``torch._foreach_*`` calls. ``group_by`` finds such
+groups; ``stack_apply`` runs a batched function once per same-shape stack: tensors of one
+shape, dtype, device and ``key(i)`` (e.g. hyperparameters) stack into ``(n, *shape)``
+(each tensor alone unless ``batched``), and ``fn(stack, k)`` must treat each slice on its
+own and return ``(n, *shape')``. A group of one is passed unstacked (``shape``, not
+``(1, *shape)``). Results of a stack are views of its output.
 """
 
 from collections.abc import Callable, Hashable, Iterable

@@ -3,6 +3,27 @@
 The optimizer class: parameter groups, lazy state, sketch seeds and the placement of each
 matrix; the math (``dion_update``, the reference, and its batched and sharded forms
 ``dion_updates`` and ``dion_step``) is in ``dobb.optim.dion_core``.
+
+The momentum buffer accumulates gradients (``B = M + G``, not an EMA); the error feedback
+removes a ``1 - mu`` fraction of what the update used. Parameter groups with
+``algorithm="adamw"`` or ``"lion"`` (see ``dobb.param_groups``) take the embeddings, the LM
+head, norms and biases.
+
+Seeds: ``Q_0`` is drawn from a generator seeded by ``seed`` and the matrix's name; the
+sketch of a step from one seeded by ``seed``, the matrix's shape, ``r`` and the step, so
+same-shape matrices share it (one draw per stack; each sees a Gaussian ``S`` independent
+of its ``P``, all the preconditioner asks) and data-parallel replicas agree.
+
+Sharding: DTensor parameters are updated from their placements (FSDP ``Shard(0)``, TP
+``Shard(0)``/``Shard(1)``, FSDP x TP, uneven or empty shards), with the single-device
+result up to float rounding: one all-reduce per mesh axis and round of the power
+iteration. The rounds, and where we differ from microsoft/dion's code: docs/baselines.md,
+"Dion: its rounds of communication".
+
+``sync_group``: None (gradients already averaged, as a harness's DDP or FSDP does), or the
+replicas whose gradients of Dion's matrices are left unaveraged (a ProcessGroup for DDP, a
+DeviceMesh of data axes for HSDP): Dion then runs the paper's compressed sync, averaging
+``P`` and ``R`` instead of the gradients (how to set it up: docs/distributed.md).
 """
 
 import math

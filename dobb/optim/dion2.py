@@ -1,7 +1,27 @@
-"""Dion2 (Ahn, Amsel, Langford, https://arxiv.org/abs/2512.16928): orthonormalize a
-selected fraction of the momentum's rows, feed back the rest. ``dion2_update`` is the
-per-matrix reference, ``dion2_updates`` the batched form; sharded, only the selected rows
-travel to each matrix's owner and back (design notes: ``docs/baselines.md``).
+"""Dion2: orthonormalize a selected fraction of the momentum's rows, feed back the rest.
+
+Ahn, Amsel, Langford, "Dion2: A Simple Method to Shrink Matrix in Muon",
+https://arxiv.org/abs/2512.16928. Each step adds the gradient to an error-feedback
+momentum, picks the rows of largest norm, orthonormalizes only those (Muon's Newton-Schulz
+on a ``k x n`` matrix instead of ``m x n``), updates only those rows of the weight and
+decays only those rows of the momentum; the other rows keep accumulating. For a local
+piece ``W`` of shape ``(m, n)`` cut into row blocks ``b`` (``row_blocks``):
+
+.. code-block:: text
+
+    M <- M + G
+    S = the ceil(f m_b) rows of largest ||M_i||_1 in each block b    (k rows in all)
+    O = NS(M_S)                        (k x n; Muon's Newton-Schulz)
+    M_S <- ef_decay M_S                (the unselected rows keep all of M)
+    W <- W (1 - lr wd);   W_S <- W_S - lr sqrt(m / n) O    (m x n: the whole matrix's)
+
+The functional core is ``dion2_direction`` (momentum, selection, selective decay) and
+``apply_rows`` (the sparse weight update) around Muon's ``newton_schulz``; ``dion2_update``
+runs them on one matrix (the reference). Unshared matrices run ``dion2_updates``, its
+batched form: one selection and one Newton-Schulz per stack of same-shape matrices.
+Sharded, each rank selects among its own rows and only the selected rows travel to the
+matrix's owner and back, through Muon's ``OwnerExchange`` on the ``k x n`` matrix of
+selected rows. Design notes and the distributed form: docs/baselines.md.
 """
 
 import functools

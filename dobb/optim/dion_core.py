@@ -1,7 +1,42 @@
-"""Dion's functional core (Ahn et al., arXiv 2504.05295): ``dion_update`` is Algorithm 1 on
-one whole matrix (the reference); ``dion_updates`` runs it on stacks of same-shape whole
-matrices, ``dion_step`` on matrices whole or split over ranks, with batched all-reduces
-between the steps (design notes: ``docs/baselines.md``).
+"""Dion's functional core (Ahn et al., arXiv 2504.05295): the update on plain tensors.
+
+Dion replaces Muon's full Newton-Schulz orthogonalization with one warm-started rank-``r``
+power iteration on the momentum buffer per step, and feeds the part of the buffer that the
+low-rank update did not use back into the next step (error feedback). For a weight ``W``
+of shape ``(m, n)``, momentum ``M`` ``(m, n)`` and right factor ``Q`` ``(n, r)``:
+
+.. code-block:: text
+
+    B = M + G
+    P = Orthogonalize(B Q)          (m, r)
+    R = Bᵀ P                        (n, r)
+    M <- B - (1 - mu) P Rᵀ          (error feedback)
+    Q <- ColumnNormalize(R)
+    W <- W (1 - lr wd) - lr sqrt(m / n) P Qᵀ
+
+``dion_update`` is the paper's Algorithm 1 on one whole matrix, one line per line of the
+paper's box: the reference. The optimizer runs two forms of it. ``dion_updates`` takes
+whole matrices (one device, DDP): each line runs once per stack of same-shape matrices, so
+a step costs O(shapes) kernels, not O(matrices). ``dion_step`` takes the same steps over a
+list of matrices, each whole on this rank or split over ranks (``MatrixPlacement``). Where
+a matrix is split, the products that sum over a split dim are completed by batched
+all-reduces placed between the steps in straight-line code (one collective per process
+group per round, for all matrices together). On whole matrices it computes exactly what
+``dion_update`` does; tests hold both forms to it, and the distributed tests hold the
+split runs to the one-device run. The rounds, and where we differ from microsoft/dion's
+code: docs/baselines.md, "Dion: its rounds of communication".
+
+Matrices agreeing on shape, rank, dtypes, device, scale and sketch seed form one
+``(b, m, n)`` stack, and each line of Algorithm 1 runs once per stack (bmm, batched
+QR / Cholesky / triangular solves) or once for all matrices (foreach). Matrix ``i``'s
+sketch comes from a generator seeded by ``sketch_seeds[i]`` on its device (what
+``dion_update`` gets), so matrices with one seed share one sketch.
+
+Host reads: none for ``orthogonalize="qr"``. Randomized Cholesky QR falls back to
+Householder QR where a factorization fails, which only the device knows: the failure
+flags of all stacks are read once (one read per step; more only when one failed).
+``B = 0`` (keep ``M`` and ``Q``) is decided on the device: ``P`` is set to 0, so ``R``,
+the error feedback and the update vanish, and ``Q`` is selected by ``where``.
 """
 
 import math
@@ -191,7 +226,7 @@ def dion_updates(
     Same-shape matrices (rank, dtypes, device, scale and sketch seed alike) form one
     ``(b, m, n)`` stack for each line of Algorithm 1; matrices with one seed share one
     sketch. Host reads: one per step with ``"cholesky_qr"`` (its failure flags), none with
-    ``"qr"``; ``B = 0`` is decided on the device (``docs/baselines.md``).
+    ``"qr"``; ``B = 0`` is decided on the device (see the module docstring).
     """
     if not params:
         return

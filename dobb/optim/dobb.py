@@ -4,7 +4,54 @@ Each hidden weight ``W`` (``d_out x d_in``) is preconditioned on its input side 
 a block-diagonal approximation of the input-activation second moment ``E[xᵀx]``. Momentum
 is projected into each block's eigenbasis, normalized by an elementwise sign and rotated
 back. A row of the update depends only on the same row of the momentum, so row-sharded
-(FSDP, column-parallel TP) matrices are updated with no communication.
+(FSDP, column-parallel TP) matrices are updated with no communication. The maths per
+matrix is in the class docstring; the update on plain tensors is ``dobb.optim.dobb_update``,
+the statistics ``dobb.optim.dobb_statistics``. Some options at more length than the class
+docstring gives them:
+
+Sharding: DTensor parameters are updated on their local shard. Row shards (FSDP
+``Shard(0)``, column-parallel TP) need nothing; column shards (row-parallel TP ``Shard(1)``)
+must hold whole blocks, else construction raises. ``state_dict()`` averages the statistics
+first (a collective when ``stats_group`` is set), so that a checkpoint holds one consistent
+copy.
+
+basis_method: how bases are refreshed (``dobb.eigensolve``, all blocks of a size in one
+    call): ``"eigh"`` (the reference), ``"jacobi"`` (batched Jacobi sweeps warm-started
+    from the previous basis), ``"cholqr"`` / ``"power_qr"`` (one warm-started
+    orthogonal-iteration step with Cholesky QR / Householder QR), ``"cupy"`` (CuPy's
+    batched ``eigh``), or ``"auto"`` (which of them, per device: the class docstring);
+    see ``dobb.eigensolve`` for cold starts and the guard.
+
+row_stats: with ``two_sided``, where ``P_r``'s moments come from: ``"gradients"``
+    (default): ``G_r G_rᵀ / d_in`` of the rank's rows (Shampoo's left factor; no
+    communication, but an average over the TP ranks under row-parallel TP);
+    ``"outputs"``: the layer's output-gradient moments ``E[δ_rᵀ δ_r]`` from a backward
+    hook (K-FAC's), averaged over ``stats_group``; not for rows split over data ranks
+    (FSDP). Two-sided Dobb needs each rank's rows to be one contiguous run, so not FSDP x
+    TP's strided rows.
+
+stats_group: the ranks that see different tokens (``dobb.distributed.groups``): None (one
+    process), a ProcessGroup (DDP), or a DeviceMesh whose every axis is a data axis, e.g.
+    the FSDP mesh or ``mesh["data_replicate", "data_shard"]`` (HSDP, FSDP x TP). Statistics
+    ``C_b`` are averaged over it. A group sharing ranks with an axis that splits a
+    matrix's input columns (the TP axis of a row-parallel layer) raises ``ValueError`` at
+    construction (at ``track()`` for a ``(d_in, d_out)`` weight).
+
+shard_refresh: with ``stats_group``, each rank of its innermost axis computes ~1/P of the
+    bases and one all-gather shares them (default True): the refresh costs 1/P per rank,
+    and every replica holds bit-identical bases. False: every rank computes all bases
+    itself (no communication besides the statistics).
+
+missing_stats: ``"raise"`` (default) if a Dobb matrix has no statistics at a step with
+    ``lr > 0``; ``"identity"`` keeps the current basis (identity before any statistics:
+    Signum). A zero-``lr`` step never needs statistics (DCP issues one to build optimizer
+    state).
+
+two_sided: also rotate the output side (``dobb.optim.dobb_update``): row blocks ``R_r``
+    with eigenbases ``P_r`` of their own second moment, and
+    ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``. Off by default (the paper's
+    update). Needs no communication in ``step()`` in any layout: a row block lies in one
+    row shard, and its moments come from ``row_stats``.
 """
 
 import zlib

@@ -1,6 +1,23 @@
-"""Dobb's statistics, from the hooks to the second moments its bases come from: hooks ->
-fold into the EMA ``C_b`` -> average over ``stats_group`` -> sync before a checkpoint
-(``DobbStatistics``; the lifecycle step by step: ``docs/baselines.md``).
+"""Dobb's statistics, from the hooks to the second moments its bases come from.
+
+The lifecycle of one training step, for every tracked matrix (input block ``b`` of
+``s_b`` columns, ``X_b`` the ``(N, s_b)`` slice of the layer's input, ``C_b`` ``(s_b, s_b)``):
+
+.. code-block:: text
+
+    hooks      A_b += X_bᵀ X_b, n += N on every forward pass in training mode (``dobb.stats``);
+               two-sided with row_stats="outputs": the output gradients' moments likewise
+    fold       S_b = A_b / n;  C_b <- S_b (first time)  else  C_b <- beta C_b + (1 - beta) S_b
+               (also the gradient moments of basis_source="gradients" and of the row blocks
+               with row_stats="gradients"); the accumulators reset
+    average    C_b averaged over ``stats_group`` (the only communication of Dobb), on refresh
+               steps (exact, the EMA being linear) or every step
+    sync       ``synchronize`` averages whatever was folded since the last average (before a
+               checkpoint: every rank then saves the same C_b)
+
+``DobbStatistics`` holds the hooks' accumulators and the bookkeeping; the ``C_b`` live in
+the optimizer's state. The optimizer calls ``check_present``, ``fold`` and ``average`` from
+its step, ``pending_inputs`` / ``discard`` from the non-finite check.
 """
 
 from typing import Any

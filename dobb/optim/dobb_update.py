@@ -1,7 +1,26 @@
-"""Dobb's update on plain tensors (arXiv 2610.39412): ``dobb_update`` on one matrix (the
-reference) and ``dobb_update_batched`` on ``n`` same-shape matrices, for every variant:
-one- and two-sided, sign and Adam coefficients (the box: ``dobb_update``; design notes:
-``docs/baselines.md``).
+"""Dobb's update on plain tensors (arXiv 2610.39412): the reference and the batched form.
+
+The paper's update rotates only the input side; the variants (off by default) add row
+blocks ``R_r`` with their own bases ``P_r`` (from the output side's second moment) and a
+second moment of the coefficients instead of their sign (SOAP's idea, on Dobb's bases).
+For a matrix ``W`` of shape ``(rows, d_in)``, input blocks ``I_b`` with orthonormal bases
+``Q_b`` ``(s_b, s_b)`` and row blocks ``R_r`` with bases ``P_r`` ``(m_r, m_r)``:
+
+.. code-block:: text
+
+    M <- mu M + (1 - mu) G;   N = (1 - mu) G + mu M  (Nesterov)  or  N = M
+    C[R_r, I_b] = P_rᵀ N[R_r, I_b] Q_b                 (coefficients; P_r = I one-sided)
+    sign:   D = sign(C)
+    adam:   V <- beta2 V + (1 - beta2) (P_rᵀ G[R_r, I_b] Q_b)²   (kept in the eigenbasis)
+            D = C / (sqrt(V / (1 - beta2^t)) + eps)
+    U[R_r, I_b] = P_r D[R_r, I_b] Q_bᵀ
+    W <- W (1 - lr wd) - lr alpha U
+
+``dobb_update`` is one matrix (the reference, every variant written out tile by tile);
+``dobb_update_batched`` is ``n`` same-shape matrices in a fixed number of kernels
+(``Dobb(foreach=True)``, the default off the CPU); tests hold them together. A row block
+never straddles a row shard and an input block never straddles a column shard, so every
+product stays on the rank that holds the tile.
 """
 
 import math

@@ -1,8 +1,19 @@
-"""Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024), a faithful baseline
-of https://github.com/KellerJordan/Muon: SGD with Nesterov momentum whose update is replaced
-by (about) the nearest semi-orthogonal matrix, 5 quintic Newton-Schulz steps in bfloat16.
-``muon_update`` is the per-matrix reference, ``muon_updates`` the batched form; the
-distributed path gathers each direction to an owner rank (design notes: docs/baselines.md).
+"""Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024).
+
+A faithful baseline of https://github.com/KellerJordan/Muon (post:
+https://kellerjordan.github.io/posts/muon/): SGD with Nesterov momentum whose update is
+replaced by (approximately) the nearest semi-orthogonal matrix, computed with five quintic
+Newton-Schulz iterations in bfloat16 (the maths: the class docstring).
+
+The update is three pure steps on local tensors (``nesterov_direction``, ``newton_schulz``,
+``apply_update``); ``muon_update`` runs them in a row on one matrix (the reference). The
+optimizer runs their batched forms (``nesterov_directions``, ``batched_newton_schulz``,
+``apply_updates``; ``muon_updates`` on one device): foreach kernels over all matrices and
+one Newton-Schulz per ``(n, m, k)`` stack of same-shape matrices, so a step costs O(shapes)
+kernels, not O(matrices), as Keller's and the Dion authors' implementations batch. The
+distributed path runs the same three with the direction gathered to one owner rank per
+matrix in between (``OwnerExchange``). Design notes: docs/baselines.md, "Muon: design
+notes".
 """
 
 import functools

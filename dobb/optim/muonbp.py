@@ -1,8 +1,23 @@
-"""MuonBP (Khaled et al., arXiv 2510.16981): Muon whose steps orthogonalize each device's
-block alone, without communication, except every ``period``-th, a full step through Muon's
-exchange; each kind's learning rate scaled by the shape it orthogonalizes, so both updates
-have the same RMS. ``block_muon_update`` is the reference of a block step,
-``block_muon_updates`` its batched form.
+"""MuonBP: Muon with block-periodic orthogonalization (Khaled et al., arXiv 2510.16981).
+
+Most steps orthogonalize each device's own block of the momentum independently, with no
+communication ("block steps"); every ``period``-th step orthogonalizes the whole matrix as
+Muon does ("full steps", through Muon's owner exchange). The two kinds of step have their
+own learning rates, each scaled by the dimensions of the matrix it orthogonalizes, so that
+block and full updates have the same RMS (the maths: the class docstring). ``period=1`` is
+Muon; ``period=None`` never takes a full step (BlockMuon).
+
+Everything but the block step is Muon's (``dobb.optim.muon``): momentum, Newton-Schulz, the
+update and the shared-matrix exchange. This module adds the tiling of a local piece into
+blocks (``chunk_sizes``), the block step on those tiles (``block_muon_update``, the
+reference, and ``block_muon_updates``, which batches same-shape tiles across all
+matrices), and the choice of step.
+
+Tiling: ``chunk_sizes`` cuts a dim as FSDP2 and DTensor's ``Shard`` lay it out (18 over
+4: 5/5/5/3; 3 over 4: 1/1/1/0), and nested splits as a 2-D mesh's ``_StridedShard`` does
+(18 over TP 2, then FSDP 2: 5/4/5/4). Design notes, tilings, phases and checkpoints:
+docs/baselines.md, "MuonBP: design notes" and "MuonBP: blocks, group keys and
+communication".
 """
 
 import itertools

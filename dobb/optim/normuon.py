@@ -1,7 +1,18 @@
-"""NorMuon (Li et al., https://arxiv.org/abs/2510.05491): Muon's orthogonalized update with
-each row (an output neuron) divided by the root of an EMA of its mean square, rescaled to
-RMS 0.2. ``normuon_update`` is the per-matrix reference, ``normuon_updates`` the batched
-form; the distributed path runs after Muon's owner exchange, on each rank's own rows.
+"""NorMuon: Muon's orthogonalized update with neuron-wise (per-row) normalization.
+
+Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable",
+https://arxiv.org/abs/2510.05491. After Muon's Newton-Schulz step, each row (an output
+neuron) of the orthogonalized update ``O`` (``m x n``) is divided by the root of an EMA
+``v`` (``m`` numbers) of its mean square, and the whole update is rescaled to RMS 0.2, so
+``lr`` is in AdamW's units (the maths: the class docstring).
+
+The momentum, the Newton-Schulz iteration and the weight update are Muon's
+(``dobb.optim.muon``); this module adds ``neuron_normalize`` and the RMS rescaling.
+``normuon_update`` is the per-matrix reference; unshared matrices run ``normuon_updates``,
+its batched form (one Newton-Schulz and one normalization per stack of same-shape
+matrices). The distributed path runs them after Muon's owner exchange, on each rank's own
+rows. Design notes and where we chose against the authors' code: docs/baselines.md,
+"NorMuon: design notes".
 """
 
 import functools

@@ -1,6 +1,13 @@
 """Optimizers that send whole matrices to an owner rank (Muon, MuonBP, NorMuon, Dion2,
-NorDion2): ``shared_buckets`` groups shared parameters by process group in an order every
-rank agrees on; ``OwnerExchangeOptimizer`` plans one ``OwnerExchange`` per bucket.
+NorDion2).
+
+A DTensor parameter is shared by every rank of its mesh; a plain parameter replicated by
+DDP is shared by the ``replica_group`` if one is given, and is otherwise updated locally.
+``shared_buckets`` groups the parameters by process group, in an order every rank agrees
+on, so that each bucket can build one ``OwnerExchange`` collectively.
+``OwnerExchangeOptimizer`` is their common scaffolding: the group argument, the exchanges
+planned at construction (and again when a group is added), and the whole-rows check.
+Subclasses may override ``_plan_exchanges`` (Dion2 exchanges only the selected rows).
 """
 
 from typing import Any

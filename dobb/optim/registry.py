@@ -1,12 +1,20 @@
 """Build any optimizer by name: the library's registry of optimizers and their defaults.
 
-``build_optimizer("dion", model)`` routes hidden ``nn.Linear`` weights to the matrix
-optimizer and the rest to its AdamW (or Lion) group (``dobb.param_groups``); ``"adamw"`` is
-AdamW over every parameter, in the same two groups (one lr; the scalar group's weight decay
-is ``scalar_weight_decay`` there too). Dobb is also hooked to the model (``opt.track(model)``). Each
-entry's starting learning rates, and why: ``docs/baselines.md``; every other
-hyperparameter is the class default. What the benchmarks know of an optimizer lives in the
-lab's table (``bench/optimizers.py``), test inputs in the tests' ``optim_db``.
+``build_optimizer("dion", model)`` routes the model's hidden ``nn.Linear`` weights to the
+matrix optimizer and everything else (embeddings, LM head, norms, biases) to an AdamW (or
+Lion) group of the same optimizer object, through ``dobb.param_groups``; ``"adamw"`` is
+``dobb.optim.state_init.AdamW`` (``torch.optim.AdamW`` that counts no step for DCP's
+state-initialising call) over every parameter, in the same two groups (one lr; the scalar
+group's weight decay is ``scalar_weight_decay`` there too). Dobb is also hooked to the
+model (``opt.track(model)``), so each step needs a forward pass in training mode before it.
+
+An entry holds what building the optimizer needs: its class, starting learning rates for a
+small GPT, the hyperparameters that differ from the class defaults, and the argument that
+takes a job's data-parallel ranks (``distributed_options``). Each entry's starting learning
+rates, and why: docs/baselines.md, "The registry's starting learning rates" (a test holds
+that table to ``OPTIMIZERS``). What the benchmarks know of an optimizer (labels, harness
+settings, cost models, tuned rates) lives in the lab's own table (``bench/optimizers.py``
+in the repository), and test inputs in the tests' ``optim_db``.
 """
 
 from dataclasses import dataclass, field

@@ -1,6 +1,21 @@
-"""Recognise the step ``torch.distributed.checkpoint.state_dict`` takes to build state
-(zero gradients, ``lr`` 0): dobb's optimizers build their state on it and count no step,
-so a run checkpointed before its first step trains as one that was not.
+"""Recognise the step ``torch.distributed.checkpoint.state_dict`` takes to build state.
+
+``get_optimizer_state_dict`` (and ``get_state_dict``) on an optimizer with no state calls
+``_init_optim_state``: it sets every gradient to zeros, every ``lr`` to 0, and calls
+``step()``. No parameter moves, but a full step would count it: Dobb's first basis
+refresh, MuonBP's period, Dion's sketch seeds and AdamW's bias correction would all run one
+step late, so a run checkpointed before its first step would train differently from one
+that was not. dobb's optimizers build their state on that step and count nothing.
+
+torch's AdamW counts that step (``state["step"]`` becomes 1, its moments stay 0), so the
+first real step runs with bias corrections ``1 - beta^2`` instead of ``1 - beta``. Here
+(``AdamW``) that step runs as torch runs it (``lr`` 0 and zero gradients leave the moments
+and the parameters exactly unchanged), and the counters go back to 0; every other step is
+torch's, untouched.
+
+Checked on the host first; the gradients are read (one read) only on that rare path.
+Every rank decides alike: DCP zeroes every gradient on every rank, and an empty FSDP shard
+counts as zeros.
 """
 
 import torch
