@@ -67,8 +67,13 @@ LR_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)  # the sweep grid: each default lr times
 PER_RUN = ("optimizer", "lr", "scalar_lr", "optimizer_options", "out_dir", "resume")
 # Config fields that do not change what a run computes (ignored when matching old runs).
 UNCOMPARED = (
-    "out_dir", "resume", "progress", "checkpoint_interval", "keep_checkpoints", "timeout",
-)  # fmt: skip
+    "out_dir",
+    "resume",
+    "progress",
+    "checkpoint_interval",
+    "keep_checkpoints",
+    "timeout",
+)
 # Config fields added after runs were logged, with the value a config without them means.
 ADDED_FIELDS = {"eval_ema": None}
 # Before weight decay was a TrainConfig field (one protocol, issue #35), a run's hidden

@@ -15,7 +15,16 @@ from dobb.optim import (
 )
 
 __all__ = [
-    "Dion", "Dion2", "Dobb", "MatrixOptimizer", "Muon", "MuonBP", "NonFiniteGradientError",
-    "NorDion2", "NorMuon", "build_optimizer", "param_groups",
-]  # fmt: skip
+    "Dion",
+    "Dion2",
+    "Dobb",
+    "MatrixOptimizer",
+    "Muon",
+    "MuonBP",
+    "NonFiniteGradientError",
+    "NorDion2",
+    "NorMuon",
+    "build_optimizer",
+    "param_groups",
+]
 __version__ = "0.1.0"

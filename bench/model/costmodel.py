@@ -198,9 +198,12 @@ def predict_hooks(
         return sum(sum(kernel_time(k, hardware).values()) for k in kernels)
 
     work = hook_work(
-        matrices, tokens, num_blocks=num_blocks, low_precision=low_precision,
+        matrices,
+        tokens,
+        num_blocks=num_blocks,
+        low_precision=low_precision,
         share_inputs=share_inputs,
-    )  # fmt: skip
+    )
     hooks = seconds(work)
     hooks += hardware.matrix_s.get("hook", 0.0) * len(matrices)
     fb = forward_backward_work(matrices, tokens, forward_kind or "gemm_fp32")

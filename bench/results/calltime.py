@@ -368,14 +368,25 @@ def format_table(record: dict) -> str:
     for name, e in record["optimizers"].items():
         c = {k: v * 1e3 for k, v in e["call_s"].items()}
         rows.append(
-            [name, len(e["period_calls"][0]), f"{c['median']:.1f}",
-             f"{c['q1']:.1f}–{c['q3']:.1f}", f"{c['min']:.1f}–{c['max']:.1f}",
-             f"{e.get('ratio_vs_dobb', float('nan')):.2f}", f"{e['state_bytes_per_param']:.3f}"]
-        )  # fmt: skip
+            [
+                name,
+                len(e["period_calls"][0]),
+                f"{c['median']:.1f}",
+                f"{c['q1']:.1f}–{c['q3']:.1f}",
+                f"{c['min']:.1f}–{c['max']:.1f}",
+                f"{e.get('ratio_vs_dobb', float('nan')):.2f}",
+                f"{e['state_bytes_per_param']:.3f}",
+            ]
+        )
     headers = [
-        "optimizer", "calls / period", "median ms", "IQR ms", "min–max ms", "× Dobb",
+        "optimizer",
+        "calls / period",
+        "median ms",
+        "IQR ms",
+        "min–max ms",
+        "× Dobb",
         "state B/param",
-    ]  # fmt: skip
+    ]
     lines = [markdown_table(headers, rows, align="lrrrrrr", pad=False), ""]
     for name, e in record["optimizers"].items():
         entry = LAB.get(name)

@@ -88,7 +88,7 @@ def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dic
                         events=events,
                         analytic=analytic,
                         settings=settings,
-                    )  # fmt: skip
+                    )
                 )
     return rows
 
@@ -150,13 +150,25 @@ def report(results: list[list[dict]], world: int, config: str, command: str) -> 
         kinds = summarize([(kind, size) for kind, size, _ in row["events"]])
         formula = cost_model(name).COMM_FORMULA
         rows.append(
-            [name, row["layout"], label, kinds, f"{measured // world:,}",
-             f"{analytic // world:,}", formula]
-        )  # fmt: skip
+            [
+                name,
+                row["layout"],
+                label,
+                kinds,
+                f"{measured // world:,}",
+                f"{analytic // world:,}",
+                formula,
+            ]
+        )
     headers = [
-        "optimizer", "layout", "step", "collectives / step (kind(group size))",
-        "bytes / step measured", "analytic", "formula",
-    ]  # fmt: skip
+        "optimizer",
+        "layout",
+        "step",
+        "collectives / step (kind(group size))",
+        "bytes / step measured",
+        "analytic",
+        "formula",
+    ]
     table = markdown_table(headers, rows, align="llllrrl", pad=False)
     return "\n".join([*lines, table]) + "\n"
 

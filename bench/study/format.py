@@ -24,8 +24,12 @@ def title(name: str) -> str:
 
 def options_text(name: str) -> str:
     """The options of `name` in (a), e.g. `rank_fraction=0.0625`."""
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in OPTIONS[name].items()) or "-"  # fmt: skip
+    return (
+        ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in OPTIONS[name].items()
+        )
+        or "-"
+    )
 
 
 def label(row: dict[str, Any]) -> str:

@@ -80,26 +80,26 @@ def variants() -> list[Variant]:
             "two-sided, 16 input blocks (the paper's)",
             "dobb2s",
             {"block_size": None, "num_blocks": 16},
-        ),  # fmt: skip
+        ),
         Variant("two-sided, Adam coefficients", "dobb2s", adam),
         Variant("two-sided, K-FAC row moments", "dobb2s", {"row_stats": "outputs"}),
         Variant(
             "two-sided, statistics EMA 0.99, refresh every 20",
             "dobb2s",
             {"stats_beta": 0.99, "basis_interval": 20},
-        ),  # fmt: skip
+        ),
         Variant(
             "two-sided, statistics EMA 0.999, refresh every 50",
             "dobb2s",
             {"stats_beta": 0.999, "basis_interval": 50},
-        ),  # fmt: skip
+        ),
         Variant("two-sided, weights EMA 0.99 for evaluation", "dobb2s", train={"eval_ema": 0.99}),
         Variant(
             "two-sided, one row block (not shard-local)",
             "dobb2s",
             {"row_blocks": 1},
             shard_local=False,
-        ),  # fmt: skip
+        ),
     ]
 
 
@@ -235,13 +235,24 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
     for name in ("dobb2s", "dobb"):
         stats = dict(seeds[name])
         stats["pairs"] = {n: compare_seeds(stats, seeds[n]) for n in REFERENCE_OPTIMIZERS}
-        rows.insert(0, {
-            "label": {"dobb": "Dobb (a)", "dobb2s": "two-sided Dobb (a)"}[name],
-            "optimizer": name, "settings": dict(OPTIONS[name]), "train": {},
-            "shard_local": True, "tiles_tp": tiles_tp(OPTIONS[name], width),
-            "lrs": [], "losses": [], "best_lr": None, "loss": stats["losses"][0],
-            "opt_ms": stats["opt_ms"], "state_bytes_per_param": None, "seeds": stats,
-        })  # fmt: skip
+        rows.insert(
+            0,
+            {
+                "label": {"dobb": "Dobb (a)", "dobb2s": "two-sided Dobb (a)"}[name],
+                "optimizer": name,
+                "settings": dict(OPTIONS[name]),
+                "train": {},
+                "shard_local": True,
+                "tiles_tp": tiles_tp(OPTIONS[name], width),
+                "lrs": [],
+                "losses": [],
+                "best_lr": None,
+                "loss": stats["losses"][0],
+                "opt_ms": stats["opt_ms"],
+                "state_bytes_per_param": None,
+                "seeds": stats,
+            },
+        )
     shard_width = gap["shard_width"]
     counts = sorted({n for _, n in gap["shards"]})
     flat = {  # no row blocks: the same run at every shard count

@@ -31,10 +31,12 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
     seeds, best_lr, spec = report["seeds"], report["best_lr"], report["spec"]
     dobb, muonbp = report["references"]["dobb"], report["references"]["muonbp"]
     sweeps = {  # compare's plot wants summaries; a diverged run is a gap (NaN)
-        name: [{"lr": s["lr"], "final_val_loss": s["loss"] if s["loss"] < math.inf else math.nan}
-               for s in runs]
+        name: [
+            {"lr": s["lr"], "final_val_loss": s["loss"] if s["loss"] < math.inf else math.nan}
+            for s in runs
+        ]
         for name, runs in report["sweeps"].items()
-    }  # fmt: skip
+    }
     runs, unlogged = curve_runs(out, seeds, best_lr)
     plots = [compare.plot_sweep(out, sweeps), *compare.plot_curves(out, runs)]
     ablation_plot = plot_ablations(out, report, "dobb", "ablations.png")

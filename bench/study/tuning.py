@@ -85,11 +85,23 @@ def tuned(spec=None) -> list[Tuned]:
     soap = {"num_blocks": 1, "coefficients": "adam", "update_scale": 1.0}
     muon_rms = {"update_scale": "muon"}
     rules = [
-        Tuned("Dobb, one block, Muon's RMS scale", "dobb", {"num_blocks": 1} | muon_rms, True,
-              centre="muon", scale_rule=True),
-        Tuned("two-sided Dobb, one input block, Muon's RMS scale", "dobb2s", WHOLE | muon_rms,
-              True, centre="muon", scale_rule=True),
-    ]  # fmt: skip
+        Tuned(
+            "Dobb, one block, Muon's RMS scale",
+            "dobb",
+            {"num_blocks": 1} | muon_rms,
+            True,
+            centre="muon",
+            scale_rule=True,
+        ),
+        Tuned(
+            "two-sided Dobb, one input block, Muon's RMS scale",
+            "dobb2s",
+            WHOLE | muon_rms,
+            True,
+            centre="muon",
+            scale_rule=True,
+        ),
+    ]
     return [
         Tuned("Muon", "muon", wide=True),
         Tuned("NorMuon", "normuon"),
@@ -125,11 +137,14 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
     sweeps: dict = {}
     for w in sorted({w for t in configs for w in widths_of(spec, t)}):
         round_ = {
-            (i, w): Sweep(maker(t, w), [centre[i] * f for f in spec.tuning_lr_factors],
-                          spec.tuning_max_extensions)
+            (i, w): Sweep(
+                maker(t, w),
+                [centre[i] * f for f in spec.tuning_lr_factors],
+                spec.tuning_max_extensions,
+            )
             for i, t in enumerate(configs)
             if w in widths_of(spec, t)
-        }  # fmt: skip
+        }
         log(f"(f) width {w}: {sum(len(s.grid) for s in round_.values())} runs + extensions")
         sweeps |= tune(runner, round_)
         centre |= {i: best_run(sweeps[(i, w)])["lr"] for i, _ in round_}
@@ -168,8 +183,14 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
         for v, _ in enumerate(variants())
         for w in spec.tuning_widths
     }
-    return {"sweeps": sweeps, "seeds": seeds, "shards": shards, "shard_width": shard_width,
-            "configs": configs, "variants": variant_seeds}  # fmt: skip
+    return {
+        "sweeps": sweeps,
+        "seeds": seeds,
+        "shards": shards,
+        "shard_width": shard_width,
+        "configs": configs,
+        "variants": variant_seeds,
+    }
 
 
 def _seeded(spec, configs: list[Tuned], sweeps: dict) -> set:
@@ -211,19 +232,26 @@ def analyse_tuning(tuning: dict) -> dict:
             if j != i:
                 continue
             stats = seed_stats(tuning["seeds"][(j, w)])
-            per_width.append({
-                "n_embd": w,
-                "lrs": [s["lr"] for s in runs],
-                "losses": [loss_of(s) for s in runs],
-                "best_lr": best_run(runs)["lr"],
-                "at_edge": at_edge(runs),
-                "seeds": stats,
-            })  # fmt: skip
-        rows.append({
-            "label": t.label, "optimizer": t.optimizer, "options": dict(t.options),
-            "shard_local": t.shard_local, "widths": per_width,
-            "moves": [_move(a, b) for a, b in zip(per_width, per_width[1:])],
-        })  # fmt: skip
+            per_width.append(
+                {
+                    "n_embd": w,
+                    "lrs": [s["lr"] for s in runs],
+                    "losses": [loss_of(s) for s in runs],
+                    "best_lr": best_run(runs)["lr"],
+                    "at_edge": at_edge(runs),
+                    "seeds": stats,
+                }
+            )
+        rows.append(
+            {
+                "label": t.label,
+                "optimizer": t.optimizer,
+                "options": dict(t.options),
+                "shard_local": t.shard_local,
+                "widths": per_width,
+                "moves": [_move(a, b) for a, b in zip(per_width, per_width[1:])],
+            }
+        )
     widths = sorted({w for _, w in tuning["sweeps"]})
     best_local = []
     for w in widths:
@@ -232,10 +260,23 @@ def analyse_tuning(tuning: dict) -> dict:
         name = min(local, key=local.get)
         a, muon = at[name]["seeds"], at["Muon"]["seeds"]
         noise = compare_seeds(a, muon) if min(a["n"], muon["n"]) >= 2 else None
-        best_local.append({"n_embd": w, "label": name, "mean": a["mean"], "muon": muon["mean"],
-                           "gap": a["mean"] - muon["mean"], "noise": noise})  # fmt: skip
-    return {"rows": rows, "widths": widths, "best_local": best_local,
-            "shards": _shard_rows(tuning, rows), "variants": _variant_rows(tuning)}  # fmt: skip
+        best_local.append(
+            {
+                "n_embd": w,
+                "label": name,
+                "mean": a["mean"],
+                "muon": muon["mean"],
+                "gap": a["mean"] - muon["mean"],
+                "noise": noise,
+            }
+        )
+    return {
+        "rows": rows,
+        "widths": widths,
+        "best_local": best_local,
+        "shards": _shard_rows(tuning, rows),
+        "variants": _variant_rows(tuning),
+    }
 
 
 def _variant_rows(tuning: dict) -> list[dict]:
@@ -280,8 +321,15 @@ def _shard_rows(tuning: dict, rows: list[dict]) -> dict:
         losses = {rows[i]["label"]: loss_of(tuning["shards"][(i, n)]) for i in sharded}
         local = {k: v for k, v in (losses | flat).items() if _row(rows, k)["shard_local"]}
         best = min(local, key=local.get)
-        table.append({"row_shards": n, "losses": losses, "best_local": best,
-                      "best": local[best], "muon": flat.get("Muon")})  # fmt: skip
+        table.append(
+            {
+                "row_shards": n,
+                "losses": losses,
+                "best_local": best,
+                "best": local[best],
+                "muon": flat.get("Muon"),
+            }
+        )
     return {"n_embd": w, "flat": flat, "rows": table}
 
 

@@ -11,8 +11,24 @@ from dobb.optim.normuon import NorMuon, normuon_update
 from dobb.optim.registry import OPTIMIZERS, build_optimizer, get_entry
 
 __all__ = [
-    "OPTIMIZERS", "Dion", "Dion2", "Dobb", "MatrixOptimizer", "Muon", "MuonBP",
-    "NonFiniteGradientError", "NorDion2", "NorMuon", "block_muon_update", "build_optimizer",
-    "dion2_update", "dion_update", "dobb_update", "get_entry", "muon_update", "newton_schulz",
-    "nordion2_update", "normuon_update",
-]  # fmt: skip
+    "OPTIMIZERS",
+    "Dion",
+    "Dion2",
+    "Dobb",
+    "MatrixOptimizer",
+    "Muon",
+    "MuonBP",
+    "NonFiniteGradientError",
+    "NorDion2",
+    "NorMuon",
+    "block_muon_update",
+    "build_optimizer",
+    "dion2_update",
+    "dion_update",
+    "dobb_update",
+    "get_entry",
+    "muon_update",
+    "newton_schulz",
+    "nordion2_update",
+    "normuon_update",
+]

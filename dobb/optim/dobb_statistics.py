@@ -176,8 +176,16 @@ class DobbStatistics:
                 self.opt._row_stacks(p, group) if side == "rows" else self.opt._stacks(p, group)
             )
             batched = self.opt.batched(grad.device)
-            return (side, tuple(grad.shape), self.opt._input_dims.get(p, 1), stacks, grad.dtype,
-                    state["momentum"].dtype, grad.device, *solo(n, batched))  # fmt: skip
+            return (
+                side,
+                tuple(grad.shape),
+                self.opt._input_dims.get(p, 1),
+                stacks,
+                grad.dtype,
+                state["momentum"].dtype,
+                grad.device,
+                *solo(n, batched),
+            )
 
         moments = {}
         batches = group_by(range(len(entries)), key)

@@ -98,8 +98,9 @@ def adamw_updates(
     (the same kernels and scalars, so the same bits). ``steps``: 1-based counts, as floats;
     with ``live`` (capturable) device tensors, and ``_adamw_capturable`` runs."""
     if live is not None:
-        _adamw_capturable(params, grads, exp_avgs, exp_avg_sqs, steps, live, lr, betas, eps,
-                          weight_decay)  # fmt: skip
+        _adamw_capturable(
+            params, grads, exp_avgs, exp_avg_sqs, steps, live, lr, betas, eps, weight_decay
+        )
         return
     beta1, beta2 = betas
     # W <- W (1 - lr wd)

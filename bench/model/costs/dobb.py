@@ -236,13 +236,15 @@ def two_sided_ops(rows: int, n: int, stacks, rstacks) -> list[Kernel]:
                 ops += [
                     elementwise(tile, 2, new=True),  # the strided tiles, made contiguous
                     elementwise(pairs * s.size**2, 2, new=True),  # Q_b for every row block
-                    matmul("bmm_fp32", 2.0 * tile * s.size, 2 * tile * FP32, tile * FP32,
-                           block=s.size),  # N_b Q_b (or S Q_bᵀ)
+                    matmul(
+                        "bmm_fp32", 2.0 * tile * s.size, 2 * tile * FP32, tile * FP32, block=s.size
+                    ),  # N_b Q_b (or S Q_bᵀ)
                     elementwise(pairs * r.size**2, 2, new=True),  # P_r for every input block
-                    matmul("bmm_fp32", 2.0 * tile * r.size, 2 * tile * FP32, tile * FP32,
-                           block=r.size),  # P_rᵀ (.) (or P_r (.))
+                    matmul(
+                        "bmm_fp32", 2.0 * tile * r.size, 2 * tile * FP32, tile * FP32, block=r.size
+                    ),  # P_rᵀ (.) (or P_r (.))
                     elementwise(tile, 2),  # into place
-                ]  # fmt: skip
+                ]
         if way == "into":
             ops.append(elementwise(e, 2))  # sign_
     return ops
