@@ -58,7 +58,7 @@ class TrainConfig:
     decay: str = "cosine"  # after warmup: "cosine", "linear" or "constant"
     min_lr_ratio: float = 0.1  # the floor of the decay, as a fraction of the peak lr
     # ---- optimizer (one registry lookup: dobb.optim.registry.build_optimizer)
-    optimizer: str = "dobb"  # a registry name: dobb, dion, muon, muonbp, blockmuon, adamw
+    optimizer: str = "dobb"  # a registry name (dobb.optim.registry.OPTIMIZERS)
     lr: float | None = None  # peak lr of the hidden matrices (all params for adamw); None: registry
     scalar_lr: float | None = None  # peak lr of embeddings/head/norms/biases; None: registry
     optimizer_options: dict = field(default_factory=dict)  # constructor args, e.g. {num_blocks: 8}
