@@ -1,7 +1,7 @@
 """Optimizer-call benchmark on a tiny config: every optimizer timed over whole periods and
 summarized from its own samples (no claim on how long a call takes), state bytes equal to
-the formulas, Dobb's (and two-sided Dobb's) period holding exactly one
-refresh; two-sided Dobb measured without a cost model, through results' tables."""
+the formulas, Dobb's (and two-sided Dobb's) period holding exactly one refresh; two-sided
+Dobb measured without a cost model, through results' tables."""
 
 import json
 import math
