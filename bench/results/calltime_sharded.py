@@ -149,12 +149,21 @@ def run(
     }
 
 
+def slowest_ranks(record: dict) -> dict[str, dict[str, float]]:
+    """Per optimizer (in the record's order), the timing (``median``, ``q1``, ``q3``, in ms)
+    of its slowest rank: the call time of a sharded step."""
+    per_rank = record["per_rank_ms"]
+    return {
+        name: max((r[name] for r in per_rank), key=lambda t: t["median"]) for name in per_rank[0]
+    }
+
+
 def table(record: dict) -> str:
     """Markdown: per optimizer the slowest rank's median call time (and that rank's
     quartiles over the repeats), and its ratio to Dobb's."""
-    per_rank, layout, world = record["per_rank_ms"], record["layout"], record["world"]
-    names = list(per_rank[0])
-    slowest = {name: max((r[name] for r in per_rank), key=lambda t: t["median"]) for name in names}
+    layout, world = record["layout"], record["world"]
+    slowest = slowest_ranks(record)
+    names = list(slowest)
     lines = [
         "| optimizer | layout | ranks | median ms (slowest rank) | IQR ms | x Dobb |",
         "|---|---|---:|---:|---:|---:|",

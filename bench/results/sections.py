@@ -168,7 +168,22 @@ NEVER = 10**9
 
 def check_table(record: dict, hw: Hardware) -> tuple[str, list[float]]:
     """Predicted vs measured per-call time of the calltime workload on ``hw``: a Markdown
-    table and the ratios predicted / measured of its rows."""
+    table of ``check_rows`` and the ratios predicted / measured of its modelled rows."""
+    rows, ratios = [], []
+    for label, predicted, measured in check_rows(record, hw):
+        if predicted is None:  # measured beside the others, but no work model yet
+            rows.append([label, ms(measured), "–", "–"])
+            continue
+        ratios.append(predicted / measured)
+        rows.append([label, ms(measured), ms(predicted), f"{ratios[-1] - 1:+.0%}"])
+    headers = ["quantity", "measured ms", "predicted ms", "error"]
+    return markdown_table(headers, rows, "lrrr", pad=False), ratios
+
+
+def check_rows(record: dict, hw: Hardware) -> list[tuple[str, float | None, float]]:
+    """``(label, predicted s, measured s)`` of each row of the check of the calltime workload
+    on ``hw``: every optimizer's median call, its periodic and other calls apart, the hooks
+    and a forward+backward; ``predicted`` is None for an optimizer with no work model."""
     m = record["meta"]
     matrices = hidden_matrices(m["config"], m["layers"])
     batched = m.get("batched", False)  # CPU records, and all from before batching: per matrix
@@ -180,16 +195,14 @@ def check_table(record: dict, hw: Hardware) -> tuple[str, list[float]]:
         row_blocks=m.get("row_blocks", 1),
     )
     model = dict(launches="per_shape" if batched else "per_matrix", solver=refresh_solver(m))
-    rows, ratios = [], []
+    rows = []
 
     def row(label, predicted, measured):
-        ratios.append(predicted / measured)
-        rows.append([label, ms(measured), ms(predicted), f"{ratios[-1] - 1:+.0%}"])
+        rows.append((label, predicted, measured))
 
     for name, entry in record["optimizers"].items():
         if name not in OPTIMIZERS:  # measured beside the others, but no work model yet
-            measured = ms(entry["call_s"]["median"])
-            rows.append([f"{name} ({measured_only_note(name)})", measured, "–", "–"])
+            row(f"{name} ({measured_only_note(name)})", None, entry["call_s"]["median"])
             continue
         options = model | calltime.optimizer_overrides(name, **knobs)  # as it was timed
         row(name, predict(name, matrices, hw, **options)["total"], entry["call_s"]["median"])
@@ -217,8 +230,7 @@ def check_table(record: dict, hw: Hardware) -> tuple[str, list[float]]:
         hooks["forward_backward_s"],
         measured["forward_backward_s"]["median"],
     )
-    headers = ["quantity", "measured ms", "predicted ms", "error"]
-    return markdown_table(headers, rows, "lrrr", pad=False), ratios
+    return rows
 
 
 def refresh_solver(meta: dict) -> str:
