@@ -4,16 +4,17 @@ Ahn, Amsel, Langford, "Dion2: A Simple Method to Shrink Matrix in Muon",
 https://arxiv.org/abs/2512.16928. Each step adds the gradient to an error-feedback
 momentum, picks the rows of largest norm, orthonormalizes only those (Muon's Newton-Schulz
 on a ``k x n`` matrix instead of ``m x n``), updates only those rows of the weight and
-decays only those rows of the momentum; the other rows keep accumulating. For a local
-piece ``W`` of shape ``(m, n)`` cut into row blocks ``b`` (``row_blocks``):
+decays only those rows of the momentum; the other rows keep accumulating. For a rank's
+piece ``W`` (whole rows of a ``d_out x d_in`` matrix) cut into row blocks ``b`` of ``m_b``
+rows (``row_blocks``):
 
 .. code-block:: text
 
     M <- M + G
-    S = the ceil(f m_b) rows of largest ||M_i||_1 in each block b    (k rows in all)
-    O = NS(M_S)                        (k x n; Muon's Newton-Schulz)
+    S = the max(1, ceil(f m_b)) rows of largest ||M_i||_1 in each block b   (k rows in all)
+    O = NS(M_S)          (k x d_in: the selected rows of every rank; Muon's Newton-Schulz)
     M_S <- ef_decay M_S                (the unselected rows keep all of M)
-    W <- W (1 - lr wd);   W_S <- W_S - lr sqrt(m / n) O    (m x n: the whole matrix's)
+    W <- W (1 - lr wd);   W_S <- W_S - lr sqrt(d_out / d_in) O
 
 The functional core is ``dion2_direction`` (momentum, selection, selective decay) and
 ``apply_rows`` (the sparse weight update) around Muon's ``newton_schulz``; ``dion2_update``
