@@ -37,6 +37,19 @@ def trace_difference(out: Path, run_a: str, run_b: str) -> float:
     return max(abs(x[k] - y[k]) for x, y in zip(a, b) for k in keys if k in x and k in y)
 
 
+def protocol(base: TrainConfig) -> dict[str, float]:
+    """The study's weight-decay protocol: the base config's, the same for every optimizer."""
+    return compare.weight_decay_of(base.to_dict())
+
+
+def follows(out: Path, run: str, base: TrainConfig) -> bool:
+    """True if `run` trained with the protocol's weight decay (read from its logged config,
+    `run.json`, or `diverged.json` for a run that diverged)."""
+    logs = [out / "runs" / run / name for name in ("run.json", "diverged.json")]
+    config = json.loads(next(p for p in logs if p.exists()).read_text())["config"]
+    return compare.weight_decay_of(config) == protocol(base)
+
+
 def check_key(row: dict[str, Any]) -> str:
     """An ablation row's key in the report's same-math `checks`: `option=value`."""
     return f"{row['option']}={row['value']}"
@@ -92,6 +105,8 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
             "diverged": sorted(name for name, s in used.items() if "diverged" in s),
             "train_time_s": sum(s.get("train_time_s") or 0.0 for s in used.values()),
             "code_records": sum((out / "runs" / name / "code.json").exists() for name in used),
+            "protocol": protocol(base),
+            "off_protocol": sorted(name for name in used if not follows(out, name, base)),
         },
     }
 

@@ -243,4 +243,13 @@ def _header(report: dict[str, Any], model, link) -> list[str]:
         f"{invocations[-1]['wall_s']:.0f} s with {invocations[-1]['new_runs']} new runs",
         f"- code: {compute['code_records']} of {compute['runs']} runs name the commit that "
         "trained them (`<run>/code.json`); the others were trained before that record existed",
+        "- weight decay, one protocol for every optimizer (`weight_decay` and "
+        "`scalar_weight_decay` of the harness's config, decoupled: W <- W (1 - lr wd)): "
+        f"hidden matrices {compute['protocol']['weight_decay']}, embeddings, head, norms and "
+        f"biases {compute['protocol']['scalar_weight_decay']}; "
+        + (
+            f"runs off the protocol: {', '.join(compute['off_protocol'])}"
+            if compute["off_protocol"]
+            else f"all {compute['runs']} runs follow it (read from each run's logged config)"
+        ),
     ]
