@@ -24,6 +24,7 @@ product stays on the rank that holds the tile.
 """
 
 import math
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -55,37 +56,70 @@ def dobb_update(
     projection_dtype: torch.dtype | None = None,
 ) -> None:
     """One Dobb update of a ``(rows, d_in)`` matrix (a whole matrix or a row shard): the
-    reference, which the batched form and every distributed path are held to.
+    reference, every variant written out on this one matrix's tiles, which the batched form
+    and every distributed path are held to.
 
     ``bases[i]`` is ``(count, size, size)``: the orthonormal basis ``Q_b`` of each block in
     ``stacks[i]``. The variants: ``row_bases[i]`` ``(count, m, m)``, the bases ``P_r`` of
-    ``row_stacks[i]`` (two-sided); ``variance`` ``V`` (Adam coefficients, ``beta2``,
-    ``eps``; ``step`` for the bias correction). Updates ``param``, ``momentum`` and
+    ``row_stacks[i]`` (two-sided; one-sided: one row block of all rows, ``P = I``);
+    ``variance`` ``V``, laid out like ``param`` (Adam coefficients, ``beta2``, ``eps``;
+    ``step``, the matrix's step count, for the bias correction); ``projection_dtype`` (e.g.
+    bf16): the rotations' operands, the rest in the momentum's dtype. Tile by tile::
+
+        M <- mu M + (1 - mu) G;   N = (1 - mu) G + mu M  (Nesterov)  or  N = M
+        W <- W (1 - lr wd)
+        C_rb = P_rᵀ N_rb Q_b
+        sign: D_rb = sign(C_rb)
+        adam: V_rb <- beta2 V_rb + (1 - beta2) (P_rᵀ G_rb Q_b)²
+              D_rb = C_rb / (sqrt(V_rb) / sqrt(1 - beta2^t) + eps)
+        W_rb <- W_rb - lr alpha P_r D_rb Q_bᵀ
+
+    A pair of a row stack and a column stack is one product over its tiles (no stacking
+    across matrices, no copy of a basis per tile). Updates ``param``, ``momentum`` and
     ``variance`` in place.
     """
-    if row_stacks or variance is not None or projection_dtype:  # variants: a batch of 1
-        dobb_update_batched(
-            [param], [grad], [momentum], [b[None] for b in bases], stacks,
-            lr=lr, beta=beta, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
-            row_bases=[b[None] for b in row_bases] if row_stacks else None,
-            row_stacks=row_stacks, variances=None if variance is None else [variance],
-            steps=[step], beta2=beta2, eps=eps, projection_dtype=projection_dtype,
-        )  # fmt: skip
-        return
-    grad = grad.to(momentum.dtype)
-    # M <- mu M + (1 - mu) G
-    momentum.lerp_(grad, 1 - beta)
-    # N = (1 - mu) G + mu M  (Nesterov),  else  N = M
-    direction = grad.lerp(momentum, beta) if nesterov else momentum
-    # W <- W (1 - lr wd)
+    dtype = momentum.dtype
+    low = projection_dtype or dtype
+    grad = grad.to(dtype)
+    momentum.lerp_(grad, 1 - beta)  # M <- mu M + (1 - mu) G
+    direction = grad.lerp(momentum, beta) if nesterov else momentum  # N
     param.mul_(1 - lr * weight_decay)
-    for basis, s in zip(bases, stacks, strict=True):
-        blocks = direction[:, s.start : s.stop].unflatten(1, (s.count, s.size)).transpose(0, 1)
-        # U_b = sign(N_b Q_b) Q_bᵀ   (count, rows, size)
-        update = torch.bmm(torch.bmm(blocks, basis).sign_(), basis.mT)
-        # W_b <- W_b - lr alpha U_b
-        target = param[:, s.start : s.stop].unflatten(1, (s.count, s.size))
-        target.add_(update.transpose(0, 1), alpha=-lr * scale)
+    sides = zip(row_stacks, row_bases) if row_stacks else [(BlockStack(0, len(param), 1), None)]
+    for rows, p in sides:
+        p = None if p is None else p.to(low)
+        for cols, q in zip(stacks, bases, strict=True):
+            tile, q = partial(_tiles, rows=rows, cols=cols), q.to(low)
+            coefficients = _tile_rotate(tile(direction).to(low), p, q, into=True)  # C_rb
+            if variance is None:
+                coefficients.sign_()  # D_rb = sign(C_rb)
+            else:  # V_rb, then D_rb = C_rb / (sqrt(V_rb / (1 - beta2^t)) + eps)
+                projected = _tile_rotate(tile(grad).to(low), p, q, into=True).to(dtype)
+                v = tile(variance)
+                v.lerp_(projected.square_(), 1 - beta2)
+                denominator = v.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
+                coefficients = coefficients.to(dtype).div_(denominator).to(low)
+            update = _tile_rotate(coefficients, p, q, into=False).to(dtype)  # P_r D_rb Q_bᵀ
+            tile(param).add_(update, alpha=-lr * scale)
+
+
+def _tiles(x: Tensor, rows: BlockStack, cols: BlockStack) -> Tensor:
+    """The tiles ``x[R_r, I_b]`` of one matrix ``x`` in row stack ``rows`` and column stack
+    ``cols``: a view ``(rows.count, cols.count, rows.size, cols.size)``."""
+    x = x[rows.start : rows.stop, cols.start : cols.stop]
+    return (
+        x.unflatten(0, (rows.count, rows.size))
+        .unflatten(2, (cols.count, cols.size))
+        .transpose(1, 2)
+    )
+
+
+def _tile_rotate(tiles: Tensor, p: Tensor | None, q: Tensor, *, into: bool) -> Tensor:
+    """``P_rᵀ X_rb Q_b`` on every tile (``into``), or ``P_r X_rb Q_bᵀ`` (back): ``tiles``
+    ``(r, b, m, s)``, ``p`` ``(r, m, m)`` (None: ``P = I``), ``q`` ``(b, s, s)``. The rows
+    first, as ``rotate`` does."""
+    if p is not None:
+        tiles = (p.mT if into else p)[:, None] @ tiles
+    return tiles @ (q if into else q.mT)
 
 
 def dobb_update_batched(
