@@ -3,13 +3,16 @@
 ``DobbOptimizersContainer`` is torchtitan's ``OptimizersContainer`` for a registry entry,
 built after parallelization, so the optimizer sees the sharded parameters (FSDP2, TP, HSDP,
 FSDP x TP DTensors) and Dobb's hooks the layers that run. Routing, data-parallel ranks,
-names and checkpoints, the command, and what is refused at build time (pipeline and expert
-parallelism, the ``spmd_types`` backend): ``docs/torchtitan.md``. Nothing in torchtitan is
-patched: this module subclasses its container and returns its configs. Tested with
-torchtitan ``TESTED_VERSION`` on torch 2.13.
+names and checkpoints, pipeline stages, the command, and what is refused at build time
+(expert parallelism, the ``spmd_types`` backend): ``docs/torchtitan.md``. Nothing in
+torchtitan is patched: this module subclasses its container and returns its configs. Under
+pipeline parallelism one method of torch's ``PipelineStage`` is wrapped so that Dobb's
+hooks skip its shape-inference forward (``uncount_pipeline_metadata_inference``). Tested
+with torchtitan ``TESTED_VERSION`` on torch 2.13.
 """
 
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +28,7 @@ from dobb._dtensor import DTensor
 from dobb.groups import DEFAULT_EXCLUDE, param_groups
 from dobb.optim.registry import get_entry, without_algorithm
 from dobb.optim.scalar import SCALAR_ALGORITHMS
+from dobb.stats import layer_weights
 
 TESTED_VERSION = "0.3.0"
 # Mesh axes (torchtitan's names) whose ranks see different tokens, and the one that splits
@@ -37,12 +41,13 @@ SPMD_BACKENDS = ("partial_dtensor", "full_dtensor")
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
-def data_mesh(model: nn.Module):
-    """The data axes of the mesh of ``model``'s DTensor parameters (None: no DTensors).
+def part_mesh(model: nn.Module):
+    """The one mesh of ``model``'s DTensor parameters (None: no DTensors).
 
-    Every DTensor parameter must lie on one mesh whose axes are torchtitan's data axes
-    (``DATA_AXES``) and ``tp``, and that mesh must cover every rank: a mesh of fewer ranks
-    than the world means pipeline stages.
+    ``model`` is one model part: the whole model, or one pipeline stage. Every DTensor
+    parameter must lie on one mesh whose axes are torchtitan's data axes (``DATA_AXES``)
+    and ``tp``. Under pipeline parallelism that mesh holds only the ranks of this stage
+    (world size / pipeline degree): the other ranks hold other parameters.
     """
     meshes = {}
     for name, p in model.named_parameters():
@@ -52,9 +57,9 @@ def data_mesh(model: nn.Module):
     if not meshes:
         if world > 1:
             raise NotImplementedError(
-                f"{world} ranks but no parameter is a DTensor: pipeline parallelism (or a "
-                "model left unsharded) is not supported by dobb.integrations.torchtitan; set "
-                "parallelism.pipeline_parallel_degree=1 and shard with FSDP and/or TP"
+                f"{world} ranks but no parameter is a DTensor: a model left unsharded is not "
+                "supported by dobb.integrations.torchtitan (its ranks would see different "
+                "data with no group to average over); shard it with FSDP and/or TP"
             )
         return None
     names, (example, mesh) = max(meshes.items(), key=lambda item: len(item[0]))
@@ -69,14 +74,17 @@ def data_mesh(model: nn.Module):
         if not set(axes) <= set(names):
             raise NotImplementedError(
                 f"{name} lies on mesh axes {list(axes)}, {example} on {list(names)}: "
-                "dobb.integrations.torchtitan needs one mesh for all parameters"
+                "dobb.integrations.torchtitan needs one mesh for all parameters of a part"
             )
-    if mesh.size() != world:
-        raise NotImplementedError(
-            f"the parameters' mesh {list(names)} has {mesh.size()} ranks of {world}: "
-            "pipeline parallelism is not supported by dobb.integrations.torchtitan; set "
-            "parallelism.pipeline_parallel_degree=1"
-        )
+    return mesh
+
+
+def data_mesh(mesh):
+    """The data axes of ``mesh`` (``part_mesh``) with more than one rank; None if none: the
+    ranks over which a part's statistics are averaged."""
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
     axes = tuple(a for a in names if a in DATA_AXES and mesh[a].size() > 1)
     return mesh[axes] if axes else None
 
@@ -91,11 +99,16 @@ def named_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class DobbOptimizersContainer(OptimizersContainer):
-    """torchtitan's optimizer container holding one optimizer of dobb's registry.
+    """torchtitan's optimizer container holding one optimizer of dobb's registry per model
+    part.
 
-    Built by torchtitan after parallelization (``config.optimizer.build(model_parts=...)``);
-    ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict`` are torchtitan's (its
-    flat FQN-keyed DCP state). A Dobb optimizer is hooked to the model (``track``).
+    Built by torchtitan after parallelization (``config.optimizer.build(model_parts=...)``):
+    one part for the whole model, or one per pipeline stage this rank runs (two or more
+    under looped schedules). Each part gets its own optimizer, routed and, for Dobb, hooked
+    (``track``) on that part alone, with the data axes of that part's mesh as its group.
+    ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict`` are torchtitan's: every
+    optimizer in turn, and one flat DCP state keyed by the parameters' FQNs, which the
+    stages of a model never share.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -132,22 +145,23 @@ class DobbOptimizersContainer(OptimizersContainer):
         implementation (batched foreach kernels) and take only "foreach"."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        check_supported(config, model_parts)
-        (model,) = model_parts
-        self.optimizers = [build(config, model)]
+        check_supported(config)
+        meshes = [part_mesh(model) for model in model_parts]
+        self.optimizers = [
+            build(config, model, data_mesh(mesh)) for model, mesh in zip(model_parts, meshes)
+        ]
         self.model_parts = model_parts
-        params = [p for g in self.optimizers[0].param_groups for p in g["params"]]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if len(model_parts) > 1 or any(m is not None and m.size() < world for m in meshes):
+            for model, optimizer in zip(model_parts, self.optimizers):
+                uncount_pipeline_metadata_inference(model, optimizer)
+        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         self._validate_params(params)
         self._post_init(params)
 
 
-def check_supported(config: DobbOptimizersContainer.Config, model_parts: list[nn.Module]):
+def check_supported(config: DobbOptimizersContainer.Config):
     """Raise for what ``DobbOptimizersContainer`` does not run, saying what to change."""
-    if len(model_parts) != 1:
-        raise NotImplementedError(
-            f"{len(model_parts)} model parts: pipeline parallelism is not supported by "
-            "dobb.integrations.torchtitan; set parallelism.pipeline_parallel_degree=1"
-        )
     backend = get_spmd_backend()
     if backend not in SPMD_BACKENDS:
         raise NotImplementedError(
@@ -182,10 +196,12 @@ def parse_options(text: str) -> dict[str, Any]:
     return options
 
 
-def build(config: DobbOptimizersContainer.Config, model: nn.Module) -> torch.optim.Optimizer:
-    """The registry's optimizer ``config.name`` for ``model`` (already parallelized)."""
+def build(
+    config: DobbOptimizersContainer.Config, model: nn.Module, group=None
+) -> torch.optim.Optimizer:
+    """The registry's optimizer ``config.name`` for ``model`` (one model part, already
+    parallelized) whose ranks see different data along ``group`` (``data_mesh``)."""
     entry = get_entry(config.name)
-    group = data_mesh(model)
     kwargs = {
         "lr": entry.lr if config.lr is None else config.lr,
         **entry.hyperparameters,
@@ -212,6 +228,58 @@ def build(config: DobbOptimizersContainer.Config, model: nn.Module) -> torch.opt
     if entry.needs_statistics and kwargs.get("basis_source", "activations") == "activations":
         optimizer.track(model)
     return optimizer
+
+
+# pipeline stage module -> its layers whose statistics Dobb's hooks gather
+_HOOKED_LAYERS: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]"
+_HOOKED_LAYERS = weakref.WeakKeyDictionary()
+
+
+def uncount_pipeline_metadata_inference(model: nn.Module, optimizer) -> None:
+    """Dobb's statistics hooks on ``model`` (a pipeline stage) skip the stage's metadata
+    inference.
+
+    Before its first microbatch (and after a switch from eval), torch's ``PipelineStage``
+    runs the stage's forward once to learn its output shapes (``_forward_metadata_inference``,
+    with grad on when backward follows): on the first stage's first microbatch (counted
+    twice otherwise) and, on every other stage, on ``torch.empty`` inputs (uninitialized
+    memory: garbage or NaN statistics). During that call the hooked layers are put in eval
+    mode, which the hooks read (an ``nn.Linear`` computes the same either way), and put
+    back after. Other optimizers have no hooks: nothing to do.
+    """
+    if getattr(optimizer, "statistics", None) is None:
+        return
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    if not hasattr(PipelineStage, "_forward_metadata_inference"):
+        raise NotImplementedError(
+            f"torch {torch.__version__}'s PipelineStage has no _forward_metadata_inference "
+            "(torch 2.13's), so Dobb cannot keep that shape-inference forward out of its "
+            "statistics; use torch 2.13 or set parallelism.pipeline_parallel_degree=1"
+        )
+    dobb_weights = {
+        p
+        for g in optimizer.param_groups
+        if g["algorithm"] == optimizer.algorithm
+        for p in g["params"]
+    }
+    _HOOKED_LAYERS[model] = [m for m, w, _ in layer_weights(model) if w in dobb_weights]
+    infer = PipelineStage._forward_metadata_inference
+    if getattr(infer, "uncounted", False):
+        return
+
+    def uncounted(stage, *args, **kwargs):
+        layers = [m for m in _HOOKED_LAYERS.get(stage.submod, ()) if m.training]
+        for layer in layers:
+            layer.training = False
+        try:
+            return infer(stage, *args, **kwargs)
+        finally:
+            for layer in layers:
+                layer.training = True
+
+    uncounted.uncounted = True
+    PipelineStage._forward_metadata_inference = uncounted
 
 
 def use_dobb(trainer_config, name: str = "dobb", **fields: Any):

@@ -12,12 +12,18 @@ torchtitan targets accelerators. On a CPU-only machine it needs, before it build
 - ``torch.distributed.set_timeout`` (newer than torch 2.13), with which torchtitan shortens
   the timeouts after step 1: the timeouts are kept;
 - attention: the test's config selects SDPA instead of FlexAttention (see
-  ``titan_configs.py``).
+  ``titan_configs.py``);
+- pipeline schedules: torchtitan 0.3 hands its microbatches, already split, to
+  ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=)``, a signature newer than torch
+  2.13's, whose ``step`` splits a whole batch itself (and would take those three lists for
+  model keyword arguments); the schedules are taught that call, running their own
+  ``_step_microbatches`` on the lists as given (not CPU-specific: any torch 2.13 job).
 
 ``install()`` must run in each rank's process before torchtitan's modules are imported.
 """
 
 import importlib.util
+import inspect
 import sys
 import types
 
@@ -119,6 +125,33 @@ def _keep_timeouts() -> None:
     dist_utils.set_pg_timeouts = lambda timeout, parallel_dims: torch.distributed.barrier()
 
 
+def _step_with_microbatches(schedule_class) -> None:
+    """``schedule_class.step`` also takes torchtitan's pre-split microbatches: with
+    ``arg_mbs``/``kwarg_mbs``/``target_mbs`` given, it prepares the stages as torch's
+    ``step`` does (backward flag, runtime state cleared) and runs ``_step_microbatches`` on
+    them; a call without them is torch's own ``step``."""
+    whole_batch_step = schedule_class.step
+    if "arg_mbs" in inspect.signature(whole_batch_step).parameters:
+        return
+
+    def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return whole_batch_step(self, *args, **kwargs)
+        assert not args, "positional inputs and microbatches together"
+        losses, return_outputs = kwargs.pop("losses", None), kwargs.pop("return_outputs", True)
+        loss_kwargs = kwargs.pop("loss_kwargs", None)
+        assert not kwargs, f"unexpected arguments {sorted(kwargs)}"
+        for stage in getattr(self, "_stages", None) or [self._stage]:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(
+            arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+        )
+        assert not return_outputs, "torchtitan asks for no outputs"
+
+    schedule_class.step = step
+
+
 def install() -> None:
     """Apply the shim in this process (idempotent)."""
     if getattr(install, "done", False):
@@ -130,4 +163,8 @@ def install() -> None:
     utils.get_local_device = lambda: torch.device("cpu")
     _sum_then_divide()
     _keep_timeouts()
+    from torch.distributed.pipelining import schedules
+
+    for schedule_class in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        _step_with_microbatches(schedule_class)
     install.done = True

@@ -6,9 +6,11 @@ Run under ``torchrun``: ``torchtitan_rank.py JOBS.json``, where the file holds a
 argument lists, each as for ``python -m torchtitan.train`` (``--module ... --config ...``).
 
 Each rank writes ``record-rank{r}.json`` into each job's dump folder: the job's losses by
-step (torchtitan's global average, as its metrics log them) and what Dynamo did in that job
-(graph breaks by reason, frames compiled); Dynamo's caches and counters are reset between
-jobs, so a compiled job's numbers are its own.
+step (torchtitan's global average, as its metrics log them; -1 or -2 on ranks without the
+last pipeline stage), its model parts and optimizers on this rank (one each, or one per
+local pipeline stage), and what Dynamo did in that job (graph breaks by reason, frames
+compiled); Dynamo's caches and counters are reset between jobs, so a compiled job's
+numbers are its own.
 """
 
 import json
@@ -39,10 +41,12 @@ def record_losses(trainer) -> dict[int, float]:
     return losses
 
 
-def write_record(config, losses: dict[int, float]) -> None:
+def write_record(config, trainer, losses: dict[int, float]) -> None:
     counters = torch._dynamo.utils.counters
     record = {
         "losses": losses,
+        "model_parts": len(trainer.model_parts),
+        "optimizers": len(trainer.optimizers.optimizers),
         "graph_breaks": dict(counters["graph_break"]),
         "frames_compiled": counters["stats"]["unique_graphs"],
     }
@@ -64,7 +68,7 @@ def main(jobs_file: str) -> None:
             trainer.train()
         finally:
             trainer.close()
-        write_record(config, losses)
+        write_record(config, trainer, losses)
         del trainer
     if dist.is_initialized():
         dist.destroy_process_group()
