@@ -86,9 +86,10 @@ def test_only_the_selected_rows_move_and_keep_the_norm_of_o():
 
 
 def test_defaults_follow_the_authors_code():
+    # but lr: the registry's 0.02 (the authors' code: 0.01), one default per option
     opt = NorDion2([torch.nn.Parameter(torch.zeros(4, 4))])
     group = opt.param_groups[0]
-    expected = dict(lr=0.01, fraction=0.25, ef_decay=0.95, beta2=0.95, eps=1e-8)
+    expected = dict(lr=0.02, fraction=0.25, ef_decay=0.95, beta2=0.95, eps=1e-8)
     assert {key: group[key] for key in expected} == expected
     assert group["weight_decay"] == 0.01 and group["ns_coefficients"] == "polar_express"
     assert group["ns_dtype"] == torch.bfloat16 and group["row_blocks"] == 1

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from dobb._dtensor import local
 from dobb.optim.batching import each
+from dobb.optim.config import OptimizerConfig
 from dobb.optim.scalar import (
     SCALAR_ALGORITHMS,
     SCALAR_DEFAULTS,
@@ -38,7 +39,6 @@ from dobb.optim.scalar import (
 from dobb.optim.state_init import is_state_init_step
 
 GROUP_KEYS = {"params", "algorithm", "param_names", "initial_lr"}
-NONFINITE_MODES = ("raise", "skip")
 COUNTERS = ("step", "stats_steps")  # CPU scalars (read for free), device ones if capturable
 
 
@@ -62,33 +62,20 @@ class MatrixOptimizer(torch.optim.Optimizer):
     Subclasses set ``algorithm`` (their group name) and implement ``_init_matrix_state``
     and ``_matrix_step`` (every matrix with a gradient, batched as they like).
 
-    Args (shared by all subclasses):
-        nonfinite: ``"raise"`` (default) raises ``NonFiniteGradientError`` naming the first
-            bad parameter; ``"skip"`` skips the whole step; either way no state changes. The
-            check is per rank (to skip on every rank: ``docs/baselines.md``).
-        foreach: stack same-shape matrices into shared kernels. None (default): on every
-            device but the CPU; both paths compute the same update.
-        capturable: (subclasses that take it) a step with no host read, for CUDA graphs
-            and ``torch.compile``: counters on the device, ``lr`` a float or a 0-d tensor,
-            a non-finite step a device-side no-op (``nonfinite="skip"``; ``docs/gpu.md``).
+    Options: the subclass's ``Config`` (``dobb.optim.config``), set as ``self.config``
+    before this constructor runs, which validates every group against it.
     """
 
     algorithm: str
+    Config: type[OptimizerConfig]  # the options: each subclass nests its own
+    config: OptimizerConfig  # this optimizer's values of them
 
     def __init__(
         self, params, defaults, *, nonfinite: str = "raise", foreach=None, capturable=False
     ):
-        if nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-        if foreach not in (None, True, False):
-            raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
-        if capturable and nonfinite != "skip":
-            raise ValueError(
-                "capturable=True cannot raise on a non-finite gradient (that needs a host "
-                "read); pass nonfinite='skip': the step is then a no-op on the device and "
-                "skipped_steps (a device tensor) counts it"
-            )
+        """``defaults``: ``self.config.defaults()``; the three options as in the config."""
         self.nonfinite, self.foreach, self.capturable = nonfinite, foreach, capturable
+        self._math_options = self.config.math_options()  # the batching key's (math_key)
         self.skipped_steps: int | Tensor = 0
         self._live: Tensor | None = None  # capturable: 1.0 if this step's inputs are finite
         self._names: dict[Tensor, str] = {}
@@ -128,18 +115,21 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return (self.algorithm, *SCALAR_ALGORITHMS)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        """Check hyperparameters; subclasses extend this for their own keys."""
-        if not group["lr"] >= 0:
-            raise ValueError(f"invalid learning rate: {group['lr']} (must be >= 0)")
-        if not group["weight_decay"] >= 0:
-            raise ValueError(f"invalid weight_decay: {group['weight_decay']} (must be >= 0)")
+        """Check a group's options: a matrix group's by ``self.config.for_group`` (its
+        rules, one place per optimizer), a scalar group's here; subclasses add checks that
+        need the parameters."""
         if group["algorithm"] in SCALAR_ALGORITHMS:
+            if not group["lr"] >= 0:
+                raise ValueError(f"invalid learning rate: {group['lr']} (must be >= 0)")
+            if not group["weight_decay"] >= 0:
+                raise ValueError(f"invalid weight_decay: {group['weight_decay']} (must be >= 0)")
             for i, beta in enumerate(group["betas"]):
                 if not 0.0 <= beta < 1.0:
                     raise ValueError(f"invalid beta parameter at index {i}: {beta}")
             if group.get("eps", 0.0) < 0:
                 raise ValueError(f"invalid eps: {group['eps']} (must be >= 0)")
             return
+        self.config.for_group(group)
         for p in group["params"]:
             if p.ndim != 2:
                 raise ValueError(

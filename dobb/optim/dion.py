@@ -28,6 +28,7 @@ DeviceMesh of data axes for HSDP): Dion then runs the paper's compressed sync, a
 
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from dobb.distributed.groups import axis_groups, check_group
 from dobb.distributed.placement import MatrixPlacement, like_columns, matrix_placement
 from dobb.distributed.reduce import all_reduce_
 from dobb.optim.base import MatrixOptimizer, state_dtype
+from dobb.optim.config import COUNT, OptimizerConfig, between, inherit, one_of, option, optional
 from dobb.optim.dion_core import (
     ORTHOGONALIZE_METHODS,
     DionMatrix,
@@ -63,25 +65,7 @@ class Dion(MatrixOptimizer):
     ``M`` accumulates gradients (not an EMA); the feedback removes ``1 - mu`` of what the
     update used. ``algorithm="adamw"``/``"lion"`` groups take the other parameters.
 
-    Args:
-        params: parameters or parameter groups.
-        lr: learning rate (default 0.01, microsoft/dion's reference default), scaled per
-            matrix by ``sqrt(d_out/d_in)``, the paper's factor (no ``max(1, .)`` as in Muon,
-            so wide matrices take smaller steps).
-        mu: momentum / error-feedback decay (default 0.95); ``mu = 1`` keeps the buffer.
-        weight_decay: decoupled weight decay, multiplied by ``lr`` (default 0.01, as the
-            reference).
-        rank_fraction: ``r = ceil(rank_fraction * min(d_out, d_in))`` (default 1/16).
-        rank: an absolute rank that overrides ``rank_fraction``; ``r`` is capped at
-            ``min(d_out, d_in)``.
-        orthogonalize: ``"qr"`` (Householder QR, default) or ``"cholesky_qr"``
-            (randomized Cholesky QR, the paper's fast distributed form; falls back to
-            Householder QR if a Cholesky factorization fails).
-        seed: base seed of ``Q_0`` (with the matrix's name) and of the sketches (with the
-            shape, ``r`` and the step: shared by same-shape matrices and by replicas).
-        sync_group: None (gradients averaged), or the replicas whose gradients are left
-            unaveraged: Dion then averages ``P`` and ``R`` (``docs/distributed.md``).
-        nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients (checked per rank).
+    Options: ``Dion.Config``.
 
     Sharding: DTensors (FSDP, TP, FSDP x TP, uneven shards) equal one device, with one
     all-reduce per mesh axis and round (the rounds, our choices: ``docs/baselines.md``).
@@ -92,49 +76,64 @@ class Dion(MatrixOptimizer):
     # (sync_group) needs them unaveraged (see dobb.distributed.groups).
     data_parallel_option = None
 
+    @dataclass(frozen=True)
+    class Config(OptimizerConfig):
+        """Dion's options (``dobb.optim.config``)."""
+
+        lr: float = inherit(OptimizerConfig, "lr", 0.02)
+        """Learning rate, scaled per matrix by ``sqrt(d_out/d_in)``, the paper's factor (no
+        ``max(1, .)`` as in Muon: wide matrices take smaller steps; microsoft/dion's
+        reference: 0.01)."""
+        mu: float = option(0.95, between(0, 1, high_open=False), math=True)
+        """Momentum / error-feedback decay; ``mu = 1`` keeps the whole buffer."""
+        weight_decay: float = inherit(OptimizerConfig, "weight_decay", 0.01)
+        """Decoupled, multiplied by ``lr`` (the reference's 0.01)."""
+        rank_fraction: float = option(
+            1 / 16, between(0, 1, low_open=True, high_open=False), math=True
+        )
+        """``r = ceil(rank_fraction min(d_out, d_in))``."""
+        rank: int | None = option(None, optional(COUNT), math=True)
+        """An absolute rank that overrides ``rank_fraction``; ``r`` is capped at
+        ``min(d_out, d_in)``."""
+        orthogonalize: str = option("cholesky_qr", one_of(*ORTHOGONALIZE_METHODS), math=True)
+        """``"cholesky_qr"`` (randomized Cholesky QR, the paper's fast distributed form;
+        Householder QR where a Cholesky factorization fails) or ``"qr"`` (Householder)."""
+        seed: int = option(0, math=True, group=False)
+        """Base seed of ``Q_0`` (with the matrix's name) and of the sketches (with the
+        shape, ``r`` and the step: shared by same-shape matrices and by replicas)."""
+        sync_group: Any = option(None, group=False)
+        """None (gradients averaged), or the replicas whose gradients are left unaveraged:
+        Dion then averages ``P`` and ``R`` (``docs/distributed.md``)."""
+
     def __init__(
         self,
         params,
-        lr: float = 0.01,
-        mu: float = 0.95,
-        weight_decay: float = 0.01,
-        rank_fraction: float = 1 / 16,
-        rank: int | None = None,
+        lr: float = Config.lr,
+        mu: float = Config.mu,
+        weight_decay: float = Config.weight_decay,
+        rank_fraction: float = Config.rank_fraction,
+        rank: int | None = Config.rank,
         *,
-        orthogonalize: str = "qr",
-        seed: int = 0,
-        sync_group=None,
-        nonfinite: str = "raise",
-        foreach: bool | None = None,
+        orthogonalize: str = Config.orthogonalize,
+        seed: int = Config.seed,
+        sync_group=Config.sync_group,
+        nonfinite: str = Config.nonfinite,
+        foreach: bool | None = Config.foreach,
     ):
+        self.config = config = self.Config.from_arguments(locals())
         self.seed = seed
-        sync_group = check_group("Dion", "sync_group", sync_group)
-        self._sync_groups = axis_groups(sync_group)
+        self._sync_groups = axis_groups(check_group("Dion", "sync_group", sync_group))
         # derived layout, recomputed rather than checkpointed (a checkpoint may load
         # into another mesh)
         self._placements: dict[Tensor, MatrixPlacement] = {}
-        defaults = dict(
-            lr=lr, mu=mu, weight_decay=weight_decay, rank_fraction=rank_fraction, rank=rank,
-            orthogonalize=orthogonalize,
-        )  # fmt: skip
-        super().__init__(params, defaults, nonfinite=nonfinite, foreach=foreach)
+        super().__init__(
+            params, config.defaults(), nonfinite=config.nonfinite, foreach=config.foreach
+        )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
         if group["algorithm"] != self.algorithm:
             return
-        if not 0.0 <= group["mu"] <= 1.0:
-            raise ValueError(f"invalid mu: {group['mu']} (must be in [0, 1])")
-        if not 0.0 < group["rank_fraction"] <= 1.0:
-            raise ValueError(f"invalid rank_fraction: {group['rank_fraction']} (must be in (0, 1])")
-        rank = group["rank"]
-        if rank is not None and not (isinstance(rank, int) and rank >= 1):
-            raise ValueError(f"invalid rank: {rank!r} (an integer >= 1, or None)")
-        if group["orthogonalize"] not in ORTHOGONALIZE_METHODS:
-            raise ValueError(
-                f"invalid orthogonalize: {group['orthogonalize']!r} "
-                f"(one of {ORTHOGONALIZE_METHODS})"
-            )
         for p in group["params"]:
             self._placement(p)  # rejects Partial placements now rather than mid-step
 

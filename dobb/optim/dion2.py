@@ -28,6 +28,7 @@ selected rows. Design notes and the distributed form: docs/baselines.md.
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,11 +37,11 @@ from torch import Tensor
 
 from dobb._dtensor import local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import check_group
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, solo
-from dobb.optim.muon import NS_KEYS, NS_STEPS, newton_schulz, validate_newton_schulz
+from dobb.optim.config import SPLITS, between, inherit, math_key, option
+from dobb.optim.muon import NS_STEPS, NewtonSchulzConfig, newton_schulz, ns_arguments
 from dobb.optim.muonbp import chunk_sizes
 from dobb.optim.owner_groups import OwnerExchangeOptimizer, shared_buckets
 
@@ -202,18 +203,7 @@ class Dion2(OwnerExchangeOptimizer):
           M_S <- ef_decay M_S              only the selected rows decay
           W <- W (1 - lr wd);   W_S <- W_S - lr sqrt(m/n) O
 
-    Args:
-        params: parameters or groups (``algorithm="adamw"``/``"lion"`` for the rest).
-        lr: in spectral norm per update of the selected rows (default 0.01, the authors').
-        fraction: ``f`` of the rows selected per block (default 0.25, the authors').
-        ef_decay: decay of the selected rows of ``M`` (default 0.95, the authors' code's).
-        weight_decay: decoupled, multiplied by ``lr`` (default 0.01, the authors' code's).
-        ns_steps, ns_dtype, ns_coefficients: Muon's Newton-Schulz (5 quintic steps in bf16).
-        row_blocks: selection blocks of each local piece, cut as ``chunk_sizes`` (default 1;
-            on one device ``row_blocks=4`` selects as FSDP over 4 ranks does).
-        replica_group: as Muon's: the DDP group (or mesh) over which replicas split the
-            Newton-Schulz work; None: every replica does all of it.
-        nonfinite: ``"raise"`` or ``"skip"`` (see ``MatrixOptimizer``).
+    Options: ``Dion2.Config``.
 
     Distributed: each rank selects among its own rows (the authors' ``"local"`` scope);
     one ``all_to_all`` sends them to the matrix's owner (none under DDP), one returns its
@@ -224,47 +214,46 @@ class Dion2(OwnerExchangeOptimizer):
 
     algorithm = "dion2"
 
+    @dataclass(frozen=True)
+    class Config(NewtonSchulzConfig):
+        """Dion2's options (``dobb.optim.config``)."""
+
+        lr: float = inherit(NewtonSchulzConfig, "lr", 0.02)
+        """Learning rate, in spectral norm per update of the selected rows (scaled per
+        matrix by ``sqrt(d_out/d_in)``; the authors' code: 0.01)."""
+        fraction: float = option(0.25, between(0, 1, low_open=True, high_open=False), math=True)
+        """``f``, the fraction of each block's rows selected (the authors')."""
+        ef_decay: float = option(0.95, between(0, 1, high_open=False), math=True)
+        """Decay of the selected rows of ``M`` (error feedback; the authors' code's)."""
+        weight_decay: float = inherit(NewtonSchulzConfig, "weight_decay", 0.01)
+        """Decoupled, multiplied by ``lr`` (the authors' code's 0.01)."""
+        row_blocks: int | tuple[int, ...] = option(1, SPLITS, math=True)
+        """Selection blocks of each local piece, cut as ``chunk_sizes`` (a tuple: nested
+        splits); on one device ``row_blocks=4`` selects as FSDP over 4 ranks does."""
+
     def __init__(
         self,
         params,
-        lr: float = 0.01,
-        fraction: float = 0.25,
-        ef_decay: float = 0.95,
-        weight_decay: float = 0.01,
-        ns_steps: int = NS_STEPS,
+        lr: float = Config.lr,
+        fraction: float = Config.fraction,
+        ef_decay: float = Config.ef_decay,
+        weight_decay: float = Config.weight_decay,
+        ns_steps: int = Config.ns_steps,
         *,
-        ns_dtype: torch.dtype = torch.bfloat16,
-        ns_coefficients: str = "quintic",
-        row_blocks: int | tuple[int, ...] = 1,
-        replica_group=None,
-        nonfinite: str = "raise",
-        foreach: bool | None = None,
+        ns_dtype: torch.dtype = Config.ns_dtype,
+        ns_coefficients: str = Config.ns_coefficients,
+        row_blocks: int | tuple[int, ...] = Config.row_blocks,
+        replica_group=Config.replica_group,
+        nonfinite: str = Config.nonfinite,
+        foreach: bool | None = Config.foreach,
     ):
-        replica_group = check_group("Dion2", "replica_group", replica_group)
-        defaults = dict(
-            lr=lr, fraction=fraction, ef_decay=ef_decay, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
-            row_blocks=row_blocks,
-        )  # fmt: skip
-        super().__init__(
-            params, defaults, replica_group=replica_group, nonfinite=nonfinite, foreach=foreach
-        )
+        self.config = self.Config.from_arguments(locals())
+        super().__init__(params)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
-        if group["algorithm"] != self.algorithm:
-            return
-        if not 0.0 < group["fraction"] <= 1.0:
-            raise ValueError(f"invalid fraction: {group['fraction']} (must be in (0, 1])")
-        if not 0.0 <= group["ef_decay"] <= 1.0:
-            raise ValueError(f"invalid ef_decay: {group['ef_decay']} (must be in [0, 1])")
-        splits = _splits(group["row_blocks"])
-        if not splits or not all(isinstance(s, int) and s >= 1 for s in splits):
-            raise ValueError(
-                f"invalid row_blocks: {group['row_blocks']!r} (an integer >= 1 or a tuple of them)"
-            )
-        validate_newton_schulz(group)
-        self._require_whole_rows(group, "Dion2 selects whole rows")
+        if group["algorithm"] == self.algorithm:
+            self._require_whole_rows(group, "Dion2 selects whole rows")
 
     @staticmethod
     def blocks(rows: int, group: dict[str, Any]) -> list[int]:
@@ -301,12 +290,6 @@ class Dion2(OwnerExchangeOptimizer):
                 placements.append(MatrixPlacement(shape, rows, torch.arange(p.shape[1])))
             self._exchanges.append((OwnerExchange(placements, owners), params))
 
-    # the group keys that enter the math: matrices agreeing on them share kernels
-    update_keys = ("lr", "fraction", "ef_decay", "weight_decay", *NS_KEYS)
-
-    def _hyperparameters(self, group: dict[str, Any]) -> tuple:
-        return tuple(group[key] for key in self.update_keys) + (_splits(group["row_blocks"]),)
-
     # ------------------------------------------------------------------ step
     def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         return {"momentum": torch.zeros_like(param, dtype=state_dtype(param))}
@@ -315,7 +298,7 @@ class Dion2(OwnerExchangeOptimizer):
         shared = self._shared()
         entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
         # matrices no other rank shares: one dion2_updates per set of hyperparameters
-        for _, indices in group_by(entries, lambda e: self._hyperparameters(e[2])).items():
+        for indices in group_by(entries, lambda e: math_key(e[2], self._math_options)).values():
             params, group = [entries[i][0] for i in indices], entries[indices[0]][2]
             dion2_updates(
                 [local(p) for p in params],
@@ -370,9 +353,7 @@ class Dion2(OwnerExchangeOptimizer):
         # M_S: every rank's selected rows to the matrix's owner (one all_to_all)
         whole = exchange.gather(selected)
         # O = NS5(M_S), for the matrices this rank owns
-        results = {
-            j: newton_schulz(S, *(entries[j][1][k] for k in NS_KEYS)) for j, S in whole.items()
-        }
+        results = {j: newton_schulz(S, *ns_arguments(entries[j][1])) for j, S in whole.items()}
         # O: every rank's rows back from the owner (one all_to_all)
         dtypes = [group["ns_dtype"] for _, group in entries]
         buffer_dtype = functools.reduce(torch.promote_types, dtypes)

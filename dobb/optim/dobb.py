@@ -55,6 +55,7 @@ two_sided: also rotate the output side (``dobb.optim.dobb_update``): row blocks 
 """
 
 import zlib
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -76,26 +77,37 @@ from dobb.distributed.sharding import block_state_like, param_block_stacks, spli
 from dobb.eigensolve import BASIS_METHODS, CAPTURABLE_METHODS, BlockFailures, refresh_bases
 from dobb.optim.base import MatrixOptimizer, state_dtype
 from dobb.optim.batching import each
+from dobb.optim.config import (
+    BOOL,
+    COUNT,
+    UNIT,
+    OptimizerConfig,
+    Rule,
+    inherit,
+    math_key,
+    one_of,
+    option,
+    optional,
+)
 from dobb.optim.dobb_statistics import ROW_KEYS, STACK_KEYS, DobbStatistics
 from dobb.optim.dobb_update import COEFFICIENTS, dobb_update, dobb_update_batched, update_alpha
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
+UPDATE_SCALE = Rule(
+    lambda v: v in UPDATE_SCALE_MODES or (isinstance(v, float | int) and v > 0),
+    f"a positive number or {one_of(*UPDATE_SCALE_MODES).want}",
+)
 # Warm-started solvers need a start: a matrix's first refresh runs batched Jacobi from the
 # identity with more sweeps (dobb.eigensolve.COLD_METHODS; no per-block eigh loop, no host
 # read), or eigh where "auto" means eigh (CPU), or CuPy's eigh (CUDA, CuPy installed).
 COLD_START = {
-    "power_qr": "jacobi_cold", "cholqr": "jacobi_cold", "jacobi": "jacobi_cold",
+    "power_qr": "jacobi_cold",
+    "cholqr": "jacobi_cold",
+    "jacobi": "jacobi_cold",
     "auto": "auto_cold",
-}  # fmt: skip
-MISSING_STATS_MODES = ("raise", "identity")
-STATS_SYNC_MODES = ("refresh", "step")
+}
 # Where the block bases come from: Dobb's activation moments, or controls for ablations.
 BASIS_SOURCES = ("activations", "gradients", "random", "identity")
-# group options a batch of matrices must share (with shape, layout, dtypes and device)
-VARIANT_OPTIONS = (
-    "lr", "momentum", "nesterov", "weight_decay", "two_sided", "coefficients",
-    "coefficient_beta", "projection_dtype",
-)  # fmt: skip
 PROJECTION_DTYPES = (None, "float32", "bfloat16", "float16")  # the rotations' matmuls
 # Where two-sided Dobb's output-side moments come from: the output gradient of a backward
 # hook (K-FAC's factor; local in every layout) or the local rows' G Gᵀ (Shampoo's).
@@ -122,42 +134,8 @@ class Dobb(MatrixOptimizer):
     groups with ``algorithm="adamw"`` or ``"lion"`` (see ``dobb.param_groups``) take the
     embeddings, the LM head, norms and biases.
 
-    Args (each option's full meaning: the tables of ``docs/algorithm.md``):
-        params: parameters or groups. lr: ``lr`` (update RMS ``alpha lr``, as AdamW's).
-        momentum, nesterov: ``mu`` (0.95), Nesterov (True). weight_decay: decoupled (x lr).
-        num_blocks: ``B`` (16; ``B >= d_in``: Signum). block_size: blocks of at most this
-            many columns instead (``B = ceil(d_in / block_size)``; the paper's 100 and 400).
-        two_sided, row_blocks, row_stats: also rotate row blocks ``R_r`` by bases ``P_r``:
-            ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``; ``row_blocks`` per matrix
-            (None: one per rank's rows); ``P_r`` from ``"gradients"`` (``G_r G_rᵀ``) or
-            ``"outputs"`` (K-FAC's output-gradient moments; not under FSDP).
-        coefficients, coefficient_beta: ``"sign"`` or ``"adam"`` (``C / (sqrt(V_hat) + eps)``
-            in the eigenbasis, as SOAP; wants ``update_scale=1.0``), ``V``'s EMA (0.95).
-        projection_dtype: the rotations' matmuls (``"bfloat16"``: half the bytes; None:
-            the state's dtype); the solver always runs in fp32.
-        stats_beta: ``beta2`` (0.95). basis_interval: ``k`` (10).
-        update_scale: ``alpha``: a number, ``"adamw"`` (0.2), ``"lion"`` (1.0) or ``"muon"``
-            (``1/sqrt(d_in)``, the RMS of Muon's spectrally scaled update).
-        basis_method: ``"auto"`` (``"eigh"`` on CPU; on CUDA CuPy's batched ``"cupy"`` if
-            importable, else ``"cholqr"``; ``"cholqr"`` everywhere if capturable),
-            ``"eigh"``, ``"jacobi"``, ``"cholqr"``, ``"power_qr"``, ``"cupy"``
-            (``dobb.eigensolve``); rejected blocks are counted in ``basis_failures``.
-        basis_source: ``"activations"``; ablation controls ``"gradients"``, ``"random"``,
-            ``"identity"`` (Signum).
-        missing_stats: ``"raise"`` without statistics at a step with ``lr > 0``, or
-            ``"identity"`` (keep the basis).
-        stats_group, stats_sync, shard_refresh: the data-parallel ranks ``C_b`` is averaged
-            over (a ProcessGroup or a mesh of data axes), on refresh steps (exact) or every
-            ``"step"``; each rank solving ~1/P of the bases (True). An axis of
-            ``stats_group`` that splits a matrix's input columns (row-parallel TP) raises
-            (``dobb.distributed.groups.check_stats_group``).
-        nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf inputs (checked per rank).
-        capturable: steps with no host read, for CUDA graphs and
-            ``torch.compile(fullgraph=True)``: steady steps and warm refreshes (a batched
-            solver, ``CAPTURABLE_METHODS``; a matrix's first refresh, Jacobi from the
-            identity, belongs in the eager warm-up); needs ``nonfinite="skip"``; the refresh
-            schedule is counted on the host (``refresh_due``, ``count_replay``), failures
-            of the solver on the device (reported by ``refresh_due``; ``docs/gpu.md``).
+    Options: ``Dobb.Config`` (its fields, and the tables of ``docs/algorithm.md``
+    rendered from them).
 
     Sharding: each shard updates alone; column shards must hold whole blocks (else
     construction raises). ``state_dict()`` averages the statistics first (a collective).
@@ -167,39 +145,133 @@ class Dobb(MatrixOptimizer):
     # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
     data_parallel_option = "stats_group"
 
+    @dataclass(frozen=True)
+    class Config(OptimizerConfig):
+        """Dobb's options (``dobb.optim.config``)."""
+
+        lr: float = inherit(OptimizerConfig, "lr", 1e-3)
+        """Learning rate; the update's RMS is ``alpha lr``, so AdamW's rates transfer at
+        ``alpha = 0.2``."""
+        momentum: float = option(0.95, UNIT, math=True)
+        """``mu``, the momentum's EMA factor."""
+        nesterov: bool = option(True, BOOL, math=True)
+        """Nesterov momentum (the direction ``(1 - mu) G + mu M``), else ``M``."""
+        num_blocks: int = option(16, COUNT, math=True)
+        """``B``, input blocks per matrix, of near-equal size; ``B >= d_in`` gives block
+        size 1, i.e. Signum."""
+        stats_beta: float = option(0.95, UNIT, math=True)
+        """``beta2``, the EMA factor of the second-moment blocks ``C_b``."""
+        basis_interval: int = option(10, COUNT, math=True)
+        """``k``: the eigenbases are refreshed every ``k`` steps."""
+        update_scale: float | str = option(0.2, UPDATE_SCALE, math=True)
+        """``alpha``: a number, ``"adamw"`` (0.2), ``"lion"`` (1.0) or ``"muon"``
+        (``1/sqrt(d_in)``, the RMS of Muon's spectrally scaled update; in STUDY.md (f) it
+        keeps one-block Dobb's tuned lr from width 128 to 256, where 0.2 halves it, at the
+        same loss)."""
+        block_size: int | None = option(None, optional(COUNT), math=True)
+        """Blocks of at most this many columns (``B = ceil(d_in / block_size)`` per
+        matrix) instead of ``num_blocks`` (the paper's 100 and 400)."""
+        two_sided: bool = option(False, BOOL, math=True)
+        """Also rotate the output side, by row blocks ``R_r`` that each lie inside one row
+        shard: ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``."""
+        row_blocks: int | None = option(None, optional(COUNT), math=True)
+        """Two-sided Dobb's row blocks per matrix; None: one per rank's rows (the whole
+        matrix in one process); an integer must tile every rank's rows, else construction
+        raises."""
+        row_stats: str = option("gradients", one_of(*ROW_STATS), math=True)
+        """Two-sided Dobb's row moments: ``"gradients"``, ``G_r G_rᵀ / d_in`` of the rank's
+        rows (Shampoo's left factor; no communication under DDP, FSDP, HSDP and
+        column-parallel TP, a refresh-step average over the TP ranks under row-parallel
+        TP), or ``"outputs"``, the output gradient's ``E[δ_rᵀ δ_r]`` from a backward hook
+        (K-FAC's factor; not for rows split over data ranks)."""
+        coefficients: str = option("sign", one_of(*COEFFICIENTS), math=True)
+        """``"sign"``, or ``"adam"``: ``C / (sqrt(V_hat) + eps)`` with a SOAP-style second
+        moment ``V`` of the coefficients, kept in the eigenbasis (+4 bytes per parameter;
+        use ``update_scale=1.0``)."""
+        coefficient_beta: float = option(0.95, UNIT, math=True)
+        """The EMA factor of ``V`` (``coefficients="adam"``)."""
+        projection_dtype: str | None = option(None, one_of(*PROJECTION_DTYPES), math=True)
+        """dtype of the rotations' matmuls (``"bfloat16"``: half their bytes, tensor
+        cores; None: the state's dtype); parameters, momentum, statistics and the
+        eigensolver stay fp32."""
+        basis_method: str = option("auto", one_of(*BASIS_METHODS), math=True)
+        """How bases are refreshed (``dobb.eigensolve``): ``"auto"`` picks by device
+        (``torch.linalg.eigh`` on CPU, CuPy's batched ``eigh`` or ``"cholqr"`` on CUDA,
+        ``"cholqr"`` if ``capturable``); ``"eigh"``, ``"jacobi"`` (warm-started sweeps,
+        batched kernels only), ``"cholqr"`` / ``"power_qr"`` (one warm-started orthogonal
+        iteration, Cholesky-QR / Householder), ``"cupy"`` (CuPy's batched ``eigh``, if
+        installed). A batched solver's non-orthonormal or non-finite block keeps its
+        previous basis, counted in ``basis_failures``."""
+        basis_source: str = option("activations", one_of(*BASIS_SOURCES), math=True)
+        """Dobb's bases; controls for ablations: ``"gradients"`` (eigenbases of the blocks
+        of ``E[Gᵀ G]``, unsharded matrices only), ``"random"`` (a fixed random orthogonal
+        basis per block), ``"identity"`` (Signum)."""
+        missing_stats: str = option("raise", one_of("raise", "identity"), group=False)
+        """A matrix with no statistics at a step with ``lr > 0`` raises; ``"identity"``
+        keeps its current basis (Signum before any)."""
+        stats_group: Any = option(None, group=False)
+        """The mesh or process group over which ranks see different tokens
+        (``docs/distributed.md``): ``C_b`` is averaged over it. An axis of it that splits a
+        matrix's input columns (row-parallel TP) raises."""
+        stats_sync: str = option("refresh", one_of("refresh", "step"), group=False)
+        """Average the statistics only on refresh steps (exact, the EMA being linear), or
+        every ``"step"`` (then saving a checkpoint communicates nothing)."""
+        shard_refresh: bool = option(True, BOOL, group=False)
+        """With ``stats_group``: each rank computes ~1/P of the bases and one all-gather
+        shares them; False: every rank computes all."""
+        capturable: bool = option(False, BOOL, group=False)
+        """Steady and refresh steps with no host read (counters on the device, ``lr`` a
+        float or a 0-d tensor, a non-finite batch a device-side no-op counted in
+        ``skipped_steps``, a batched solver with its failures counted in
+        ``basis_failures``; needs ``nonfinite="skip"``), for CUDA graphs and
+        ``torch.compile(fullgraph=True)``: ``docs/gpu.md``."""
+
+        def check(self) -> None:
+            if self.row_blocks is not None and not self.two_sided:
+                raise ValueError("row_blocks is an option of two-sided Dobb: pass two_sided=True")
+            if self.capturable and self.nonfinite != "skip":
+                raise ValueError(
+                    "capturable=True cannot raise on a non-finite gradient (that needs a host "
+                    "read); pass nonfinite='skip': the step is then a no-op on the device and "
+                    "skipped_steps (a device tensor) counts it"
+                )
+            if self.capturable and self.basis_method not in CAPTURABLE_METHODS:
+                raise ValueError(
+                    f"basis_method={self.basis_method!r} cannot run in a captured step (it "
+                    "reads the device or loops over matrices, or CuPy cannot be captured); with "
+                    f"capturable=True use one of {CAPTURABLE_METHODS} ('auto' is 'cholqr' there)"
+                )
+
     def __init__(
         self,
         params,
-        lr: float,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.0,
-        num_blocks: int = 16,
-        stats_beta: float = 0.95,
-        basis_interval: int = 10,
-        update_scale: float | str = 0.2,
+        lr: float = Config.lr,
+        momentum: float = Config.momentum,
+        nesterov: bool = Config.nesterov,
+        weight_decay: float = Config.weight_decay,
+        num_blocks: int = Config.num_blocks,
+        stats_beta: float = Config.stats_beta,
+        basis_interval: int = Config.basis_interval,
+        update_scale: float | str = Config.update_scale,
         *,
-        block_size: int | None = None,
-        two_sided: bool = False,
-        row_blocks: int | None = None,
-        row_stats: str = "gradients",
-        coefficients: str = "sign",
-        coefficient_beta: float = 0.95,
-        projection_dtype: str | None = None,
-        basis_method: str = "auto",
-        basis_source: str = "activations",
-        missing_stats: str = "raise",
-        stats_group=None,
-        stats_sync: str = "refresh",
-        shard_refresh: bool = True,
-        nonfinite: str = "raise",
-        foreach: bool | None = None,
-        capturable: bool = False,
+        block_size: int | None = Config.block_size,
+        two_sided: bool = Config.two_sided,
+        row_blocks: int | None = Config.row_blocks,
+        row_stats: str = Config.row_stats,
+        coefficients: str = Config.coefficients,
+        coefficient_beta: float = Config.coefficient_beta,
+        projection_dtype: str | None = Config.projection_dtype,
+        basis_method: str = Config.basis_method,
+        basis_source: str = Config.basis_source,
+        missing_stats: str = Config.missing_stats,
+        stats_group=Config.stats_group,
+        stats_sync: str = Config.stats_sync,
+        shard_refresh: bool = Config.shard_refresh,
+        nonfinite: str = Config.nonfinite,
+        foreach: bool | None = Config.foreach,
+        capturable: bool = Config.capturable,
     ):
-        if missing_stats not in MISSING_STATS_MODES:
-            raise ValueError(f"missing_stats must be one of {MISSING_STATS_MODES}")
-        if stats_sync not in STATS_SYNC_MODES:
-            raise ValueError(f"stats_sync must be one of {STATS_SYNC_MODES}, got {stats_sync!r}")
+        self.config = config = self.Config.from_arguments(locals())
         self._data_parallel_groups = axis_groups(check_group("Dobb", "stats_group", stats_group))
         # Refresh work is split over the innermost data axis (its ranks hold identical C_b).
         split = shard_refresh and self._data_parallel_groups
@@ -211,54 +283,21 @@ class Dobb(MatrixOptimizer):
         self.statistics = DobbStatistics(
             self, self._data_parallel_groups, missing_stats=missing_stats, stats_sync=stats_sync
         )
-        defaults = dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            num_blocks=num_blocks, stats_beta=stats_beta, basis_interval=basis_interval,
-            update_scale=update_scale, block_size=block_size, two_sided=two_sided,
-            row_blocks=row_blocks, row_stats=row_stats, coefficients=coefficients,
-            coefficient_beta=coefficient_beta, basis_method=basis_method, basis_source=basis_source,
-            projection_dtype=projection_dtype,
-        )  # fmt: skip
         self._host_counts: dict[Tensor, list[int]] = {}  # capturable: [step, stats_steps]
         self._basis_stacks: dict[tuple, tuple[list[Tensor], Tensor]] = {}  # _stacked_bases
         self.basis_failures = BlockFailures()  # blocks whose new basis the guard rejected
         super().__init__(
-            params, defaults, nonfinite=nonfinite, foreach=foreach, capturable=capturable
+            params,
+            config.defaults(),
+            nonfinite=nonfinite,
+            foreach=foreach,
+            capturable=capturable,
         )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
         if group["algorithm"] != self.algorithm:
             return
-        for key in ("momentum", "stats_beta", "coefficient_beta"):
-            if not 0.0 <= group[key] < 1.0:
-                raise ValueError(f"invalid {key}: {group[key]} (must be in [0, 1))")
-        for key in ("num_blocks", "basis_interval", "block_size", "row_blocks"):
-            if key in ("block_size", "row_blocks") and group[key] is None:
-                continue
-            if not (isinstance(group[key], int) and group[key] >= 1):
-                raise ValueError(f"invalid {key}: {group[key]!r} (must be an integer >= 1)")
-        if group["row_blocks"] is not None and not group["two_sided"]:
-            raise ValueError("row_blocks is an option of two-sided Dobb: pass two_sided=True")
-        choices = {
-            "row_stats": ROW_STATS, "coefficients": COEFFICIENTS, "basis_method": BASIS_METHODS,
-            "basis_source": BASIS_SOURCES, "projection_dtype": PROJECTION_DTYPES,
-        }  # fmt: skip
-        for key, allowed in choices.items():
-            if group[key] not in allowed:
-                raise ValueError(f"invalid {key}: {group[key]!r} (one of {allowed})")
-        if self.capturable and group["basis_method"] not in CAPTURABLE_METHODS:
-            raise ValueError(
-                f"basis_method={group['basis_method']!r} cannot run in a captured step (it "
-                "reads the device or loops over matrices, or CuPy cannot be captured); with "
-                f"capturable=True use one of {CAPTURABLE_METHODS} ('auto' is 'cholqr' there)"
-            )
-        scale = group["update_scale"]
-        if scale not in UPDATE_SCALE_MODES and not (isinstance(scale, float | int) and scale > 0):
-            raise ValueError(
-                f"invalid update_scale: {scale!r} (a positive number or one of "
-                f"{UPDATE_SCALE_MODES})"
-            )
         if group["basis_source"] == "gradients" and any(
             isinstance(p, DTensor) for p in group["params"]
         ):
@@ -497,12 +536,9 @@ class Dobb(MatrixOptimizer):
         for entry in active:
             p, state, group = entry
             param, grad, dim = local(p), local(p.grad), self._input_dims.get(p, 1)
-            key = (
-                tuple(param.shape), dim, self._stacks(p, group), self._row_stacks(p, group),
-                param.dtype, grad.dtype, state["momentum"].dtype, param.device,
-                update_alpha(group["update_scale"], p.shape[dim]),
-                *(group[k] for k in VARIANT_OPTIONS),
-            )  # fmt: skip
+            layout = (tuple(param.shape), dim, self._stacks(p, group), self._row_stacks(p, group))
+            dtypes = (param.dtype, grad.dtype, state["momentum"].dtype, param.device)
+            key = (*layout, *dtypes, math_key(group, self._math_options))
             chunks = batches.setdefault(key, [[]])
             full = (len(chunks[-1]) + 1) * param.numel() > BATCH_ELEMENTS
             if chunks[-1] and (full or not self.batched(param.device)):

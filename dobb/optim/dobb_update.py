@@ -24,7 +24,6 @@ product stays on the rank that holds the tile.
 """
 
 import math
-from functools import partial
 
 import torch
 from torch import Tensor
@@ -74,7 +73,7 @@ def dobb_update(
               D_rb = C_rb / (sqrt(V_rb) / sqrt(1 - beta2^t) + eps)
         W_rb <- W_rb - lr alpha P_r D_rb Q_bᵀ
 
-    A pair of a row stack and a column stack is one product over its tiles (no stacking
+    The rotations are products over this matrix's blocks (``_rotate_one``; no stacking
     across matrices, no copy of a basis per tile). Updates ``param``, ``momentum`` and
     ``variance`` in place.
     """
@@ -84,42 +83,36 @@ def dobb_update(
     momentum.lerp_(grad, 1 - beta)  # M <- mu M + (1 - mu) G
     direction = grad.lerp(momentum, beta) if nesterov else momentum  # N
     param.mul_(1 - lr * weight_decay)
-    sides = zip(row_stacks, row_bases) if row_stacks else [(BlockStack(0, len(param), 1), None)]
-    for rows, p in sides:
-        p = None if p is None else p.to(low)
-        for cols, q in zip(stacks, bases, strict=True):
-            tile, q = partial(_tiles, rows=rows, cols=cols), q.to(low)
-            coefficients = _tile_rotate(tile(direction).to(low), p, q, into=True)  # C_rb
-            if variance is None:
-                coefficients.sign_()  # D_rb = sign(C_rb)
-            else:  # V_rb, then D_rb = C_rb / (sqrt(V_rb / (1 - beta2^t)) + eps)
-                projected = _tile_rotate(tile(grad).to(low), p, q, into=True).to(dtype)
-                v = tile(variance)
-                v.lerp_(projected.square_(), 1 - beta2)
-                denominator = v.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
-                coefficients = coefficients.to(dtype).div_(denominator).to(low)
-            update = _tile_rotate(coefficients, p, q, into=False).to(dtype)  # P_r D_rb Q_bᵀ
-            tile(param).add_(update, alpha=-lr * scale)
+    sides = ([b.to(low) for b in bases], stacks, [b.to(low) for b in row_bases or ()], row_stacks)
+    coefficients = _rotate_one(direction.to(low), *sides, into=True)  # C
+    if variance is None:
+        coefficients.sign_()  # D = sign(C)
+    else:  # V, then D = C / (sqrt(V / (1 - beta2^t)) + eps)
+        projected = _rotate_one(grad.to(low), *sides, into=True).to(dtype)
+        variance.lerp_(projected.square_(), 1 - beta2)
+        denominator = variance.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
+        coefficients = coefficients.to(dtype).div_(denominator).to(low)
+    update = _rotate_one(coefficients, *sides, into=False).to(dtype)  # P_r D_rb Q_bᵀ
+    param.add_(update, alpha=-lr * scale)
 
 
-def _tiles(x: Tensor, rows: BlockStack, cols: BlockStack) -> Tensor:
-    """The tiles ``x[R_r, I_b]`` of one matrix ``x`` in row stack ``rows`` and column stack
-    ``cols``: a view ``(rows.count, cols.count, rows.size, cols.size)``."""
-    x = x[rows.start : rows.stop, cols.start : cols.stop]
-    return (
-        x.unflatten(0, (rows.count, rows.size))
-        .unflatten(2, (cols.count, cols.size))
-        .transpose(1, 2)
-    )
-
-
-def _tile_rotate(tiles: Tensor, p: Tensor | None, q: Tensor, *, into: bool) -> Tensor:
-    """``P_rᵀ X_rb Q_b`` on every tile (``into``), or ``P_r X_rb Q_bᵀ`` (back): ``tiles``
-    ``(r, b, m, s)``, ``p`` ``(r, m, m)`` (None: ``P = I``), ``q`` ``(b, s, s)``. The rows
-    first, as ``rotate`` does."""
-    if p is not None:
-        tiles = (p.mT if into else p)[:, None] @ tiles
-    return tiles @ (q if into else q.mT)
+def _rotate_one(x, bases, stacks, row_bases, row_stacks, *, into: bool) -> Tensor:
+    """``P_rᵀ X_rb Q_b`` on every tile of one ``(rows, d_in)`` matrix ``x`` (``into``), or
+    ``P_r X_rb Q_bᵀ`` (back). The rows first, on whole row slabs ``x[R_r, :]`` ``(count, m,
+    d_in)``, then the columns, block by block ``(count, rows, s)``: ``rotate``'s products on
+    one matrix, so both round alike."""
+    if row_stacks:
+        rotated = torch.empty_like(x)
+        for p, rows in zip(row_bases, row_stacks, strict=True):
+            slab = x[rows.start : rows.stop].unflatten(0, (rows.count, rows.size))
+            rotated[rows.start : rows.stop] = ((p.mT if into else p) @ slab).flatten(0, 1)
+        x = rotated
+    out = torch.empty_like(x)
+    for q, cols in zip(bases, stacks, strict=True):
+        blocks = x[:, cols.start : cols.stop].unflatten(1, (cols.count, cols.size)).transpose(0, 1)
+        blocks = blocks @ (q if into else q.mT)
+        out[:, cols.start : cols.stop] = blocks.transpose(0, 1).flatten(1)
+    return out
 
 
 def dobb_update_batched(

@@ -18,6 +18,7 @@ notes".
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,11 +26,11 @@ from torch import Tensor
 
 from dobb._dtensor import DTensor, local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import check_group
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
-from dobb.optim.owner_groups import OwnerExchangeOptimizer
+from dobb.optim.config import BOOL, COUNT, UNIT, inherit, math_key, one_of, option
+from dobb.optim.owner_groups import OwnerExchangeConfig, OwnerExchangeOptimizer
 
 # Quintic Newton-Schulz coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, chosen to
 # maximize the slope at zero: https://github.com/KellerJordan/Muon/blob/00ba60d3a0d188993831f86e4d62597bb0e9b21c/muon.py#L21
@@ -224,18 +225,24 @@ def muon_updates(
     apply_updates(params, updates, lr=lr, weight_decay=weight_decay, scales=scales)
 
 
-def validate_newton_schulz(group: dict[str, Any]) -> None:
-    """A group's ``ns_steps`` (an integer >= 1), ``ns_dtype`` (one of ``NS_DTYPES``) and
-    ``ns_coefficients`` (a name of ``NS_COEFFICIENTS``)."""
-    if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
-        raise ValueError(f"invalid ns_steps: {group['ns_steps']!r} (must be an integer >= 1)")
-    if group["ns_dtype"] not in NS_DTYPES:
-        raise ValueError(f"invalid ns_dtype: {group['ns_dtype']!r} (one of {NS_DTYPES})")
-    if group["ns_coefficients"] not in NS_COEFFICIENTS:
-        coefficients = group["ns_coefficients"]
-        raise ValueError(
-            f"invalid ns_coefficients: {coefficients!r} (one of {list(NS_COEFFICIENTS)})"
-        )
+def ns_arguments(group: dict[str, Any]) -> tuple:
+    """``newton_schulz``'s ``(steps, dtype, coefficients)`` from a group's options (also the
+    key under which matrices share an iteration)."""
+    return group["ns_steps"], group["ns_dtype"], group["ns_coefficients"]
+
+
+@dataclass(frozen=True)
+class NewtonSchulzConfig(OwnerExchangeConfig):
+    """The options of an optimizer that orthogonalizes by ``newton_schulz``."""
+
+    ns_steps: int = option(NS_STEPS, COUNT, math=True)
+    """Newton-Schulz iterations."""
+    ns_dtype: torch.dtype = option(torch.bfloat16, one_of(*NS_DTYPES), math=True)
+    """dtype of the iteration: ``torch.bfloat16`` (Keller's) or a wider one such as
+    ``torch.float32`` (a deviation, for exact comparisons)."""
+    ns_coefficients: str = option("quintic", one_of(*NS_COEFFICIENTS), math=True)
+    """``"quintic"`` (Keller's) or ``"polar_express"`` (a polynomial per step, the Dion
+    authors' default; see ``newton_schulz``)."""
 
 
 class Muon(OwnerExchangeOptimizer):
@@ -251,23 +258,7 @@ class Muon(OwnerExchangeOptimizer):
     ``algorithm="adamw"``/``"lion"`` groups take the rest: "Muon should only be used for
     hidden weight layers."
 
-    Args:
-        params: parameters or parameter groups.
-        lr: learning rate, in units of spectral norm per update (default 0.02, Keller's).
-        momentum: ``mu`` (default 0.95). nesterov: Nesterov momentum (default True).
-        weight_decay: decoupled weight decay, multiplied by ``lr`` (default 0, Keller's).
-        ns_steps: Newton-Schulz iterations (default 5).
-        ns_dtype: dtype of the iteration: ``torch.bfloat16`` (default, Keller's) or a wider
-            one such as ``torch.float32`` (a deviation, for exact comparisons).
-        ns_coefficients: ``"quintic"`` (default, Keller's) or ``"polar_express"`` (see
-            ``newton_schulz``; the Dion authors' default; a deviation).
-        adjust_lr: ``"spectral"`` (default, Keller's ``sqrt(max(1, d_out/d_in))``) or
-            ``"match_rms_adamw"`` (``0.2 sqrt(max(d_out, d_in))``, Moonshot's; a deviation).
-        replica_group: for plain parameters replicated by DDP with averaged gradients: None
-            (every replica does all the work) or their ProcessGroup (or DeviceMesh), which
-            then share it as Keller's distributed Muon does; DTensors share over their mesh.
-        nonfinite: ``"raise"`` or ``"skip"`` on NaN/Inf gradients (checked per rank: under
-            sharding, rely on a global grad-norm check to skip a step on every rank).
+    Options: ``Muon.Config``.
 
     Distributed: each matrix goes to an owner rank (one ``all_to_all``), which runs ``NS5``;
     one ``all_to_all`` brings every rank its piece of ``O`` (the protocol, the bytes and the
@@ -276,43 +267,44 @@ class Muon(OwnerExchangeOptimizer):
 
     algorithm = "muon"
 
+    @dataclass(frozen=True)
+    class Config(NewtonSchulzConfig):
+        """Muon's options (``dobb.optim.config``)."""
+
+        lr: float = inherit(NewtonSchulzConfig, "lr", 0.02)
+        """Learning rate, in spectral norm per update (Keller's 0.02)."""
+        momentum: float = option(0.95, UNIT, math=True)
+        """``mu``, the momentum's EMA factor."""
+        nesterov: bool = option(True, BOOL, math=True)
+        """Nesterov momentum (the direction ``(1 - mu) G + mu M``), else ``M``."""
+        adjust_lr: str = option("spectral", one_of(*ADJUST_LR_MODES), math=True)
+        """The lr's scale per ``(d_out, d_in)`` matrix: ``"spectral"`` (Keller's
+        ``sqrt(max(1, d_out/d_in))``) or ``"match_rms_adamw"`` (Moonshot's
+        ``0.2 sqrt(max(d_out, d_in))``: update RMS ``0.2 lr``; a deviation)."""
+
     def __init__(
         self,
         params,
-        lr: float = 0.02,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_steps: int = NS_STEPS,
+        lr: float = Config.lr,
+        momentum: float = Config.momentum,
+        nesterov: bool = Config.nesterov,
+        weight_decay: float = Config.weight_decay,
+        ns_steps: int = Config.ns_steps,
         *,
-        ns_dtype: torch.dtype = torch.bfloat16,
-        ns_coefficients: str = "quintic",
-        adjust_lr: str = "spectral",
-        replica_group=None,
-        nonfinite: str = "raise",
-        foreach: bool | None = None,
+        ns_dtype: torch.dtype = Config.ns_dtype,
+        ns_coefficients: str = Config.ns_coefficients,
+        adjust_lr: str = Config.adjust_lr,
+        replica_group=Config.replica_group,
+        nonfinite: str = Config.nonfinite,
+        foreach: bool | None = Config.foreach,
     ):
-        replica_group = check_group("Muon", "replica_group", replica_group)
-        defaults = dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
-            adjust_lr=adjust_lr,
-        )  # fmt: skip
-        super().__init__(
-            params, defaults, replica_group=replica_group, nonfinite=nonfinite, foreach=foreach
-        )
+        self.config = self.Config.from_arguments(locals())
+        super().__init__(params)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
         if group["algorithm"] != self.algorithm:
             return
-        if not 0.0 <= group["momentum"] < 1.0:
-            raise ValueError(f"invalid momentum: {group['momentum']} (must be in [0, 1))")
-        validate_newton_schulz(group)
-        if group["adjust_lr"] not in ADJUST_LR_MODES:
-            raise ValueError(
-                f"invalid adjust_lr: {group['adjust_lr']!r} (one of {ADJUST_LR_MODES})"
-            )
         for p in group["params"]:
             if isinstance(p, DTensor):
                 matrix_placement(p)  # rejects Partial placements
@@ -333,23 +325,20 @@ class Muon(OwnerExchangeOptimizer):
     def _local_step(self, entries: list[tuple[Tensor, dict, dict]]) -> None:
         """Matrices no other rank shares, as ``(param, state, group)``: one ``muon_updates``
         per set of hyperparameters (one device, or DDP without ``replica_group``)."""
-        for hp, indices in group_by(
-            entries, lambda e: _hyperparameters(e[2], *UPDATE_KEYS)
-        ).items():
-            lr, beta, nesterov, weight_decay, ns_steps, ns_dtype, coefficients, adjust_lr = hp
-            params = [entries[i][0] for i in indices]
+        for indices in group_by(entries, lambda e: math_key(e[2], self._math_options)).values():
+            group, params = entries[indices[0]][2], [entries[i][0] for i in indices]
             muon_updates(
                 [local(p) for p in params],
                 [local(p.grad) for p in params],
                 [local(entries[i][1]["momentum"]) for i in indices],
-                lr=lr,
-                beta=beta,
-                nesterov=nesterov,
-                weight_decay=weight_decay,
-                scales=[lr_scale(p.shape, adjust_lr) for p in params],
-                ns_steps=ns_steps,
-                ns_dtype=ns_dtype,
-                ns_coefficients=coefficients,
+                lr=group["lr"],
+                beta=group["momentum"],
+                nesterov=group["nesterov"],
+                weight_decay=group["weight_decay"],
+                scales=[lr_scale(p.shape, group["adjust_lr"]) for p in params],
+                ns_steps=group["ns_steps"],
+                ns_dtype=group["ns_dtype"],
+                ns_coefficients=group["ns_coefficients"],
                 batched=self.batched(local(params[0]).device),
             )
 
@@ -368,14 +357,14 @@ class Muon(OwnerExchangeOptimizer):
             p, group = entries[j]
             if not self.state[p]:
                 self.state[p].update(self._init_matrix_state(p, group))
-        by_momentum = group_by(live, lambda j: _hyperparameters(entries[j][1], *MOMENTUM_KEYS))
-        for (beta, nesterov), indices in by_momentum.items():
-            params = [entries[j][0] for j in indices]
+        key = lambda j: math_key(entries[j][1], self._math_options)  # noqa: E731
+        for indices in group_by(live, key).values():
+            params, group = [entries[j][0] for j in indices], entries[indices[0]][1]
             found = nesterov_directions(
                 [local(p.grad) for p in params],
                 [local(self.state[p]["momentum"]) for p in params],
-                beta=beta,
-                nesterov=nesterov,
+                beta=group["momentum"],
+                nesterov=group["nesterov"],
             )
             for j, direction in zip(indices, found):
                 directions[j] = direction
@@ -386,31 +375,19 @@ class Muon(OwnerExchangeOptimizer):
         results = stack_apply(
             [whole[j] for j in owned],
             lambda N, hp: newton_schulz(N, *hp),
-            key=lambda i: _hyperparameters(entries[owned[i]][1], *NS_KEYS),
+            key=lambda i: ns_arguments(entries[owned[i]][1]),
             batched=self.batched(directions[0].device),
         )
         # O: every rank's piece back from the owner (one all_to_all)
         dtypes = [group["ns_dtype"] for _, group in entries]
         buffer_dtype = functools.reduce(torch.promote_types, dtypes)
         updates = exchange.scatter(dict(zip(owned, results)), buffer_dtype, directions[0].device)
-        by_update = group_by(
-            live, lambda j: _hyperparameters(entries[j][1], "lr", "weight_decay", "ns_dtype")
-        )
-        for (lr, weight_decay, ns_dtype), indices in by_update.items():
+        for indices in group_by(live, key).values():
+            group = entries[indices[0]][1]
             apply_updates(
                 [local(entries[j][0]) for j in indices],
-                [updates[j].to(ns_dtype) for j in indices],
-                lr=lr,
-                weight_decay=weight_decay,
-                scales=[lr_scale(entries[j][0].shape, entries[j][1]["adjust_lr"]) for j in indices],
+                [updates[j].to(group["ns_dtype"]) for j in indices],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                scales=[lr_scale(entries[j][0].shape, group["adjust_lr"]) for j in indices],
             )
-
-
-# Group keys that enter the math: matrices agreeing on them share kernels.
-NS_KEYS = ("ns_steps", "ns_dtype", "ns_coefficients")  # newton_schulz's arguments
-UPDATE_KEYS = ("lr", "momentum", "nesterov", "weight_decay", *NS_KEYS, "adjust_lr")
-MOMENTUM_KEYS = ("momentum", "nesterov")
-
-
-def _hyperparameters(group: dict[str, Any], *keys: str) -> tuple:
-    return tuple(group[key] for key in keys)

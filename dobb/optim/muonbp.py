@@ -22,6 +22,7 @@ communication".
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,14 +30,12 @@ from torch import Tensor
 
 from dobb._dtensor import local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import check_group
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.batching import group_by
+from dobb.optim.config import COUNT, NON_NEGATIVE, SPLITS, inherit, math_key, option, optional
 from dobb.optim.muon import (
     NS_STEPS,
-    UPDATE_KEYS,
     Muon,
-    _hyperparameters,
     apply_update,
     apply_updates,
     batched_newton_schulz,
@@ -198,13 +197,7 @@ class MuonBP(Muon):
     Learning rates: both step kinds are RMS-matched (``match_rms_adamw``), so by default a block
     and a full update have RMS ``0.2 lr``; the reasoning and our deviations: ``docs/baselines.md``.
 
-    Args (besides Muon's; see ``Muon``):
-        lr: the full steps' learning rate (default 1e-3, AdamW's, as RMS-matched).
-        period: ``P``, a full step every ``P`` updates, the first included (default 5, the
-            paper's as secondary sources report it); ``1`` is Muon, ``None`` BlockMuon.
-        block_lr_ratio: the block steps' learning rate over ``lr`` (default 1).
-        row_blocks, col_blocks: tiles of each local piece (default 1; tuples: nested).
-        adjust_lr: ``"match_rms_adamw"`` (default, the paper's RMS matching) or ``"spectral"``.
+    Options: ``MuonBP.Config`` (Muon's, with its own defaults, and four more).
 
     Communication: none on block steps; Muon's exchange on full steps (tilings, phases and
     checkpoints: ``docs/baselines.md``).
@@ -212,63 +205,51 @@ class MuonBP(Muon):
 
     algorithm = "muonbp"
 
+    @dataclass(frozen=True)
+    class Config(Muon.Config):
+        """MuonBP's options: Muon's (other defaults) and the schedule and tiling."""
+
+        lr: float = inherit(Muon.Config, "lr", 5e-3)
+        """The full steps' learning rate; both kinds of update have RMS ``0.2 lr``
+        (``match_rms_adamw``), as AdamW's."""
+        adjust_lr: str = inherit(Muon.Config, "adjust_lr", "match_rms_adamw")
+        """Muon's, here by default the paper's RMS matching ``0.2 sqrt(max(m, n))`` of the
+        shape each step orthogonalizes (the whole matrix, or a block)."""
+        period: int | None = option(5, optional(COUNT), math=True)
+        """``P``: a full step every ``P`` updates, the first included (the paper's 5, as
+        secondary sources report it); ``1`` is Muon, None BlockMuon."""
+        block_lr_ratio: float = option(1.0, NON_NEGATIVE, math=True)
+        """The block steps' learning rate over ``lr``."""
+        row_blocks: int | tuple[int, ...] = option(1, SPLITS, math=True)
+        """Row tiles of each local piece (a tuple: nested splits, as ``chunk_sizes``); on one
+        device ``row_blocks=4`` tiles as FSDP over 4 ranks shards."""
+        col_blocks: int | tuple[int, ...] = option(1, SPLITS, math=True)
+        """Column tiles of each local piece, as ``row_blocks``."""
+
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_steps: int = NS_STEPS,
+        lr: float = Config.lr,
+        momentum: float = Config.momentum,
+        nesterov: bool = Config.nesterov,
+        weight_decay: float = Config.weight_decay,
+        ns_steps: int = Config.ns_steps,
         *,
-        period: int | None = 5,
-        block_lr_ratio: float = 1.0,
-        row_blocks: int | tuple[int, ...] = 1,
-        col_blocks: int | tuple[int, ...] = 1,
-        ns_dtype: torch.dtype = torch.bfloat16,
-        ns_coefficients: str = "quintic",
-        adjust_lr: str = "match_rms_adamw",
-        replica_group=None,
-        nonfinite: str = "raise",
-        foreach: bool | None = None,
+        period: int | None = Config.period,
+        block_lr_ratio: float = Config.block_lr_ratio,
+        row_blocks: int | tuple[int, ...] = Config.row_blocks,
+        col_blocks: int | tuple[int, ...] = Config.col_blocks,
+        ns_dtype: torch.dtype = Config.ns_dtype,
+        ns_coefficients: str = Config.ns_coefficients,
+        adjust_lr: str = Config.adjust_lr,
+        replica_group=Config.replica_group,
+        nonfinite: str = Config.nonfinite,
+        foreach: bool | None = Config.foreach,
     ):
-        replica_group = check_group("MuonBP", "replica_group", replica_group)
         self._subset_exchanges: dict[tuple[int, ...], OwnerExchange] = {}
-        defaults = dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
-            adjust_lr=adjust_lr, period=period, block_lr_ratio=block_lr_ratio,
-            row_blocks=row_blocks, col_blocks=col_blocks,
-        )  # fmt: skip
-        # Muon's scaffolding with MuonBP's defaults (Muon.__init__ would set Muon's)
-        OwnerExchangeOptimizer.__init__(
-            self,
-            params,
-            defaults,
-            replica_group=replica_group,
-            nonfinite=nonfinite,
-            foreach=foreach,
-        )
-
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        super()._validate_group(group)
-        if group["algorithm"] != self.algorithm:
-            return
-        period = group["period"]
-        if period is not None and not _is_count(period):
-            raise ValueError(
-                f"invalid period: {period!r} (an integer >= 1, or None for block steps only)"
-            )
-        if not group["block_lr_ratio"] >= 0:
-            raise ValueError(f"invalid block_lr_ratio: {group['block_lr_ratio']} (must be >= 0)")
-        for key in ("row_blocks", "col_blocks"):
-            value = group[key]
-            splits = _splits(value)
-            if not (splits and all(_is_count(n) for n in splits)):
-                raise ValueError(
-                    f"invalid {key}: {value!r} (an integer >= 1, or a tuple of them for "
-                    "nested splits)"
-                )
+        self.config = self.Config.from_arguments(locals())
+        # Muon's scaffolding with MuonBP's config (Muon.__init__ would build Muon's)
+        OwnerExchangeOptimizer.__init__(self, params)
 
     def _plan_exchanges(self) -> None:
         self._subset_exchanges = {}
@@ -303,12 +284,8 @@ class MuonBP(Muon):
     def _block_steps(self, entries: list[tuple[Tensor, dict]]) -> None:
         """Block steps of ``(param, group)`` pairs: one ``block_muon_updates`` per set of
         hyperparameters."""
-        key = lambda e: _hyperparameters(e[1], *UPDATE_KEYS, "block_lr_ratio")  # noqa: E731
-        for hp, indices in group_by(entries, key).items():
-            lr, beta, nesterov, weight_decay, ns_steps, ns_dtype, coefficients, adjust_lr, ratio = (
-                hp
-            )
-            params = [entries[i][0] for i in indices]
+        for indices in group_by(entries, lambda e: math_key(e[1], self._math_options)).values():
+            group, params = entries[indices[0]][1], [entries[i][0] for i in indices]
             pieces = [local(p) for p in params]
             block_muon_updates(
                 pieces,
@@ -316,16 +293,16 @@ class MuonBP(Muon):
                 [local(self.state[p]["momentum"]) for p in params],
                 [
                     block_tiles(tuple(piece.shape), group["row_blocks"], group["col_blocks"])
-                    for piece, group in zip(pieces, (entries[i][1] for i in indices))
+                    for piece in pieces
                 ],
-                lr=lr * ratio,
-                beta=beta,
-                nesterov=nesterov,
-                weight_decay=weight_decay,
-                adjust_lr=adjust_lr,
-                ns_steps=ns_steps,
-                ns_dtype=ns_dtype,
-                ns_coefficients=coefficients,
+                lr=group["lr"] * group["block_lr_ratio"],
+                beta=group["momentum"],
+                nesterov=group["nesterov"],
+                weight_decay=group["weight_decay"],
+                adjust_lr=group["adjust_lr"],
+                ns_steps=group["ns_steps"],
+                ns_dtype=group["ns_dtype"],
+                ns_coefficients=group["ns_coefficients"],
                 batched=self.batched(pieces[0].device),
             )
 
@@ -363,10 +340,6 @@ def _chunk(n: int, parts: int) -> list[int]:
     # torch.chunk: parts of ceil(n / parts) each, the last ones short or empty
     step = -(-n // parts)
     return [min(step, max(0, n - i * step)) for i in range(parts)]
-
-
-def _is_count(n) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
 
 
 def _splits(blocks) -> tuple[int, ...]:

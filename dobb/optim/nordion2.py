@@ -2,6 +2,7 @@
 NorMuon's per-neuron normalization of the selected rows. Built from the two modules:
 ``nordion2_update`` (the reference) and ``nordion2_updates`` (the batched form)."""
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -9,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dobb._dtensor import local
-from dobb.distributed.groups import check_group
+from dobb.optim.config import POSITIVE, UNIT, inherit, option
 from dobb.optim.dion2 import Dion2, apply_rows, dion2_direction, dion2_updates, row_scale
 from dobb.optim.muon import NS_STEPS, newton_schulz
 from dobb.optim.normuon import NORM_FLOOR, NorMuon, _any_split, neuron_normalize
@@ -106,14 +107,7 @@ class NorDion2(Dion2):
     NorMuon's RMS 0.2); ``lr sqrt(m/n)`` (their ``adjust_lr="spectral_norm"``); the defaults
     below, Polar Express included. Deviations: ``docs/baselines.md``.
 
-    Args:
-        params: parameters or groups (``algorithm="adamw"``/``"lion"`` for the rest).
-        lr: learning rate, in spectral norm per update of the selected rows (default 0.01).
-        fraction: ``f`` (0.25). ef_decay: their ``mu`` (0.95). beta2: ``β2`` (0.95).
-        eps: ``ε`` (1e-8). weight_decay: decoupled, multiplied by ``lr`` (0.01).
-        ns_steps, ns_dtype, ns_coefficients: Newton-Schulz (default 5 Polar Express steps
-            in bf16; ``"quintic"``: Keller's).
-        row_blocks, replica_group, nonfinite: as Dion2's.
+    Options: ``NorDion2.Config`` (Dion2's, and ``beta2``, ``eps``).
 
     Distributed as Dion2 (rows only), plus one ``all_reduce`` of ``||O||_F²``, ``||Ô||_F²``
     per matrix over the pieces (none under DDP): sharded equals one device whose
@@ -121,47 +115,39 @@ class NorDion2(Dion2):
     """
 
     algorithm = "nordion2"
-    update_keys = Dion2.update_keys + ("beta2", "eps")
+
+    @dataclass(frozen=True)
+    class Config(Dion2.Config):
+        """NorDion2's options: Dion2's, Polar Express by default, and NorMuon's ``v``."""
+
+        ns_coefficients: str = inherit(Dion2.Config, "ns_coefficients", "polar_express")
+        """Newton-Schulz polynomials: ``"polar_express"`` (the authors' code's) or Keller's
+        ``"quintic"``."""
+        beta2: float = option(0.95, UNIT, math=True)
+        """``β2``, the EMA factor of ``v``, each row's mean square of ``O``."""
+        eps: float = option(1e-8, POSITIVE, math=True)
+        """``ε`` in ``O ⊘ (sqrt(v_S) + ε)``."""
 
     def __init__(
         self,
         params,
-        lr: float = 0.01,
-        fraction: float = 0.25,
-        ef_decay: float = 0.95,
-        beta2: float = 0.95,
-        weight_decay: float = 0.01,
-        ns_steps: int = NS_STEPS,
+        lr: float = Config.lr,
+        fraction: float = Config.fraction,
+        ef_decay: float = Config.ef_decay,
+        beta2: float = Config.beta2,
+        weight_decay: float = Config.weight_decay,
+        ns_steps: int = Config.ns_steps,
         *,
-        eps: float = 1e-8,
-        ns_dtype: torch.dtype = torch.bfloat16,
-        ns_coefficients: str = "polar_express",
-        row_blocks: int | tuple[int, ...] = 1,
-        replica_group=None,
-        nonfinite: str = "raise",
-        foreach: bool | None = None,
+        eps: float = Config.eps,
+        ns_dtype: torch.dtype = Config.ns_dtype,
+        ns_coefficients: str = Config.ns_coefficients,
+        row_blocks: int | tuple[int, ...] = Config.row_blocks,
+        replica_group=Config.replica_group,
+        nonfinite: str = Config.nonfinite,
+        foreach: bool | None = Config.foreach,
     ):
-        replica_group = check_group("NorDion2", "replica_group", replica_group)
-        defaults = dict(lr=lr, fraction=fraction, ef_decay=ef_decay, beta2=beta2, eps=eps)
-        defaults.update(weight_decay=weight_decay, ns_steps=ns_steps, ns_dtype=ns_dtype)
-        defaults.update(ns_coefficients=ns_coefficients, row_blocks=row_blocks)
-        OwnerExchangeOptimizer.__init__(  # Dion2's scaffolding, NorDion2's defaults
-            self,
-            params,
-            defaults,
-            replica_group=replica_group,
-            nonfinite=nonfinite,
-            foreach=foreach,
-        )
-
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        super()._validate_group(group)
-        if group["algorithm"] != self.algorithm:
-            return
-        if not 0.0 <= group["beta2"] < 1.0:
-            raise ValueError(f"invalid beta2: {group['beta2']} (must be in [0, 1))")
-        if not group["eps"] > 0:
-            raise ValueError(f"invalid eps: {group['eps']} (must be > 0)")
+        self.config = self.Config.from_arguments(locals())
+        OwnerExchangeOptimizer.__init__(self, params)  # Dion2's scaffolding, NorDion2's config
 
     # the state is NorMuon's: the momentum and v, sharded like W's rows
     _init_matrix_state = NorMuon._init_matrix_state

@@ -17,6 +17,7 @@ rows. Design notes and where we chose against the authors' code: docs/baselines.
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,18 +26,18 @@ from torch import Tensor
 
 from dobb._dtensor import local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import check_group
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import group_by, solo
+from dobb.optim.config import BOOL, POSITIVE, UNIT, inherit, math_key, option
 from dobb.optim.muon import (
-    NS_KEYS,
     NS_STEPS,
+    NewtonSchulzConfig,
     apply_update,
     apply_updates,
     nesterov_direction,
     nesterov_directions,
     newton_schulz,
-    validate_newton_schulz,
+    ns_arguments,
 )
 from dobb.optim.owner_groups import OwnerExchangeOptimizer
 
@@ -143,17 +144,7 @@ class NorMuon(OwnerExchangeOptimizer):
           Ô = O ⊘ (sqrt(v) + ε)
           W <- W (1 - lr λ) - lr 0.2 sqrt(m n) / ||Ô||_F  Ô       update RMS 0.2 lr
 
-    Args:
-        params: parameters or groups (``algorithm="adamw"``/``"lion"`` for the rest).
-        lr: the update's RMS is ``0.2 lr``, as AdamW's (default 0.01, the Dion authors').
-        momentum: ``β1``; beta2: ``β2`` (0.95 each, the paper's). eps: ``ε`` (1e-8, the Dion
-            authors'; the NorMuon authors' single-file code: 1e-10).
-        nesterov: default False, the paper's box (their Keller-derived code: Nesterov).
-        weight_decay: ``λ``, decoupled, multiplied by ``lr`` (default 0, as Muon's).
-        ns_steps, ns_dtype, ns_coefficients: Muon's (5 quintic steps in bf16).
-        replica_group: as Muon's: the DDP group (or mesh) over which replicas split the
-            Newton-Schulz work; None: every replica does all of it.
-        nonfinite: ``"raise"`` or ``"skip"`` (see ``MatrixOptimizer``).
+    Options: ``NorMuon.Config``.
 
     Distributed: Muon's owner exchange, then each rank normalizes its own rows (whole rows
     only: a ``Shard(1)`` parameter raises) and one ``all_reduce`` of a float per matrix
@@ -164,43 +155,47 @@ class NorMuon(OwnerExchangeOptimizer):
 
     algorithm = "normuon"
 
+    @dataclass(frozen=True)
+    class Config(NewtonSchulzConfig):
+        """NorMuon's options (``dobb.optim.config``)."""
+
+        lr: float = inherit(NewtonSchulzConfig, "lr", 5e-3)
+        """Learning rate: the update's RMS is ``0.2 lr``, as AdamW's (the Dion authors'
+        code: 0.01)."""
+        momentum: float = option(0.95, UNIT, math=True)
+        """``β1``, the momentum's EMA factor (the paper's)."""
+        beta2: float = option(0.95, UNIT, math=True)
+        """``β2``, the EMA factor of ``v``, each row's mean square of ``O`` (the paper's)."""
+        nesterov: bool = option(False, BOOL, math=True)
+        """Nesterov momentum; off, as the paper's box (their Keller-derived code: on)."""
+        eps: float = option(1e-8, POSITIVE, math=True)
+        """``ε`` in ``O ⊘ (sqrt(v) + ε)`` (the Dion authors'; the NorMuon authors' code:
+        1e-10)."""
+
     def __init__(
         self,
         params,
-        lr: float = 0.01,
-        momentum: float = 0.95,
-        beta2: float = 0.95,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        ns_steps: int = NS_STEPS,
+        lr: float = Config.lr,
+        momentum: float = Config.momentum,
+        beta2: float = Config.beta2,
+        nesterov: bool = Config.nesterov,
+        weight_decay: float = Config.weight_decay,
+        ns_steps: int = Config.ns_steps,
         *,
-        eps: float = 1e-8,
-        ns_dtype: torch.dtype = torch.bfloat16,
-        ns_coefficients: str = "quintic",
-        replica_group=None,
-        nonfinite: str = "raise",
-        foreach: bool | None = None,
+        eps: float = Config.eps,
+        ns_dtype: torch.dtype = Config.ns_dtype,
+        ns_coefficients: str = Config.ns_coefficients,
+        replica_group=Config.replica_group,
+        nonfinite: str = Config.nonfinite,
+        foreach: bool | None = Config.foreach,
     ):
-        replica_group = check_group("NorMuon", "replica_group", replica_group)
-        defaults = dict(
-            lr=lr, momentum=momentum, beta2=beta2, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, eps=eps, ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
-        )  # fmt: skip
-        super().__init__(
-            params, defaults, replica_group=replica_group, nonfinite=nonfinite, foreach=foreach
-        )
+        self.config = self.Config.from_arguments(locals())
+        super().__init__(params)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
-        if group["algorithm"] != self.algorithm:
-            return
-        for key in ("momentum", "beta2"):
-            if not 0.0 <= group[key] < 1.0:
-                raise ValueError(f"invalid {key}: {group[key]} (must be in [0, 1))")
-        if not group["eps"] > 0:
-            raise ValueError(f"invalid eps: {group['eps']} (must be > 0)")
-        validate_newton_schulz(group)
-        self._require_whole_rows(group, "NorMuon normalizes whole rows")
+        if group["algorithm"] == self.algorithm:
+            self._require_whole_rows(group, "NorMuon normalizes whole rows")
 
     # ------------------------------------------------------------------ step
     def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -215,14 +210,23 @@ class NorMuon(OwnerExchangeOptimizer):
         shared = self._shared()
         entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
         # matrices no other rank shares: one normuon_updates per set of hyperparameters
-        for hp, indices in group_by(entries, lambda e: tuple(e[2][k] for k in UPDATE_KEYS)).items():
+        for indices in group_by(entries, lambda e: math_key(e[2], self._math_options)).values():
+            group = entries[indices[0]][2]
             params, states = [entries[i][0] for i in indices], [entries[i][1] for i in indices]
             normuon_updates(
                 [local(p) for p in params],
                 [local(p.grad) for p in params],
                 [local(state["momentum"]) for state in states],
                 [local(state["row_second_moment"]) for state in states],
-                **dict(zip(UPDATE_ARGS, hp)),
+                lr=group["lr"],
+                beta=group["momentum"],
+                beta2=group["beta2"],
+                nesterov=group["nesterov"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                ns_steps=group["ns_steps"],
+                ns_dtype=group["ns_dtype"],
+                ns_coefficients=group["ns_coefficients"],
                 batched=self.batched(local(params[0]).device),
             )
         group_of = {p: g for g in groups for p in g["params"]}
@@ -253,9 +257,7 @@ class NorMuon(OwnerExchangeOptimizer):
         # N: every piece to the matrix's owner (one all_to_all)
         whole = exchange.gather(directions)
         # O = NS5(N), for the matrices this rank owns
-        results = {
-            j: newton_schulz(N, *(entries[j][1][k] for k in NS_KEYS)) for j, N in whole.items()
-        }
+        results = {j: newton_schulz(N, *ns_arguments(entries[j][1])) for j, N in whole.items()}
         # O: every rank's piece back from the owner (one all_to_all)
         dtypes = [group["ns_dtype"] for _, group in entries]
         buffer_dtype = functools.reduce(torch.promote_types, dtypes)
@@ -285,11 +287,6 @@ class NorMuon(OwnerExchangeOptimizer):
             apply_update(
                 local(p), update, lr=group["lr"], weight_decay=group["weight_decay"], scale=1.0
             )
-
-
-# Group keys that enter the math, and the matching arguments of normuon_updates
-UPDATE_KEYS = ("lr", "momentum", "beta2", "nesterov", "weight_decay", "eps", *NS_KEYS)
-UPDATE_ARGS = ("lr", "beta", "beta2", "nesterov", "weight_decay", "eps", *NS_KEYS)
 
 
 def _any_split(exchange: OwnerExchange) -> bool:

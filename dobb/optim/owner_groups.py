@@ -10,15 +10,17 @@ planned at construction (and again when a group is added), and the whole-rows ch
 Subclasses may override ``_plan_exchanges`` (Dion2 exchanges only the selected rows).
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
 from dobb._dtensor import DTensor
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import mesh_group, one_group
+from dobb.distributed.groups import check_group, mesh_group, one_group
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.base import MatrixOptimizer
+from dobb.optim.config import OptimizerConfig, option
 
 
 def holders(param: Tensor, replica_group):
@@ -39,6 +41,17 @@ def shared_buckets(groups: list[dict[str, Any]], replica_group) -> list[tuple[An
     return list(buckets.values())
 
 
+@dataclass(frozen=True)
+class OwnerExchangeConfig(OptimizerConfig):
+    """The options of an optimizer that sends whole matrices to owner ranks."""
+
+    replica_group: Any = option(None, group=False)
+    """For plain parameters replicated by DDP with averaged gradients: None (every replica
+    does all the work) or their ProcessGroup (or DeviceMesh), whose ranks then share it,
+    each matrix orthogonalized on one owner as Keller's distributed Muon does; DTensors
+    share over their own mesh."""
+
+
 class OwnerExchangeOptimizer(MatrixOptimizer):
     """A ``MatrixOptimizer`` whose shared matrices go to owner ranks (``self._exchanges``);
     ``replica_group``: the DDP ranks that split the work on plain parameters (None: none)."""
@@ -46,10 +59,16 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
     # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
     data_parallel_option = "replica_group"
 
-    def __init__(self, params, defaults: dict[str, Any], *, replica_group, nonfinite: str, foreach):
-        self._replica_group = replica_group
+    def __init__(self, params):
+        """The options: ``self.config`` (an ``OwnerExchangeConfig``), set by the subclass."""
+        config = self.config
+        self._replica_group = check_group(
+            type(self).__name__, "replica_group", config.replica_group
+        )
         self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None  # set below
-        super().__init__(params, defaults, nonfinite=nonfinite, foreach=foreach)
+        super().__init__(
+            params, config.defaults(), nonfinite=config.nonfinite, foreach=config.foreach
+        )
         self._plan_exchanges()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ settings, cost models, tuned rates) lives in the lab's own table (``bench/optimi
 in the repository), and test inputs in the tests' ``optim_db``.
 """
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,19 +36,33 @@ from dobb.optim.normuon import NorMuon
 from dobb.optim.scalar import SCALAR_ALGORITHMS
 from dobb.optim.state_init import AdamW
 
+SCALAR_LR = 1e-3  # the AdamW/Lion group's learning rate for every matrix optimizer
+
 
 @dataclass(frozen=True)
 class OptimizerEntry:
-    """How to build one optimizer, with its starting hyperparameters."""
+    """How to build one optimizer: its class, whose config holds every default, and the
+    settings that make this entry a named variant of it."""
 
     name: str
     cls: type[torch.optim.Optimizer]
-    lr: float
-    """Starting learning rate for a small GPT (hidden matrices, or all params for AdamW)."""
-    scalar_lr: float | None = None
-    """Learning rate of the AdamW/Lion group of a matrix optimizer; None for AdamW itself."""
     hyperparameters: dict[str, Any] = field(default_factory=dict)
-    """Constructor arguments other than ``lr`` that differ from the class defaults."""
+    """Constructor arguments that make this entry a named variant (``dobb2s``: two-sided
+    Dobb); every other option, ``lr`` included, is the class's default."""
+
+    @property
+    def lr(self) -> float:
+        """Starting learning rate for a small GPT (hidden matrices, or all parameters for
+        AdamW): the class's default."""
+        config = getattr(self.cls, "Config", None)
+        if config is not None:
+            return config.lr
+        return inspect.signature(self.cls).parameters["lr"].default
+
+    @property
+    def scalar_lr(self) -> float | None:
+        """Learning rate of a matrix optimizer's AdamW/Lion group; None for AdamW itself."""
+        return SCALAR_LR if self.is_matrix else None
 
     @property
     def is_matrix(self) -> bool:
@@ -72,24 +87,16 @@ class OptimizerEntry:
 OPTIMIZERS: dict[str, OptimizerEntry] = {
     entry.name: entry
     for entry in (
-        OptimizerEntry("dobb", Dobb, lr=1e-3, scalar_lr=1e-3),
-        OptimizerEntry(
-            "dobb2s", Dobb, lr=1e-3, scalar_lr=1e-3, hyperparameters={"two_sided": True}
-        ),
-        # the paper's form at scale: randomized Cholesky QR
-        OptimizerEntry(
-            "dion", Dion, lr=0.02, scalar_lr=1e-3, hyperparameters={"orthogonalize": "cholesky_qr"}
-        ),
-        OptimizerEntry("muon", Muon, lr=0.02, scalar_lr=1e-3),
-        OptimizerEntry("muonbp", MuonBP, lr=5e-3, scalar_lr=1e-3),
-        # no full steps: shard-local only
-        OptimizerEntry(
-            "blockmuon", MuonBP, lr=5e-3, scalar_lr=1e-3, hyperparameters={"period": None}
-        ),
-        OptimizerEntry("normuon", NorMuon, lr=5e-3, scalar_lr=1e-3),
-        OptimizerEntry("dion2", Dion2, lr=0.02, scalar_lr=1e-3),
-        OptimizerEntry("nordion2", NorDion2, lr=0.02, scalar_lr=1e-3),
-        OptimizerEntry("adamw", AdamW, lr=1e-3, hyperparameters={"betas": (0.9, 0.95)}),
+        OptimizerEntry("dobb", Dobb),
+        OptimizerEntry("dobb2s", Dobb, {"two_sided": True}),
+        OptimizerEntry("dion", Dion),
+        OptimizerEntry("muon", Muon),
+        OptimizerEntry("muonbp", MuonBP),
+        OptimizerEntry("blockmuon", MuonBP, {"period": None}),  # no full steps: shard-local
+        OptimizerEntry("normuon", NorMuon),
+        OptimizerEntry("dion2", Dion2),
+        OptimizerEntry("nordion2", NorDion2),
+        OptimizerEntry("adamw", AdamW, {"betas": (0.9, 0.95)}),
     )
 }
 

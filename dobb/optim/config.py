@@ -1,0 +1,148 @@
+"""One config per optimizer: a frozen dataclass whose fields are the constructor's options.
+
+Each matrix optimizer nests a ``Config`` (``Dobb.Config``, ``Muon.Config``, ...): a field per
+option, carrying its default, the rule its values must follow and two marks, written once:
+
+- ``math``: the option changes the update. Matrices whose groups differ in a marked option
+  never share a kernel: the batching key is ``math_key(group, Config.math_options())``,
+  derived from the marks, so an option cannot be left out of it.
+- ``group``: the option may differ between parameter groups (it goes into torch.optim's
+  ``defaults``); unmarked options belong to the optimizer (``nonfinite``, process groups).
+
+A field's docstring (the string under it) says its unit and meaning; the option tables of
+``docs/algorithm.md`` and ``docs/baselines.md`` are rendered from them
+(``python -m bench.tools.config_docs``). Constructing a config validates it, so every group
+is checked by building the optimizer's config with the group's values (``for_group``).
+"""
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+LABELS = {"lr": "learning rate"}  # how an error message names an option, where not its name
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The values an option accepts: ``test(value)`` is true for them; ``want`` says which."""
+
+    test: Callable[[Any], bool]
+    want: str
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` follows the rule (a value of the wrong type does not)."""
+        try:
+            return bool(self.test(value))
+        except TypeError:
+            return False
+
+
+def is_count(value: Any) -> bool:
+    """An integer >= 1 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def between(low: float, high: float, *, low_open: bool = False, high_open: bool = True) -> Rule:
+    """A number in the interval from ``low`` to ``high`` (closed unless ``*_open``)."""
+    above = (lambda v: v > low) if low_open else (lambda v: v >= low)
+    below = (lambda v: v < high) if high_open else (lambda v: v <= high)
+    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    return Rule(lambda v: above(v) and below(v), f"in {interval}")
+
+
+def one_of(*choices: Any) -> Rule:
+    """One of ``choices``."""
+    names = ", ".join(f'"{c}"' if isinstance(c, str) else repr(c) for c in choices)
+    return Rule(lambda v: v in choices, f"one of {names}")
+
+
+def optional(rule: Rule) -> Rule:
+    """``rule``, or None."""
+    return Rule(lambda v: v is None or rule.test(v), f"{rule.want}, or None")
+
+
+UNIT = between(0, 1)  # an EMA factor: [0, 1)
+NON_NEGATIVE = Rule(lambda v: v >= 0, ">= 0")
+POSITIVE = Rule(lambda v: v > 0, "> 0")
+COUNT = Rule(is_count, "an integer >= 1")
+BOOL = Rule(lambda v: isinstance(v, bool), "True or False")
+SPLITS = Rule(
+    lambda v: all(map(is_count, v)) and len(v) > 0 if isinstance(v, tuple | list) else is_count(v),
+    "an integer >= 1, or a tuple of them for nested splits",
+)
+
+
+def option(default: Any, rule: Rule | None = None, *, math: bool = False, group: bool = True):
+    """A config field: ``default``, the ``rule`` its values follow (None: any), whether it
+    changes the update (``math``) and whether a parameter group may set it (``group``)."""
+    return field(default=default, metadata={"rule": rule, "math": math, "group": group})
+
+
+def inherit(config: type, name: str, default: Any):
+    """``config``'s field ``name`` (its rule and marks) with another default."""
+    return field(default=default, metadata=config.__dataclass_fields__[name].metadata)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The options every matrix optimizer takes; subclasses add theirs."""
+
+    lr: float = option(None, NON_NEGATIVE, math=True)
+    """Learning rate (each optimizer says its unit)."""
+    weight_decay: float = option(0.0, NON_NEGATIVE, math=True)
+    """Decoupled weight decay: ``W <- W (1 - lr weight_decay)`` each step."""
+    nonfinite: str = option("raise", one_of("raise", "skip"), group=False)
+    """On NaN/Inf gradients (or statistics): ``"raise"`` ``NonFiniteGradientError`` naming
+    the first bad parameter, or ``"skip"`` the step; either way no state changes. Checked
+    per rank: under sharding, skip on every rank from a global grad-norm check."""
+    foreach: bool | None = option(None, one_of(None, True, False), group=False)
+    """Stack same-shape matrices into shared kernels; None: on every device but the CPU.
+    Both paths compute the same update."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value, rule = getattr(self, f.name), f.metadata.get("rule")
+            if rule is not None and not rule.holds(value):
+                raise ValueError(
+                    f"invalid {LABELS.get(f.name, f.name)}: {value!r} "
+                    f"({f.name} must be {rule.want})"
+                )
+        self.check()
+
+    def check(self) -> None:
+        """Rules between options (subclasses); ``ValueError`` naming the fix."""
+
+    @classmethod
+    def group_options(cls) -> tuple[str, ...]:
+        """The options a parameter group may set (torch.optim's ``defaults``)."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("group", True))
+
+    @classmethod
+    def math_options(cls) -> tuple[str, ...]:
+        """The group options that change the update: the batching key's."""
+        marks = {f.name: f.metadata.get("math") for f in fields(cls)}
+        return tuple(name for name in cls.group_options() if marks[name])
+
+    @classmethod
+    def from_arguments(cls, arguments: dict[str, Any]):
+        """The config of a constructor's ``locals()`` (every field by its name)."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+
+    def defaults(self) -> dict[str, Any]:
+        """torch.optim's ``defaults``: the values of the group options."""
+        return {name: getattr(self, name) for name in self.group_options()}
+
+    def for_group(self, group: dict[str, Any]):
+        """This config with ``group``'s values of the group options (validated)."""
+        return dataclasses.replace(self, **{k: group[k] for k in self.group_options()})
+
+
+def math_key(group: dict[str, Any], names: tuple[str, ...]) -> tuple:
+    """``group``'s values of the math options ``names`` (``Config.math_options()``),
+    hashable (a list as a tuple): matrices whose keys differ never share a kernel."""
+    return tuple(_hashable(group[name]) for name in names)
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
