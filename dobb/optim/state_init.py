@@ -45,6 +45,17 @@ class AdamW(torch.optim.AdamW):
     ``1 - beta^2``); here the counters go back to 0, every other step is torch's.
     """
 
+    def load_state_dict(self, state_dict):
+        """torch's, refusing a matrix optimizer's state: built by ``build_optimizer``, AdamW
+        has the same two groups as Dion or Dobb, which torch alone would accept."""
+        saved = [g["algorithm"] for g in state_dict["param_groups"] if "algorithm" in g]
+        if saved:
+            raise ValueError(
+                f"AdamW cannot load this state: it was saved by an optimizer with parameter "
+                f"groups {saved}; load it into the optimizer that saved it, or start afresh"
+            )
+        super().load_state_dict(state_dict)
+
     def step(self, closure=None):
         init = closure is None and is_state_init_step(self)
         loss = super().step(closure)
