@@ -2,13 +2,15 @@
 
 ``SMALL_INPUTS[name]``: valid constructor overrides, small enough for CPU tests;
 ``ERROR_INPUTS[name]``: invalid overrides and the error each must raise (with a message
-regex). Tests run over ``dobb.optim.registry.OPTIMIZERS`` and look their inputs up here;
-``test_every_entry_has_inputs`` keeps the two in step.
+regex); ``FOREACH``: the two paths every entry has, which a test chooses per case
+(``over_foreach``). Tests run over ``dobb.optim.registry.OPTIMIZERS`` and look their inputs
+up here; ``test_every_entry_has_inputs`` keeps the two in step.
 """
 
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
 
@@ -19,6 +21,24 @@ class ErrorInput:
     overrides: dict[str, Any]
     error: type[Exception]
     regex: str
+
+
+FOREACH = {False: "per-matrix", True: "batched"}
+"""``foreach`` of every entry (torch's own for ``"adamw"``), with its test id: ``False``
+updates matrix by matrix (the default on the CPU, and the readable reference), ``True``
+stacks same-shape matrices into shared kernels (the default off the CPU). Both run on the
+CPU; a test passes one explicitly, never the device's default: a cheap test runs both, an
+expensive one names the path it runs, and ``test_small_inputs_train`` holds the two equal."""
+
+
+def over_foreach(cases: list, paths: tuple[bool, ...] = tuple(FOREACH)) -> list:
+    """Each of ``cases`` (``pytest.param``) once per ``foreach`` in ``paths``: the flag as
+    its last value, ``-per-matrix`` or ``-batched`` at the end of its id."""
+    return [
+        pytest.param(*case.values, foreach, id=f"{case.id}-{FOREACH[foreach]}")
+        for case in cases
+        for foreach in paths
+    ]
 
 
 # Errors every MatrixOptimizer raises (from dobb.optim.base).
@@ -35,11 +55,13 @@ SMALL_INPUTS: dict[str, tuple[dict[str, Any], ...]] = {
         {"basis_method": "power_qr", "basis_interval": 1, "nesterov": False},
         {"basis_method": "jacobi", "basis_interval": 2},
         {"update_scale": "muon", "weight_decay": 0.1},
+        {"projection_dtype": "bfloat16"},
     ),
     "dobb2s": (
         {},
         {"row_blocks": 2, "block_size": 4, "basis_interval": 2},
         {"coefficients": "adam", "update_scale": 1.0, "row_stats": "outputs"},
+        {"coefficients": "adam", "row_blocks": 2, "projection_dtype": "bfloat16"},
     ),
     "dion": (
         {},

@@ -200,8 +200,8 @@ def test_ops_per_step_do_not_grow_with_depth(name, scalar_algorithm):
     # 4 blocks: 24 matrices, 11 scalar tensors; 16 blocks: 96 and 35. Before batching a
     # steady Muon step dispatched 800 ops at 4 blocks and 3,080 at 16 (3.85x).
     # muonbp's 5 steps hold a full step (its period) and block steps.
-    shallow = count_steps(name, 4, steps=5, warmup_steps=1, scalar_algorithm=scalar_algorithm)
-    deep = count_steps(name, 16, steps=5, warmup_steps=1, scalar_algorithm=scalar_algorithm)
+    options = dict(steps=5, warmup_steps=1, scalar_algorithm=scalar_algorithm, foreach=True)
+    shallow, deep = count_steps(name, 4, **options), count_steps(name, 16, **options)
     for a, b in zip(shallow, deep):
         assert b.total <= 1.15 * a.total, (a.total, b.total)
         # the only host read: the non-finite check (AdamW's per-tensor .item() is gone)

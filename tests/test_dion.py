@@ -324,7 +324,7 @@ def test_optimizer_batches_same_shape_matrices_and_shares_their_sketch():
     g = torch.Generator().manual_seed(3)
     shapes = [(40, 12)] * 3 + [(12, 40)]
     params = [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64)) for s in shapes]
-    opt = Dion(params, rank=3, orthogonalize="cholesky_qr", lr=0.05, weight_decay=0.1)
+    opt = Dion(params, rank=3, orthogonalize="cholesky_qr", lr=0.05, weight_decay=0.1, foreach=True)
     W = [p.detach().clone() for p in params]
     M = [torch.zeros_like(w) for w in W]
     Q = [opt.state[p]["Q"].clone() if opt.state[p] else None for p in params]

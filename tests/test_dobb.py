@@ -552,7 +552,7 @@ def test_batches_split_by_shape_hyperparameters_and_size(monkeypatch):
     layers = [nn.Linear(8, 8, bias=False) for _ in range(3)] + [nn.Linear(8, 4, bias=False)]
     groups = [{"params": [layers[0].weight, layers[1].weight, layers[3].weight]},
               {"params": [layers[2].weight], "lr": 0.5}]  # fmt: skip
-    opt = dobb.Dobb(groups, lr=0.1, num_blocks=2, missing_stats="identity")
+    opt = dobb.Dobb(groups, lr=0.1, num_blocks=2, missing_stats="identity", foreach=True)
     for layer in layers:
         layer.weight.grad = torch.ones_like(layer.weight)
     active = list(opt._matrices_with_grad(opt.param_groups))

@@ -1,11 +1,13 @@
-"""Behaviour every optimizer in the registry must share, run over the whole registry."""
+"""Behaviour every optimizer in the registry must share, run over the whole registry and,
+where a test is cheap, over both paths (``optim_db.FOREACH``: matrix by matrix and batched);
+an expensive test names the path it runs."""
 
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
-from optim_db import ERROR_INPUTS, SMALL_INPUTS
+from optim_db import ERROR_INPUTS, FOREACH, SMALL_INPUTS, over_foreach
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -23,6 +25,7 @@ CASES = [
     for scalar in ("adamw", "lion")
 ] + [pytest.param(name, None, id=name) for name in OPTIMIZERS if name not in MATRIX_NAMES]
 MATRIX_CASES = [case for case in CASES if case.values[0] in MATRIX_NAMES]
+BOTH_PATHS = over_foreach(CASES)  # (optimizer, scalar algorithm, foreach)
 
 
 class TinyLM(nn.Module):
@@ -41,12 +44,14 @@ class TinyLM(nn.Module):
         return self.head(self.ln(x + self.proj(F.gelu(self.fc(x)))))
 
 
-def make(name, scalar, seed=0, **overrides):
+def make(name, scalar, *, foreach, seed=0, **overrides):
+    """TinyLM (seeded) and registry optimizer ``name`` on the path ``foreach`` (no default:
+    each test chooses)."""
     torch.manual_seed(seed)
     model = TinyLM()
     if scalar is not None:
         overrides["scalar_algorithm"] = scalar
-    return model, build_optimizer(name, model, **overrides)
+    return model, build_optimizer(name, model, foreach=foreach, **overrides)
 
 
 def batch(step):
@@ -95,9 +100,9 @@ def assert_same_state(a, b):
                 assert torch.equal(value, b[index][key]), (index, key)
 
 
-@pytest.mark.parametrize("name, scalar", CASES)
-def test_step_with_closure_returns_the_loss(name, scalar):
-    model, opt = make(name, scalar)
+@pytest.mark.parametrize("name, scalar, foreach", BOTH_PATHS)
+def test_step_with_closure_returns_the_loss(name, scalar, foreach):
+    model, opt = make(name, scalar, foreach=foreach)
     before, seen = params(model), []
 
     def closure():
@@ -111,10 +116,10 @@ def test_step_with_closure_returns_the_loss(name, scalar):
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("name, scalar", CASES)
-def test_lr_scheduler_changes_the_lr_used(name, scalar):
+@pytest.mark.parametrize("name, scalar, foreach", BOTH_PATHS)
+def test_lr_scheduler_changes_the_lr_used(name, scalar, foreach):
     entry = OPTIMIZERS[name]
-    model, opt = make(name, scalar)
+    model, opt = make(name, scalar, foreach=foreach)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
     for t in range(2):
         train(model, opt, 1, first=t)
@@ -122,35 +127,40 @@ def test_lr_scheduler_changes_the_lr_used(name, scalar):
     halved = {"lr": entry.lr * 0.5}
     if entry.is_matrix:
         halved["scalar_lr"] = entry.scalar_lr * 0.5
-    reference, reference_opt = make(name, scalar, **halved)
+    reference, reference_opt = make(name, scalar, foreach=foreach, **halved)
     train(reference, reference_opt, 2)
     assert_same_params(params(model), params(reference))
-    full, full_opt = make(name, scalar)
+    full, full_opt = make(name, scalar, foreach=foreach)
     train(full, full_opt, 2)
     assert not torch.equal(params(full)["fc.weight"], params(model)["fc.weight"])
 
 
 @pytest.mark.parametrize(
-    "name, scalar, overrides",
-    [pytest.param(*case.values, {}, id=case.id) for case in CASES]
-    + [pytest.param("dion", "adamw", {"orthogonalize": "cholesky_qr"}, id="dion+cholesky_qr")],
+    "name, scalar, overrides, foreach",
+    over_foreach(
+        [pytest.param(*case.values, {}, id=case.id) for case in CASES]
+        + [pytest.param("dion", "adamw", {"orthogonalize": "cholesky_qr"}, id="dion+cholesky_qr")]
+    ),
 )
-def test_checkpoint_round_trip_continues_like_uninterrupted_training(name, scalar, overrides):
-    model, opt = make(name, scalar, **overrides)
+def test_checkpoint_round_trip_continues_like_uninterrupted_training(
+    name, scalar, overrides, foreach
+):
+    """Batched Dobb also keeps stacked copies of the bases between steps: a load drops them."""
+    model, opt = make(name, scalar, foreach=foreach, **overrides)
     train(model, opt, 3)
     model_state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     train(model, opt, 3, first=3)
-    resumed, resumed_opt = make(name, scalar, seed=1, **overrides)  # other init, then loaded
+    resumed, resumed_opt = make(name, scalar, foreach=foreach, seed=1, **overrides)
     resumed.load_state_dict(model_state)
     resumed_opt.load_state_dict(opt_state)
     train(resumed, resumed_opt, 3, first=3)
     assert_same_params(params(resumed), params(model), atol=1e-6)
 
 
-@pytest.mark.parametrize("name, scalar", CASES)
-def test_zero_gradient_zero_lr_step_changes_nothing(name, scalar):
+@pytest.mark.parametrize("name, scalar, foreach", BOTH_PATHS)
+def test_zero_gradient_zero_lr_step_changes_nothing(name, scalar, foreach):
     # what DCP's get_state_dict does to an optimizer with empty state
-    model, opt = make(name, scalar)
+    model, opt = make(name, scalar, foreach=foreach)
     before = params(model)
     for group in opt.param_groups:
         group["lr"] = 0.0
@@ -167,10 +177,11 @@ def test_zero_gradient_zero_lr_step_changes_nothing(name, scalar):
 @pytest.mark.parametrize("name, scalar", CASES)
 def test_dcp_state_init_before_the_first_step_leaves_the_trajectory_bit_identical(name, scalar):
     # get_optimizer_state_dict on empty state takes a zero-gradient, lr-0 step (DCP's
-    # _init_optim_state); a run checkpointed before its first step must train the same
-    reference, reference_opt = make(name, scalar)
+    # _init_optim_state); a run checkpointed before its first step must train the same.
+    # 14 steps: the batched path (the state init is the same code on both)
+    reference, reference_opt = make(name, scalar, foreach=True)
     train(reference, reference_opt, 7)
-    model, opt = make(name, scalar)
+    model, opt = make(name, scalar, foreach=True)
     saved = get_optimizer_state_dict(model, opt)
     assert saved["state"], "DCP should have built the optimizer state"
     for state in saved["state"].values():
@@ -208,10 +219,12 @@ def nan_step(name, scalar, target, **overrides):
     return model, opt, before, state
 
 
+# The non-finite check runs in MatrixOptimizer.step before either path: the per-matrix one
+# here (test_capturable skips on the batched path, on the device)
 @pytest.mark.parametrize("target", ["fc.weight", "fc.bias"])  # a matrix and a scalar param
 @pytest.mark.parametrize("name, scalar", MATRIX_CASES)
 def test_nonfinite_gradient_raises_and_changes_nothing(name, scalar, target):
-    model, opt, before, state = nan_step(name, scalar, target)
+    model, opt, before, state = nan_step(name, scalar, target, foreach=False)
     with pytest.raises(NonFiniteGradientError, match="fc"):
         opt.step()
     assert_same_params(params(model), before)
@@ -221,7 +234,7 @@ def test_nonfinite_gradient_raises_and_changes_nothing(name, scalar, target):
 @pytest.mark.parametrize("target", ["fc.weight", "fc.bias"])
 @pytest.mark.parametrize("name, scalar", MATRIX_CASES)
 def test_nonfinite_skip_mode_skips_the_step(name, scalar, target):
-    model, opt, before, state = nan_step(name, scalar, target, nonfinite="skip")
+    model, opt, before, state = nan_step(name, scalar, target, foreach=False, nonfinite="skip")
     opt.step()
     assert opt.skipped_steps == 1
     assert_same_params(params(model), before)
@@ -232,7 +245,8 @@ def test_nonfinite_skip_mode_skips_the_step(name, scalar, target):
 
 @pytest.mark.parametrize("name, scalar", CASES)
 def test_loss_decreases_on_a_tiny_model(name, scalar):
-    model, opt = make(name, scalar)
+    # 40 steps: matrix by matrix (test_small_inputs_train holds the batched path to it)
+    model, opt = make(name, scalar, foreach=False)
     losses = train(model, opt, 40, fixed_batch=True)
     assert losses[-1] < 0.9 * losses[0], (losses[0], losses[-1])
 
@@ -255,21 +269,31 @@ def test_every_entry_has_inputs():
 
 @pytest.mark.parametrize("name, overrides", SMALL)
 def test_small_inputs_train(name, overrides):
-    model, opt = make(name, None, **overrides)
-    before = params(model)
-    losses = train(model, opt, 5, fixed_batch=True)
-    after = params(model)
-    assert all(torch.isfinite(p).all() for p in after.values())
-    assert not torch.equal(before["fc.weight"], after["fc.weight"])  # the matrices move
-    assert not torch.equal(before["wte.weight"], after["wte.weight"])  # and the rest
-    assert losses[-1] < losses[0], losses
+    """Every input trains on each path on its own, and the two paths (``FOREACH``) agree
+    over 5 steps: the batched kernels compute the per-matrix update."""
+    trained = {}
+    for foreach in FOREACH:
+        model, opt = make(name, None, foreach=foreach, **overrides)
+        before = params(model)
+        losses = train(model, opt, 5, fixed_batch=True)
+        after = trained[foreach] = params(model)
+        assert all(torch.isfinite(p).all() for p in after.values())
+        assert not torch.equal(before["fc.weight"], after["fc.weight"])  # the matrices move
+        assert not torch.equal(before["wte.weight"], after["wte.weight"])  # and the rest
+        assert losses[-1] < losses[0], (FOREACH[foreach], losses)
+    # bit-identical on this CPU but for Dion's QR (3e-8)
+    for n, value in trained[True].items():
+        torch.testing.assert_close(
+            value, trained[False][n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}"
+        )
 
 
 @pytest.mark.parametrize("name, overrides", SMALL)
 def test_small_inputs_state_round_trips_and_deepcopies(name, overrides):
     """``state_dict`` -> a fresh optimizer's ``load_state_dict`` -> ``state_dict`` gives
-    the same state and settings, and a deep copy of the state dict holds no shared tensor."""
-    model, opt = make(name, None, **overrides)
+    the same state and settings, and a deep copy of the state dict holds no shared tensor
+    (the state is laid out alike on both paths: the per-matrix one here)."""
+    model, opt = make(name, None, foreach=False, **overrides)
     train(model, opt, 2)
     saved = opt.state_dict()
     copied = copy.deepcopy(saved)
@@ -277,7 +301,7 @@ def test_small_inputs_state_round_trips_and_deepcopies(name, overrides):
     for key, value in copied["state"][next(iter(copied["state"]))].items():
         if isinstance(value, torch.Tensor) and value.numel():
             assert value.data_ptr() != saved["state"][next(iter(saved["state"]))][key].data_ptr()
-    _, fresh = make(name, None, seed=1, **overrides)
+    _, fresh = make(name, None, foreach=False, seed=1, **overrides)
     fresh.load_state_dict(copied)
     reloaded = fresh.state_dict()
     assert_same_state(reloaded["state"], saved["state"])
@@ -290,7 +314,7 @@ def test_small_inputs_state_round_trips_and_deepcopies(name, overrides):
 @pytest.mark.parametrize("name, error", ERRORS)
 def test_error_inputs_raise(name, error):
     with pytest.raises(error.error, match=error.regex):
-        make(name, None, **error.overrides)
+        make(name, None, foreach=None, **error.overrides)
 
 
 def test_unknown_optimizer_name_is_rejected():
@@ -311,14 +335,14 @@ SCALAR_PARAMS = ("wte.weight", "fc.bias", "proj.bias", "ln.weight", "ln.bias", "
 
 
 @pytest.mark.parametrize("scalar_weight_decay", [None, 0.2])
-@pytest.mark.parametrize("name, scalar", CASES)
-def test_scalar_parameters_take_their_own_weight_decay(name, scalar, scalar_weight_decay):
+@pytest.mark.parametrize("name, scalar, foreach", BOTH_PATHS)
+def test_scalar_parameters_take_their_own_weight_decay(name, scalar, foreach, scalar_weight_decay):
     """Embeddings, norms, biases and the head decay by ``scalar_weight_decay`` (default 0)
     whatever the hidden matrices' ``weight_decay`` is (torch.optim's default filling once
     gave Dion's 0.01 to them). With zero gradients only the decay moves a parameter:
     ``W <- W (1 - lr wd)``."""
     extra = {} if scalar_weight_decay is None else {"scalar_weight_decay": scalar_weight_decay}
-    model, opt = make(name, scalar, weight_decay=0.5, **extra)
+    model, opt = make(name, scalar, foreach=foreach, weight_decay=0.5, **extra)
     loss_of(model, 0).backward()  # Dobb's statistics
     before = params(model)
     for p in model.parameters():
@@ -335,7 +359,7 @@ def test_scalar_parameters_take_their_own_weight_decay(name, scalar, scalar_weig
 
 def test_negative_scalar_weight_decay_is_rejected():
     with pytest.raises(ValueError, match="scalar_weight_decay must be >= 0"):
-        make("dion", "adamw", scalar_weight_decay=-0.1)
+        make("dion", "adamw", foreach=None, scalar_weight_decay=-0.1)
 
 
 @pytest.mark.parametrize("scalar", ["adamw", "lion"])
