@@ -106,7 +106,7 @@ def record_newton_schulz(monkeypatch, replacement=None):
 
 def test_a_full_step_every_period_starting_with_the_first(monkeypatch):
     shapes = record_newton_schulz(monkeypatch)
-    _, opt = run(lambda p: MuonBP(p, period=3, row_blocks=2), (8, 6), steps=7)
+    _, opt = run(lambda p: MuonBP(p, period=3, row_blocks=2, foreach=True), (8, 6), steps=7)
     full, block = (8, 6), (2, 4, 6)  # the whole matrix; two 4 x 6 tiles in one batch
     assert shapes == [full, block, block, full, block, block, full]
     assert int(next(iter(opt.state.values()))["step"]) == 7
