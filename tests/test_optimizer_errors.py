@@ -21,7 +21,7 @@ from dobb.optim.registry import OPTIMIZERS, build_optimizer
 
 def failed_then_clean(name, scalar, poison):
     """Train 2 steps, fail step 3 (``poison`` spoils its batch), then step on batch 3."""
-    model, opt = make(name, scalar)
+    model, opt = make(name, scalar, foreach=False)
     train(model, opt, 2)
     opt.zero_grad()
     poison(model)
@@ -50,7 +50,7 @@ def test_after_a_raised_nonfinite_step_the_next_batch_steps_as_if_it_never_happe
     name, scalar, poison
 ):
     model, opt = failed_then_clean(name, scalar, poison)
-    reference, reference_opt = make(name, scalar)
+    reference, reference_opt = make(name, scalar, foreach=False)
     train(reference, reference_opt, 2)
     train(reference, reference_opt, 1, first=3)
     assert_same_params(params(model), params(reference))
@@ -81,8 +81,8 @@ def test_no_optimizer_loads_another_optimizers_state(saver, loader):
 
 @pytest.mark.parametrize("name", [n for n, e in OPTIMIZERS.items() if e.is_matrix])
 def test_a_state_saved_with_another_scalar_algorithm_is_refused(name):
-    model, lion = make(name, "lion")
+    model, lion = make(name, "lion", foreach=False)
     train(model, lion, 1)
-    _, adamw = make(name, "adamw")
+    _, adamw = make(name, "adamw", foreach=False)
     with pytest.raises(ValueError, match=r"saved by an optimizer with parameter groups .*lion"):
         adamw.load_state_dict(lion.state_dict())
