@@ -153,10 +153,26 @@ def dobb_update_batched(
         grads = [torch.where(live.bool(), g, m.to(g.dtype)) for g, m in zip(grads, momenta)]
     if row_stacks or variances is not None:
         _rotated_update(
-            params, grads, momenta, bases, stacks, row_bases, row_stacks, variances, steps,
-            lr=lr, beta=beta, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
-            beta2=beta2, eps=eps, transposed=transposed, live=live, low=projection_dtype,
-        )  # fmt: skip
+            params,
+            grads,
+            momenta,
+            bases,
+            stacks,
+            row_bases,
+            row_stacks,
+            variances,
+            steps,
+            lr=lr,
+            beta=beta,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            scale=scale,
+            beta2=beta2,
+            eps=eps,
+            transposed=transposed,
+            live=live,
+            low=projection_dtype,
+        )
         return
     n, dtype = len(params), momenta[0].dtype
     low = projection_dtype or dtype
