@@ -266,8 +266,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             exp_avg_sqs = [local(state["exp_avg_sq"]) for state in states]
             if live is None:
                 steps = torch.stack(steps).tolist()  # one read for the whole group
-            adamw_updates(params, grads, exp_avgs, exp_avg_sqs, steps, eps=group["eps"], **hp,
-                          live=live)  # fmt: skip
+            moments = exp_avgs, exp_avg_sqs
+            adamw_updates(params, grads, *moments, steps, eps=group["eps"], **hp, live=live)
         else:
             lion_updates(params, grads, exp_avgs, **hp, live=live)
 
