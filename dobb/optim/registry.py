@@ -8,13 +8,14 @@ state-initialising call) over every parameter, in the same two groups (one lr; t
 group's weight decay is ``scalar_weight_decay`` there too). Dobb is also hooked to the
 model (``opt.track(model)``), so each step needs a forward pass in training mode before it.
 
-An entry holds what building the optimizer needs: its class, starting learning rates for a
-small GPT, the hyperparameters that differ from the class defaults, and the argument that
-takes a job's data-parallel ranks (``distributed_options``). Each entry's starting learning
-rates, and why: docs/baselines.md, "The registry's starting learning rates" (a test holds
-that table to ``OPTIMIZERS``). What the benchmarks know of an optimizer (labels, harness
-settings, cost models, tuned rates) lives in the lab's own table (``bench/optimizers.py``
-in the repository), and test inputs in the tests' ``optim_db``.
+An entry holds what building the optimizer needs: its class (whose ``Config`` holds every
+default, the starting lr included, so class and registry cannot differ), the settings of a
+named variant (``dobb2s``'s ``two_sided``, ``blockmuon``'s ``period``, ``adamw``'s betas),
+and the argument that takes a job's data-parallel ranks (``distributed_options``). Each
+entry's starting learning rates, and why: docs/baselines.md, "The registry's starting
+learning rates" (a test holds that table to ``OPTIMIZERS``). What the benchmarks know of an
+optimizer (labels, harness settings, cost models, tuned rates) lives in the lab's own table
+(``bench/optimizers.py`` in the repository), and test inputs in the tests' ``optim_db``.
 """
 
 import inspect
