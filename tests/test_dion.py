@@ -7,8 +7,6 @@ import torch
 
 from dobb.optim.dion import Dion
 from dobb.optim.dion_core import (
-    DionMatrix,
-    dion_step,
     dion_update,
     dion_updates,
     error_feedback,
@@ -16,6 +14,7 @@ from dobb.optim.dion_core import (
     power_step,
     randomized_cholesky_qr,
 )
+from dobb.optim.dion_sharded import DionMatrix, dion_step
 
 SHAPES = [(24, 16), (16, 24)]  # tall and wide
 

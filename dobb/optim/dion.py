@@ -1,8 +1,8 @@
 """Dion: Distributed Orthonormalized Updates (Ahn et al., arXiv 2504.05295).
 
 The optimizer class: parameter groups, lazy state, sketch seeds and the placement of each
-matrix; the math (``dion_update``, the reference, and its batched and sharded forms
-``dion_updates`` and ``dion_step``) is in ``dobb.optim.dion_core``.
+matrix; the math (``dion_update``, the reference, and its batched form ``dion_updates``) is in
+``dobb.optim.dion_core``, the sharded protocol (``dion_step``) in ``dobb.optim.dion_sharded``.
 
 The momentum buffer accumulates gradients (``B = M + G``, not an EMA); the error feedback
 removes a ``1 - mu`` fraction of what the update used. Parameter groups with
@@ -17,8 +17,18 @@ of its ``P``, all the preconditioner asks) and data-parallel replicas agree.
 Sharding: DTensor parameters are updated from their placements (FSDP ``Shard(0)``, TP
 ``Shard(0)``/``Shard(1)``, FSDP x TP, uneven or empty shards), with the single-device
 result up to float rounding: one all-reduce per mesh axis and round of the power
-iteration. The rounds, and where we differ from microsoft/dion's code: docs/baselines.md,
-"Dion: its rounds of communication".
+iteration (the rounds, and where we differ from microsoft/dion's code:
+``dobb.optim.dion_sharded``).
+
+Batching: whole matrices (one device, DDP without ``sync_group``) run ``dion_updates``:
+same-shape matrices share every kernel (``B Q``, ``Bᵀ P`` and ``P Qᵀ`` as bmm, QR,
+Cholesky and triangular solves on ``(b, m, r)`` stacks, foreach for the rest); on the CPU
+(``foreach`` off) they run ``dion_update`` one by one. A step reads the host once for the
+non-finite check and, with ``"cholesky_qr"``, once more: the failure flags of every
+matrix's Cholesky QR, since which matrices need the Householder fallback is known only on
+the device. ``B = 0`` is handled on the device. Columns of ``R`` are divided by
+``max(norm, 1e-8)`` (the reference adds 1e-8), and an all-zero buffer leaves ``M`` and
+``Q`` unchanged instead of producing NaN.
 
 ``sync_group``: None (gradients already averaged, as a harness's DDP or FSDP does), or the
 replicas whose gradients of Dion's matrices are left unaveraged (a ProcessGroup for DDP, a
@@ -41,13 +51,8 @@ from dobb.distributed.placement import MatrixPlacement, like_columns, matrix_pla
 from dobb.distributed.reduce import all_reduce_
 from dobb.optim.base import MatrixOptimizer, state_dtype
 from dobb.optim.config import COUNT, OptimizerConfig, between, inherit, one_of, option, optional
-from dobb.optim.dion_core import (
-    ORTHOGONALIZE_METHODS,
-    DionMatrix,
-    dion_step,
-    dion_update,
-    dion_updates,
-)
+from dobb.optim.dion_core import ORTHOGONALIZE_METHODS, dion_update, dion_updates
+from dobb.optim.dion_sharded import DionMatrix, dion_step
 
 
 class Dion(MatrixOptimizer):
@@ -68,7 +73,7 @@ class Dion(MatrixOptimizer):
     Options: ``Dion.Config``.
 
     Sharding: DTensors (FSDP, TP, FSDP x TP, uneven shards) equal one device, with one
-    all-reduce per mesh axis and round (the rounds, our choices: ``docs/baselines.md``).
+    all-reduce per mesh axis and round (the rounds: ``dobb.optim.dion_sharded``).
     """
 
     algorithm = "dion"
@@ -189,8 +194,9 @@ class Dion(MatrixOptimizer):
         return zlib.crc32(f"{self.seed}/sketch/{m}x{n}/{rank}".encode()) * 1_000_003 + step
 
     def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        """Whole matrices (one device, DDP without ``sync_group``) run ``dion_updates``,
-        batched by shape; split or compressed-sync ones run ``dion_step``."""
+        """Per group, the placement decides the form: whole matrices (one device, DDP
+        without ``sync_group``) run the local update, split or compressed-sync ones Dion's
+        sharded protocol (``dion_step``)."""
         for group in groups:
             entries = list(self._matrices_with_grad([group]))
             if not entries:
@@ -203,51 +209,58 @@ class Dion(MatrixOptimizer):
             ]
             hp = dict(lr=group["lr"], mu=group["mu"], weight_decay=group["weight_decay"])
             hp["orthogonalize"] = group["orthogonalize"]
-            whole = [
-                j
-                for j, (p, _, _) in enumerate(entries)
-                if self._placement(p) is None and not self._data_groups(p)
-            ]
-            params, batched = [entries[j][0] for j in whole], set(whole)
-            if params and not self.batched(local(params[0]).device):
-                sketched = hp["orthogonalize"] == "cholesky_qr"  # the only use of a generator
-                for j, p in zip(whole, params):  # CPU: matrix by matrix, no stacking copies
-                    device = local(p).device
-                    generator = torch.Generator(device).manual_seed(seeds[j]) if sketched else None
-                    momentum, Q = local(entries[j][1]["momentum"]), local(entries[j][1]["Q"])
-                    scale = math.sqrt(p.shape[0] / p.shape[1])
-                    dion_update(
-                        local(p), local(p.grad), momentum, Q, scale=scale, generator=generator, **hp
-                    )
-                params, whole = [], []
+            local_entries, sharded_entries = [], []
+            for (p, state, g), seed in zip(entries, seeds):
+                whole = self._placement(p) is None and not self._data_groups(p)
+                (local_entries if whole else sharded_entries).append(((p, state, g), seed))
+            self._local_step(local_entries, hp)
+            self._sharded_step(sharded_entries, hp)
+
+    def _local_step(self, entries: list[tuple[tuple, int]], hp: dict[str, Any]) -> None:
+        """Whole matrices, as ``((param, state, group), sketch seed)``: ``dion_updates``
+        stacked by shape, or on the CPU (``foreach`` off) ``dion_update`` one by one (no
+        stacking copies). No communication."""
+        if not entries:
+            return
+        params = [p for (p, _, _), _ in entries]
+        states = [state for (_, state, _), _ in entries]
+        scales = [math.sqrt(p.shape[0] / p.shape[1]) for p in params]  # the paper's factor
+        if self.batched(local(params[0]).device):
             dion_updates(
                 [local(p) for p in params],
                 [local(p.grad) for p in params],
-                [local(entries[j][1]["momentum"]) for j in whole],
-                [local(entries[j][1]["Q"]) for j in whole],
-                scales=[math.sqrt(p.shape[0] / p.shape[1]) for p in params],
-                sketch_seeds=[seeds[j] for j in whole],
+                [local(state["momentum"]) for state in states],
+                [local(state["Q"]) for state in states],
+                scales=scales,
+                sketch_seeds=[seed for _, seed in entries],
                 **hp,
             )
-            matrices = []
-            for j, (p, state, _) in enumerate(entries):
-                if j in batched:
-                    continue
-                generator = torch.Generator(local(p).device).manual_seed(seeds[j])
-                d_out, d_in = p.shape
-                matrices.append(
-                    DionMatrix(
-                        local(p),
-                        local(p.grad),
-                        local(state["momentum"]),
-                        local(state["Q"]),
-                        scale=math.sqrt(d_out / d_in),  # the paper's shape factor
-                        generator=generator,
-                        placement=self._placement(p),
-                        data_groups=self._data_groups(p),
-                    )
-                )
-            dion_step(matrices, **hp)
+            return
+        sketched = hp["orthogonalize"] == "cholesky_qr"  # the only use of a generator
+        for p, state, scale, (_, seed) in zip(params, states, scales, entries):
+            generator = torch.Generator(local(p).device).manual_seed(seed) if sketched else None
+            momentum, Q = local(state["momentum"]), local(state["Q"])
+            dion_update(
+                local(p), local(p.grad), momentum, Q, scale=scale, generator=generator, **hp
+            )
+
+    def _sharded_step(self, entries: list[tuple[tuple, int]], hp: dict[str, Any]) -> None:
+        """Matrices split over ranks or under compressed sync: ``dion_step``, whose
+        all-reduces complete the sums over split dims (and average over ``sync_group``)."""
+        matrices = [
+            DionMatrix(
+                local(p),
+                local(p.grad),
+                local(state["momentum"]),
+                local(state["Q"]),
+                scale=math.sqrt(p.shape[0] / p.shape[1]),  # the paper's shape factor
+                generator=torch.Generator(local(p).device).manual_seed(seed),
+                placement=self._placement(p),
+                data_groups=self._data_groups(p),
+            )
+            for (p, state, _), seed in entries
+        ]
+        dion_step(matrices, **hp)
 
     def state_dict(self) -> dict[str, Any]:
         """The state; under compressed sync the replicas' momenta are averaged first (a

@@ -15,16 +15,11 @@ of shape ``(m, n)``, momentum ``M`` ``(m, n)`` and right factor ``Q`` ``(n, r)``
     W <- W (1 - lr wd) - lr sqrt(m / n) P Qᵀ
 
 ``dion_update`` is the paper's Algorithm 1 on one whole matrix, one line per line of the
-paper's box: the reference. The optimizer runs two forms of it. ``dion_updates`` takes
-whole matrices (one device, DDP): each line runs once per stack of same-shape matrices, so
-a step costs O(shapes) kernels, not O(matrices). ``dion_step`` takes the same steps over a
-list of matrices, each whole on this rank or split over ranks (``MatrixPlacement``). Where
-a matrix is split, the products that sum over a split dim are completed by batched
-all-reduces placed between the steps in straight-line code (one collective per process
-group per round, for all matrices together). On whole matrices it computes exactly what
-``dion_update`` does; tests hold both forms to it, and the distributed tests hold the
-split runs to the one-device run. The rounds, and where we differ from microsoft/dion's
-code: docs/baselines.md, "Dion: its rounds of communication".
+paper's box: the reference. ``dion_updates`` takes whole matrices (one device, DDP): each
+line runs once per stack of same-shape matrices, so a step costs O(shapes) kernels, not
+O(matrices). Both are pure: nothing here communicates. Matrices split over ranks run the
+same steps in ``dobb.optim.dion_sharded.dion_step``, which completes the sums over split
+dims with all-reduces between them.
 
 Matrices agreeing on shape, rank, dtypes, device, scale and sketch seed form one
 ``(b, m, n)`` stack, and each line of Algorithm 1 runs once per stack (bmm, batched
@@ -40,13 +35,10 @@ the error feedback and the update vanish, and ``Q`` is selected by ``where``.
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from dobb.distributed.placement import MatrixPlacement
-from dobb.distributed.reduce import all_reduce_
 from dobb.optim.batching import foreach_mul_, group_by, solo
 
 ORTHOGONALIZE_METHODS = ("qr", "cholesky_qr")
@@ -300,117 +292,3 @@ def _redo_failed_by_householder(
         redo = f.nonzero().flatten()
         if len(redo):
             P[i][redo] = torch.linalg.qr(BQ[i][redo]).Q
-
-
-@dataclass
-class DionMatrix:
-    """One matrix of a Dion step: this rank's tensors and where the rest of the matrix is."""
-
-    param: Tensor
-    """``W``: this rank's piece (rows x columns of the whole); updated in place."""
-    grad: Tensor
-    momentum: Tensor
-    """``M``, laid out like ``W``; holds ``B = M + G`` during the step."""
-    Q: Tensor
-    """``(columns here, r)``: the rows of ``Q`` for this rank's columns; updated in place."""
-    scale: float
-    """The whole matrix's learning-rate factor ``sqrt(d_out / d_in)``."""
-    generator: torch.Generator | None = None
-    """Seeds the sketch of ``"cholesky_qr"`` (equal on every rank holding the matrix)."""
-    placement: MatrixPlacement | None = None
-    """How the matrix is split over ranks; None: it is whole here."""
-    data_groups: tuple = ()
-    """Replicas with their own gradients, over which ``P`` and ``R`` are averaged."""
-
-    @property
-    def row_groups(self) -> tuple:
-        return self.placement.row_groups if self.placement else ()
-
-    @property
-    def col_groups(self) -> tuple:
-        return self.placement.col_groups if self.placement else ()
-
-
-def dion_step(
-    matrices: list[DionMatrix],
-    *,
-    lr: float,
-    mu: float,
-    weight_decay: float,
-    orthogonalize: str = "qr",
-) -> None:
-    """One Dion step (Algorithm 1) on every matrix, whole or split over ranks: the steps of
-    ``dion_update``, with the sums over split dims completed by batched all-reduces.
-
-    Where rows (dim 0, ``m``) are split, ``Pᵀ P``-type products and ``R = Bᵀ P`` are summed
-    over the row axes; where columns (dim 1, ``n``) are split, ``B Q`` and the column norms
-    of ``R`` are summed over the column axes; ``P`` and ``R`` are averaged over
-    ``data_groups``. With no groups this is exactly the single-device algorithm.
-    """
-    if not matrices:
-        return
-    rows = [x.row_groups for x in matrices]
-    cols = [x.col_groups for x in matrices]
-    data = [x.data_groups for x in matrices]
-    for x in matrices:
-        # B = M + G   (the momentum tensor holds B from here on)
-        x.momentum.add_(x.grad.to(x.momentum.dtype))
-        # W <- W (1 - lr wd)
-        x.param.mul_(1 - lr * weight_decay)
-    # P = B Q: summed over column shards, averaged over replicas. Each matrix's flag B != 0
-    # is summed along (and over the row shards with S P below), so that every rank holding
-    # a piece of B takes the same branch.
-    P = [x.momentum @ x.Q for x in matrices]
-    nonzero = [x.momentum.any().to(x.momentum.dtype).reshape(1) for x in matrices]
-    all_reduce_(P + nonzero, cols + cols)
-    all_reduce_(P + nonzero, data + data, average=True)
-    # Orthogonalize(P) with rows split over ranks: randomized Cholesky QR (for tall P), its
-    # sketch S the single-device one sliced by this rank's rows; S P and P₁ᵀ P₁ summed
-    sketched = [
-        i
-        for i, x in enumerate(matrices)
-        if rows[i] and orthogonalize == "cholesky_qr" and x.placement.shape[0] > P[i].shape[1]
-    ]
-    split = [i for i in range(len(matrices)) if rows[i]]
-    # S P  (k x r), and the flags of all row-split matrices
-    SP = [_sketch_rows(matrices[i], P[i]) @ P[i] for i in sketched]
-    flags = [nonzero[i] for i in split]
-    all_reduce_(SP + flags, [rows[i] for i in sketched] + [rows[i] for i in split])
-    active = torch.cat(nonzero).nonzero().flatten().tolist()  # B = 0: keep M and Q as they are
-    P1 = {i: precondition(P[i], sp) for i, sp in zip(sketched, SP) if i in active}
-    # P₁ᵀ P₁  (r x r)
-    gram = [p.mT @ p for p in P1.values()]
-    all_reduce_(gram, [rows[i] for i in P1])
-    P2 = {i: cholesky_orthonormalize(p, g) for (i, p), g in zip(P1.items(), gram)}
-    for i in active:
-        x = matrices[i]
-        if P2.get(i) is not None:
-            P[i] = P2[i]
-        elif rows[i]:  # Householder QR needs whole columns: gather P's rows (rare for CQR)
-            method = "qr" if i in P2 else orthogonalize  # CQR failed: as one device, Householder
-            whole = x.placement.gather_rows(P[i])
-            P[i] = x.placement.take_rows(orthonormalize(whole, method, generator=x.generator))
-        else:
-            P[i] = orthonormalize(P[i], orthogonalize, generator=x.generator)
-    # R = Bᵀ P: summed over row shards, averaged over replicas  (columns here x r)
-    R = [matrices[i].momentum.mT @ P[i] for i in active]
-    all_reduce_(R, [rows[i] for i in active])
-    all_reduce_(R, [data[i] for i in active], average=True)
-    # squared column norms of R, summed over column shards (used where columns are split)
-    squares = [r.square().sum(dim=0, keepdim=True) for r in R]
-    all_reduce_(squares, [cols[i] for i in active])
-    for i, r, square in zip(active, R, squares):
-        x = matrices[i]
-        # M <- B - (1 - mu) P Rᵀ
-        error_feedback(x.momentum, P[i], r, mu)
-        # Q <- ColumnNormalize(R)
-        x.Q.copy_(column_normalize(r, norms=square.sqrt() if cols[i] else None))
-        # W <- W - lr scale P Qᵀ
-        x.param.addmm_(P[i].to(x.param.dtype), x.Q.mT.to(x.param.dtype), alpha=-lr * x.scale)
-
-
-def _sketch_rows(x: DionMatrix, P: Tensor) -> Tensor:
-    """The columns of the whole matrix's sketch ``S`` for this rank's rows."""
-    m, r = x.placement.shape[0], P.shape[1]
-    S = sketch(m, r, generator=x.generator, device=P.device, dtype=P.dtype)
-    return S[:, x.placement.rows.to(P.device)]
