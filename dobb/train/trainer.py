@@ -311,11 +311,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             lock.release(RUN_FILES)
 
 
-def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: bool) -> dict:
-    rank, world_size = _world()
-    out, checkpoints = Path(cfg.out_dir), Path(cfg.out_dir) / "checkpoints"
+def _load_data(cfg: TrainConfig, resumed: Path | None) -> tuple[TokenStream, dict]:
+    """The data, and the metadata of the checkpoint `resumed` (`{}` for a fresh run).
 
-    # ---- data and model: the same seed on every rank, so every rank builds the same init
+    Seeds first: the same seed on every rank, so every rank builds the same init. RunError
+    for data that does not load; ConfigError for a resumed run whose corpus has changed."""
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
@@ -323,14 +323,22 @@ def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: b
         data = load_data(cfg.data, cfg.val_data, cfg.val_fraction, cfg.tokenizer, cfg.data_cache)
     except (OSError, ValueError, ModuleNotFoundError) as e:  # data.py's messages name the fix
         raise RunError(str(e)) from e
-    meta = read_metadata(resumed) if resumed is not None else {}
-    saved_corpus = (meta.get("corpus") or earlier_corpus(out)) if resumed is not None else None
+    if resumed is None:
+        return data, {}
+    meta = read_metadata(resumed)
+    saved_corpus = meta.get("corpus") or earlier_corpus(Path(cfg.out_dir))
     if saved_corpus and saved_corpus.get("sha256") != data.corpus.sha256:
         raise ConfigError(
             f"resume: data {cfg.data!r} has changed since {resumed} was saved (sha256 "
             f"{data.corpus.sha256[:12]}..., was {saved_corpus.get('sha256', '?')[:12]}...); "
             "restore the data the run trained on, or start a new run in another out_dir"
         )
+    return data, meta
+
+
+def _model_for(cfg: TrainConfig, data: TokenStream, device) -> tuple[nn.Module, Parallelism]:
+    """`build_model` for `data`'s vocabulary, a layout that does not fit as a ConfigError
+    (with the launch hint outside torchrun), and `data` long enough for the model's window."""
     try:
         model, par = build_model(cfg, data.vocab_size, device)
     except ValueError as e:  # a layout that needs torchrun, a world size that does not fit
@@ -338,13 +346,19 @@ def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: b
             raise
         launch = "" if dist.is_initialized() else "; launch it with torchrun or use layout=single"
         raise ConfigError(f"layout={cfg.layout!r}: {e}{launch}") from e
-    num_params = sum(p.numel() for p in model.parameters())  # global sizes under DTensor
-    block_size = (model.module if hasattr(model, "module") else model).cfg.block_size
-    check_data_length(data, cfg.data, block_size)
+    check_data_length(data, cfg.data, _block_size(model))
+    return model, par
 
-    # ---- optimizer and schedule: one registry lookup, one LambdaLR for every optimizer
+
+def _block_size(model: nn.Module) -> int:
+    """The model's context window (DDP wraps it in `.module`)."""
+    return (model.module if hasattr(model, "module") else model).cfg.block_size
+
+
+def _build_optimizer(cfg: TrainConfig, model: nn.Module, par: Parallelism) -> torch.optim.Optimizer:
+    """One registry lookup for every optimizer; ConfigError for an unknown or invalid option."""
     try:
-        opt = build_optimizer(
+        return build_optimizer(
             cfg.optimizer,
             model,
             cfg.lr,
@@ -359,33 +373,79 @@ def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: b
             f"optimizer={cfg.optimizer!r} with optimizer_options={cfg.optimizer_options}: {e}; "
             f"the docstring of {_qualname(get_entry(cfg.optimizer).cls)} lists its options"
         ) from e
-    scheduler = LambdaLR(opt, lr_schedule(cfg))
-    ema = None if cfg.eval_ema is None else WeightEMA(model, cfg.eval_ema)
 
-    # ---- resume (the data position is the step); this config's resumable settings win
-    start = 0
-    if resumed is not None:
-        fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        # the EMA of a checkpoint saved without one starts over from the resumed weights
-        saved_ema = ema is not None and "ema_updates" in meta
-        extra = {"ema": dict(ema.averages)} if saved_ema else None
-        meta = load_checkpoint(resumed, model, opt, extra)
-        if saved_ema:
-            ema.load(extra["ema"], meta["ema_updates"])
-        scheduler.load_state_dict(meta["scheduler"])
-        apply_resumed_settings(opt, scheduler, fresh, resumed)
-        start = meta["step"]
-        changed = [k for k, v in cfg.to_dict().items() if meta["config"].get(k, v) != v]
-        changed = sorted(set(changed) - {"resume", "progress", "out_dir"})  # a run may move
-        if changed and rank == 0:
-            warnings.warn(
-                f"resuming {resumed} with changed fields {changed}: they take effect from "
-                f"step {start + 1}",
-                RunWarning,
-                2,
-            )
+
+def _resume(cfg, resumed: Path, meta: dict, model, opt, scheduler, ema, rank: int) -> int:
+    """Load the checkpoint `resumed` into the model, optimizer, scheduler and EMA; this
+    config's resumable settings win. Returns the step it was saved at (the data position)."""
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    # the EMA of a checkpoint saved without one starts over from the resumed weights
+    saved_ema = ema is not None and "ema_updates" in meta
+    extra = {"ema": dict(ema.averages)} if saved_ema else None
+    meta = load_checkpoint(resumed, model, opt, extra)
+    if saved_ema:
+        ema.load(extra["ema"], meta["ema_updates"])
+    scheduler.load_state_dict(meta["scheduler"])
+    apply_resumed_settings(opt, scheduler, fresh, resumed)
+    start = meta["step"]
+    changed = [k for k, v in cfg.to_dict().items() if meta["config"].get(k, v) != v]
+    changed = sorted(set(changed) - {"resume", "progress", "out_dir"})  # a run may move
+    if changed and rank == 0:
+        warnings.warn(
+            f"resuming {resumed} with changed fields {changed}: they take effect from "
+            f"step {start + 1}",
+            RunWarning,
+            3,
+        )
+    return start
+
+
+def _save(cfg: TrainConfig, done: int, model, opt, scheduler, data, ema) -> None:
+    """The checkpoint of step `done`: model, optimizer, scheduler, config, corpus, EMA."""
+    meta = {"scheduler": scheduler.state_dict(), "config": cfg.to_dict()}
+    meta["corpus"] = asdict(data.corpus)
+    extra = None
+    if ema is not None:
+        meta["ema_updates"], extra = ema.updates, {"ema": ema.averages}
+    checkpoints = Path(cfg.out_dir) / "checkpoints"
+    save_checkpoint(checkpoints, done, model, opt, meta, keep=cfg.keep_checkpoints, extra=extra)
+
+
+def _summary(cfg, record, step_times, opt_ms, tokens_per_step, state_bytes, ema) -> dict:
+    """The run's summary, but for its size and place (`_train` adds them). This process's
+    first step (allocations, warm-up) is left out of speeds."""
+    timed = slice(1, None) if len(step_times) > 1 else slice(None)
+    entry = get_entry(cfg.optimizer)
+    return {
+        "optimizer": cfg.optimizer,
+        "lr": entry.lr if cfg.lr is None else cfg.lr,
+        "scalar_lr": entry.scalar_lr if cfg.scalar_lr is None else cfg.scalar_lr,
+        "steps": cfg.steps,
+        "tokens": cfg.steps * tokens_per_step,
+        "final_val_loss": record["val_loss"],  # of the EMA weights with eval_ema
+        **({"final_val_loss_live": record["val_loss_live"]} if ema else {}),
+        "final_train_loss": record.get("loss"),
+        "tokens_per_s": tokens_per_step * len(step_times[timed]) / sum(step_times[timed])
+        if step_times
+        else None,
+        "opt_ms": float(np.mean(opt_ms[timed])) if opt_ms else None,
+        "opt_ms_median": float(np.median(opt_ms[timed])) if opt_ms else None,
+        "state_bytes_per_param": state_bytes,
+    }
+
+
+def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: bool) -> dict:
+    rank, world_size = _world()
+    data, meta = _load_data(cfg, resumed)
+    model, par = _model_for(cfg, data, device)
+    block_size = _block_size(model)
+    num_params = sum(p.numel() for p in model.parameters())  # global sizes under DTensor
+    opt = _build_optimizer(cfg, model, par)
+    scheduler = LambdaLR(opt, lr_schedule(cfg))  # one LambdaLR for every optimizer
+    ema = None if cfg.eval_ema is None else WeightEMA(model, cfg.eval_ema)
+    start = 0 if resumed is None else _resume(cfg, resumed, meta, model, opt, scheduler, ema, rank)
     info = run_info(cfg, data, world_size, num_params) | {"resumed_from": resumed and str(resumed)}
-    log = RunLog(out, rank == 0, info, start if resumed else None)
+    log = RunLog(Path(cfg.out_dir), rank == 0, info, start if resumed else None)
 
     # ---- the loop
     tokens_per_step = cfg.batch_size * block_size
@@ -423,37 +483,14 @@ def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: b
         # before it is redone from the previous checkpoint, its record dropped on resume)
         log.write(record)
         if cfg.checkpoint_interval and (done % cfg.checkpoint_interval == 0 or done == cfg.steps):
-            meta = {"scheduler": scheduler.state_dict(), "config": cfg.to_dict()}
-            meta["corpus"] = asdict(data.corpus)
-            extra = None
-            if ema is not None:
-                meta["ema_updates"], extra = ema.updates, {"ema": ema.averages}
-            save_checkpoint(
-                checkpoints, done, model, opt, meta, keep=cfg.keep_checkpoints, extra=extra
-            )
+            _save(cfg, done, model, opt, scheduler, data, ema)
         progress.set_postfix(loss=f"{record['loss']:.3f}")
     progress.close()
     if "val_loss" not in record:  # nothing was left to train (a finished run resumed)
         record |= validate(model, ema, data, cfg, block_size, par, device)
 
-    # ---- summary: this process's first step (allocations, warm-up) is left out of speeds
-    timed = slice(1, None) if len(step_times) > 1 else slice(None)
-    entry = get_entry(cfg.optimizer)
-    summary = {
-        "optimizer": cfg.optimizer,
-        "lr": entry.lr if cfg.lr is None else cfg.lr,
-        "scalar_lr": entry.scalar_lr if cfg.scalar_lr is None else cfg.scalar_lr,
-        "steps": cfg.steps,
-        "tokens": cfg.steps * tokens_per_step,
-        "final_val_loss": record["val_loss"],  # of the EMA weights with eval_ema
-        **({"final_val_loss_live": record["val_loss_live"]} if ema else {}),
-        "final_train_loss": record.get("loss"),
-        "tokens_per_s": tokens_per_step * len(step_times[timed]) / sum(step_times[timed])
-        if step_times
-        else None,
-        "opt_ms": float(np.mean(opt_ms[timed])) if opt_ms else None,
-        "opt_ms_median": float(np.median(opt_ms[timed])) if opt_ms else None,
-        "state_bytes_per_param": optimizer_state_bytes_per_param(opt, num_params),
+    state_bytes = optimizer_state_bytes_per_param(opt, num_params)
+    summary = _summary(cfg, record, step_times, opt_ms, tokens_per_step, state_bytes, ema) | {
         "num_params": num_params,
         "train_time_s": train_time,
         "world_size": world_size,
