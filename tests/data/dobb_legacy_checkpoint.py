@@ -15,6 +15,7 @@ the gradients (7 columns: 4, 3; 10 rows: 4, 3, 3), ``fc3`` two-sided with row mo
 from the output gradients (10 columns: 3, 3, 2, 2; 5 rows: 3, 2); biases on AdamW.
 """
 
+import copy
 from pathlib import Path
 
 import torch
@@ -75,6 +76,7 @@ def main() -> None:
     data = batches(STEPS + MORE)
     train(model, opt, data[:STEPS])
     saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "batches": data[STEPS:]}
+    saved = copy.deepcopy(saved)  # state_dict()s hold the live tensors, which train on
     expected = []
     for batch in data[STEPS:]:
         train(model, opt, [batch])
