@@ -6,16 +6,17 @@
 ``git worktree add --detach DIR COMMIT``); its sources are read, and its ``dobb`` imported
 in a child process, so any commit can be measured by this tool.
 
-- **options**: for each matrix optimizer of the registry (``OPTIMIZERS``), the fields of its
-  ``Config`` (the constructor's keyword arguments if it has none), and for each option the
+- **options**: for each matrix optimizer of the registry (``OPTIMIZERS``: the classes with a
+  dataclass ``Config``), the fields of its ``Config``, and for each option the
   places its name is written in ``dobb/optim/``: name tokens (a variable, an attribute, a
   keyword) and string literals equal to it, from ``tokenize``, docstrings and comments not
   counted. Per optimizer, the mean over its options and over its own (options no other
   optimizer has); overall, the mean over every distinct option.
-- **hooks**: the methods of the matrix optimizers' base class (``MatrixOptimizer``) that a
-  subclass overrides, or that raise ``NotImplementedError`` or do nothing (a body of
-  ``pass``, ``...``, or a return of an empty constant), with the subclasses overriding
-  each. Dunder methods are torch.optim's protocol, not hooks, and are left out.
+- **hooks**: the methods of the matrix optimizers' nearest common base class
+  (``MatrixOptimizer``; none if it is not dobb's) that a subclass overrides, or that raise
+  ``NotImplementedError`` or do nothing (a body of ``pass``, ``...``, or a return of an
+  empty constant), with the subclasses overriding each. Dunder methods are torch.optim's
+  protocol, not hooks, and are left out.
 - **longest**: the longest class and function in ``dobb/``, in lines of the ``def`` or
   ``class`` (decorators not counted).
 - **code_lines**: the wheel's code lines, in total and per module, as ``.ci/code_lines.py``
@@ -56,13 +57,19 @@ def _introspect() -> dict:
     import dataclasses
     import importlib
     import pkgutil
+    import textwrap
 
     import dobb.optim
 
     for info in pkgutil.walk_packages(dobb.optim.__path__, "dobb.optim."):
         importlib.import_module(info.name)
-    from dobb.optim.base import MatrixOptimizer
     from dobb.optim.registry import OPTIMIZERS
+
+    classes = {e.cls for e in OPTIMIZERS.values()}
+    classes = {c for c in classes if dataclasses.is_dataclass(getattr(c, "Config", None))}
+    classes = sorted(classes, key=lambda c: c.__name__)
+    # the matrix optimizers' nearest common base (hooks only if it is dobb's)
+    base = next(b for b in classes[0].__mro__ if all(issubclass(c, b) for c in classes))
 
     def subclasses(cls: type) -> list[type]:
         found = []
@@ -70,15 +77,8 @@ def _introspect() -> dict:
             found += [sub, *subclasses(sub)]
         return list(dict.fromkeys(c for c in found if c.__module__.startswith("dobb.")))
 
-    def options(cls: type) -> list[str]:
-        config = getattr(cls, "Config", None)
-        if dataclasses.is_dataclass(config):
-            return [f.name for f in dataclasses.fields(config)]
-        skip = {"self", "params"}
-        return [n for n in inspect.signature(cls.__init__).parameters if n not in skip]
-
     def does_nothing(function) -> bool:
-        body = ast.parse(inspect.cleandoc("\n" + inspect.getsource(function))).body[0].body
+        body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
         body = [
             s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
         ]
@@ -92,21 +92,21 @@ def _introspect() -> dict:
         )
         return raises or not body or all(isinstance(s, ast.Pass) for s in body) or empty_return
 
-    subs = subclasses(MatrixOptimizer)
+    own = base.__module__.startswith("dobb.")
+    subs = subclasses(base) if own else []
     hooks = {}
-    for name, member in vars(MatrixOptimizer).items():
+    for name, member in vars(base).items() if own else ():
         if not inspect.isfunction(member) or name.startswith("__"):
             continue
         overriders = [c.__name__ for c in subs if name in vars(c)]
         if overriders or does_nothing(member):
             hooks[name] = overriders
-    classes = {e.cls for e in OPTIMIZERS.values() if issubclass(e.cls, MatrixOptimizer)}
     return {
         "dobb": dobb.__file__,
-        "base": f"{MatrixOptimizer.__module__}.{MatrixOptimizer.__qualname__}",
+        "base": f"{base.__module__}.{base.__qualname__}",
         "subclasses": [c.__name__ for c in subs],
         "hooks": hooks,
-        "options": {c.__name__: options(c) for c in sorted(classes, key=lambda c: c.__name__)},
+        "options": {c.__name__: [f.name for f in dataclasses.fields(c.Config)] for c in classes},
     }
 
 
