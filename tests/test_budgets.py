@@ -1,7 +1,8 @@
 """The wheel's budgets (issue #33, item 6), held on the source tree: the Python modules under
 ``dobb/`` (what the wheel ships) hold at most 6,000 code lines in all, none over 400, and no
 function is longer than 80 lines. Code lines and function lengths are measured as
-``.ci/code_lines.py`` measures the built wheel in ``.ci/install_check``."""
+``.ci/code_lines.py`` measures the built wheel in ``.ci/install_check``. Nothing is packed
+past the formatter to meet them: no ``# fmt: skip`` or ``# fmt: off`` in ``dobb/``."""
 
 import importlib.util
 from pathlib import Path
@@ -34,6 +35,16 @@ def test_no_function_over_80_lines():
         if n > MAX_FUNCTION
     }
     assert not long, f"functions over {MAX_FUNCTION} lines (def to last line): {long}"
+
+
+def test_no_formatter_exemptions():
+    marks = [
+        f"{name}:{i}"
+        for name, source in SOURCES.items()
+        for i, line in enumerate(source.splitlines(), 1)
+        if any(f"# fmt: {m}" in line for m in ("skip", "off"))
+    ]
+    assert not marks, f"code packed past ruff format: {marks}"
 
 
 def test_a_function_is_measured_from_its_def_to_its_last_line():

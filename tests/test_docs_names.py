@@ -9,7 +9,9 @@
   the rest must be defined at its top level or in a class there;
 - a path that starts with ``dobb/``, ``bench/``, ``tests/`` or ``docs/``
   (``dobb/optim/config.py``, ``tests/distributed``, ``bench/model/costs/*.py``) exists in
-  the repository (a glob matches at least one file).
+  the repository (a glob matches at least one file);
+- a page followed by quoted section titles (``docs/baselines.md, "Muon: design notes"``,
+  ``... "A" and "B"``) has a heading of each title (line breaks in a title read as spaces).
 
 A name ending in a file suffix (``dobb.py``, ``bench.json``) is a file name, not a dotted
 name, and is not looked up.
@@ -29,6 +31,7 @@ MODULES = sorted(p for d in ("dobb", "bench") for p in (ROOT / d).rglob("*.py"))
 
 NAME = re.compile(r"(?<![\w./-])(?:dobb|bench)(?:\.[A-Za-z_]\w*)+(?![\w/-])")
 PATH = re.compile(r"(?<![\w./-])(?:dobb|bench|tests|docs)/[\w./*-]*")
+SECTIONS = re.compile(r'(docs/\w+\.md)`{0,2},\s+"([^"]+)"((?:\s*(?:,|and)\s*"[^"]+")*)')
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "yaml", "yml", "sh", "txt", "pt", "toml", "whl"}
 
 
@@ -119,6 +122,13 @@ def dangling(text: str) -> list[str]:
         exists = any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()
         if not exists:
             bad.append(f"{path}: not in the repository")
+    for page, first, more in SECTIONS.findall(text):
+        if not (ROOT / page).is_file():
+            continue  # reported above
+        headings = re.findall(r"^#+ (.+)$", (ROOT / page).read_text(), flags=re.M)
+        for title in [first, *re.findall(r'"([^"]+)"', more)]:
+            if " ".join(title.split()) not in headings:
+                bad.append(f'{page}, "{title}": no such section')
     return bad
 
 
@@ -154,7 +164,8 @@ def test_the_check_sees_names_and_paths():
     assert dangling(text) == []
     gone = (
         "``dobb.optim.muon.no_such_function``, `bench.no_such_module`, dobb.Dobb.no_such, "
-        "`dobb/optim/no_such.py`, tests/no_such_dir/, bench/model/costs/no_such_*.py"
+        "`dobb/optim/no_such.py`, tests/no_such_dir/, bench/model/costs/no_such_*.py; "
+        'docs/baselines.md, "Muon: design\n    notes" and "No such section"'
     )
     assert [b.split(":")[0] for b in dangling(gone)] == [
         "dobb.optim.muon.no_such_function",
@@ -163,6 +174,7 @@ def test_the_check_sees_names_and_paths():
         "dobb/optim/no_such.py",
         "tests/no_such_dir/",
         "bench/model/costs/no_such_*.py",
+        'docs/baselines.md, "No such section"',
     ]
 
 
