@@ -1,0 +1,56 @@
+"""The reports re-render byte-identical from the committed JSON (issue #33, "Done when"):
+benchmarks/RESULTS.md from the measuring run's JSON (``bench.results.report.render``),
+benchmarks/STUDY.md from ``study/study.json`` and the runs' logs
+(``bench.study.report.write_document``), and the main job's ``summary.md`` and
+``results.json`` from its ``results.json`` and runs (``bench.compare.write_report``); each
+renders into a copy of its inputs, so the committed files are never touched. The plots are
+rendered too but not compared: matplotlib is not pinned, and its version is in each PNG.
+(docs/evidence.md: tests/bench/test_evidence.py.)"""
+
+import json
+import shutil
+from pathlib import Path
+
+from bench.compare import write_report
+from bench.results.report import render
+from bench.study.report import write_document
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def copy(names: list[str], into: Path) -> None:
+    """Copy files and folders of benchmarks/ into ``into``, keeping their paths."""
+    for name in names:
+        source, target = BENCHMARKS / name, into / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target)
+        elif source.exists():
+            shutil.copy(source, target)
+
+
+def test_results_md_is_its_json_rendered(tmp_path):
+    copy(
+        ["results_run.json", "calltime_cpu.json", "cpu_calibration.json", "sharded", "gpu"],
+        tmp_path,
+    )
+    copy(["COMM.md"], tmp_path)
+    written = render(tmp_path)
+    assert written.read_text() == (BENCHMARKS / "RESULTS.md").read_text(), (
+        "benchmarks/RESULTS.md is not its JSON rendered: python -m bench.results --render"
+    )
+
+
+def test_study_md_is_study_json_rendered(tmp_path):
+    copy(["study"], tmp_path)
+    report = json.loads((tmp_path / "study" / "study.json").read_text())
+    write_document(report, tmp_path / "study", tmp_path / "STUDY.md")
+    assert (tmp_path / "STUDY.md").read_text() == (BENCHMARKS / "STUDY.md").read_text()
+
+
+def test_the_main_jobs_summary_is_its_json_rendered(tmp_path):
+    copy(["compare"], tmp_path)
+    out = tmp_path / "compare"
+    write_report(out, json.loads((out / "results.json").read_text()))
+    for name in ("summary.md", "results.json"):
+        assert (out / name).read_text() == (BENCHMARKS / "compare" / name).read_text(), name
