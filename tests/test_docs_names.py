@@ -1,5 +1,5 @@
 """Every name the documentation gives resolves (issue #33, item 6): in the docstrings of
-``dobb/`` and ``bench/`` and in README.md and docs/*.md,
+``dobb/``, ``bench/``, ``tests/`` and ``examples/`` and in README.md and docs/*.md,
 
 - a dotted name that starts with ``dobb.`` or ``bench.`` (in backticks or not, in prose or
   in a code block: ``dobb.optim.muon.newton_schulz``, ``bench.compare``) names a module, or
@@ -27,7 +27,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MODULES = sorted(p for d in ("dobb", "bench") for p in (ROOT / d).rglob("*.py"))
+MODULES = sorted(
+    p for d in ("dobb", "bench", "tests", "examples") for p in (ROOT / d).rglob("*.py")
+)
 
 NAME = re.compile(r"(?<![\w./-])(?:dobb|bench)(?:\.[A-Za-z_]\w*)+(?![\w/-])")
 PATH = re.compile(r"(?<![\w./-])(?:dobb|bench|tests|docs)/[\w./*-]*")
