@@ -2,7 +2,9 @@
 benchmarks/RESULTS.md from the measuring run's JSON (``bench.results.report.render``),
 benchmarks/STUDY.md from ``study/study.json`` and the runs' logs
 (``bench.study.report.write_document``), and the main job's ``summary.md`` and
-``results.json`` from its ``results.json`` and runs (``bench.compare.write_report``); each
+``results.json`` from its ``results.json`` and runs (``bench.compare.write_report``), and
+benchmarks/gpu/gpu_calltime.md from the GPU run's JSON (``python -m bench.results gpu-table``,
+as benchmarks/gpu_calltime.sh writes it; its predicted column is today's cost model); each
 renders into a copy of its inputs, so the committed files are never touched. The plots are
 rendered too but not compared: matplotlib is not pinned, and its version is in each PNG.
 (docs/evidence.md: tests/bench/test_evidence.py.)"""
@@ -12,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from bench.compare import write_report
+from bench.results import gpu_section
 from bench.results.report import render
 from bench.study.report import write_document
 
@@ -54,3 +57,12 @@ def test_the_main_jobs_summary_is_its_json_rendered(tmp_path):
     write_report(out, json.loads((out / "results.json").read_text()))
     for name in ("summary.md", "results.json"):
         assert (out / name).read_text() == (BENCHMARKS / "compare" / name).read_text(), name
+
+
+def test_the_gpu_table_is_its_json_rendered():
+    files = sorted((BENCHMARKS / "gpu").glob("*.json"))
+    rendered = gpu_section(files) + "\n"  # as ``gpu-table`` prints it
+    assert rendered == (BENCHMARKS / "gpu" / "gpu_calltime.md").read_text(), (
+        "benchmarks/gpu/gpu_calltime.md is not its JSON rendered: python -m bench.results "
+        "gpu-table benchmarks/gpu/*.json > benchmarks/gpu/gpu_calltime.md"
+    )
