@@ -169,8 +169,8 @@ def test_statistics_ema_and_refresh_schedule():
         s = torch.stack([x[:, :2].T @ x[:, :2], x[:, 2:].T @ x[:, 2:]]) / 5
         expected = s if t == 1 else 0.5 * expected + 0.5 * s
         state = opt.state[layer.weight]
-        torch.testing.assert_close(state["cov"], expected)
-        bases.append(state["basis"].clone())
+        torch.testing.assert_close(state["input_cov_0"], expected)
+        bases.append(state["input_basis_0"].clone())
     assert torch.equal(bases[0], bases[1]) and torch.equal(bases[1], bases[2])
     assert not torch.equal(bases[2], bases[3])  # refreshed at t = 4 = 1 + 3
     assert torch.equal(bases[3], bases[4])
@@ -320,10 +320,10 @@ def test_state_precision_and_dtype_survives_load(dtype, state_dtype):
     opt = make_opt(model)
     train(model, opt, 2)
     state = opt.state[model[0].weight]
-    assert state["momentum"].dtype == state["basis"].dtype == state_dtype
+    assert state["momentum"].dtype == state["input_basis_0"].dtype == state_dtype
     opt2 = make_opt(copy.deepcopy(model))
     opt2.load_state_dict(opt.state_dict())
-    assert opt2.state[opt2.param_groups[0]["params"][0]]["cov"].dtype == state_dtype
+    assert opt2.state[opt2.param_groups[0]["params"][0]]["input_cov_0"].dtype == state_dtype
 
 
 def test_adamw_group_matches_torch_adamw():
@@ -473,7 +473,7 @@ def test_transposed_layers_are_blocked_along_their_input_dim():
             layer(x).pow(2).sum().backward()
             opt.step()
     torch.testing.assert_close(transposed.weight.detach(), linear.weight.detach().T)
-    assert opts[1].state[transposed.weight]["cov"].shape == (1, 4, 4)  # d_in = 10 = 4+3+3
+    assert opts[1].state[transposed.weight]["input_cov_0"].shape == (1, 4, 4)  # d_in = 10 = 4+3+3
 
 
 def test_untrack_removes_the_hooks():
@@ -505,7 +505,7 @@ def test_control_basis_sources(source):
     w = layer.weight.detach().clone()
     layer.weight.grad = g.clone()
     opt.step()  # no track(), no forward pass
-    basis = opt.state[layer.weight]["basis"]
+    basis = opt.state[layer.weight]["input_basis_0"]
     torch.testing.assert_close(basis.mT @ basis, torch.eye(4).expand(2, 4, 4), atol=1e-5, rtol=0)
     if source == "identity":
         torch.testing.assert_close(basis, torch.eye(4).expand(2, 4, 4))
@@ -555,7 +555,7 @@ def test_batches_split_by_shape_hyperparameters_and_size(monkeypatch):
     opt = dobb.Dobb(groups, lr=0.1, num_blocks=2, missing_stats="identity", foreach=True)
     for layer in layers:
         layer.weight.grad = torch.ones_like(layer.weight)
-    active = list(opt._matrices_with_grad(opt.param_groups))
+    active = opt._active(opt.param_groups)
     sizes = sorted(len(batch) for batch in opt._batches(active))
     assert sizes == [1, 1, 2]
     monkeypatch.setattr(dobb_module, "BATCH_ELEMENTS", 64)  # one 8 x 8 matrix per batch

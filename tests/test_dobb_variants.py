@@ -190,7 +190,7 @@ def test_two_sided_state_and_memory():
     model(torch.randn(8, 12)).sum().backward()
     opt.step()
     state = opt.state[model[0].weight]
-    assert state["row_basis"].shape == (2, 10, 10)  # two row blocks of 10 rows
+    assert state["row_basis_0"].shape == (2, 10, 10)  # two row blocks of 10 rows
     assert state["variance"].shape == model[0].weight.shape  # 4 more bytes per parameter
 
 

@@ -188,7 +188,8 @@ def test_compiled_layers_fed_one_tensor_share_its_gram_product():
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         model(data(1))
     inside = [e.name for e in prof.events() if e.cpu_parent and e.cpu_parent.name == OP]
-    stacks = len(opt.statistics._stats[model.blocks[0].q.weight].stacks)  # 1 per layer here
+    # 1 per layer here
+    stacks = len(opt.statistics._stats[model.blocks[0].q.weight]["input"].stacks)
     assert [e.name for e in prof.events()].count(OP) == 4 * DEPTH  # one op per layer
     assert inside.count("aten::bmm") == 3 * DEPTH * stacks  # inputs: x (q, k), fc's, proj's
 

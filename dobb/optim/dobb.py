@@ -54,7 +54,6 @@ two_sided: also rotate the output side (``dobb.optim.dobb_update``): row blocks 
     row shard, and its moments come from ``row_stats``.
 """
 
-import zlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -64,16 +63,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from dobb._dtensor import DTensor, local
-from dobb.blocks import BlockStack, block_stacks
-from dobb.distributed.groups import (
-    STATS_GROUP_FIX,
-    axis_groups,
-    check_group,
-    check_stats_group,
-    shared_axis,
-)
-from dobb.distributed.placement import matrix_placement
-from dobb.distributed.sharding import block_state_like, param_block_stacks, split_over_ranks
+from dobb.blocks import BlockStack
+from dobb.distributed.groups import axis_groups, check_group
+from dobb.distributed.sharding import split_over_ranks
 from dobb.eigensolve import BASIS_METHODS, CAPTURABLE_METHODS, BlockFailures, refresh_bases
 from dobb.optim.base import MatrixOptimizer, state_dtype
 from dobb.optim.batching import each
@@ -89,8 +81,10 @@ from dobb.optim.config import (
     option,
     optional,
 )
-from dobb.optim.dobb_statistics import ROW_KEYS, STACK_KEYS, DobbStatistics
+from dobb.optim.dobb_layout import LEGACY_KEYS, Matrix, MatrixLayout, Side, hooked, matrix_layout
+from dobb.optim.dobb_statistics import DobbStatistics
 from dobb.optim.dobb_update import COEFFICIENTS, dobb_update, dobb_update_batched, update_alpha
+from dobb.stats import layer_weights
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 UPDATE_SCALE = Rule(
@@ -112,6 +106,15 @@ PROJECTION_DTYPES = (None, "float32", "bfloat16", "float16")  # the rotations' m
 # Where two-sided Dobb's output-side moments come from: the output gradient of a backward
 # hook (K-FAC's factor; local in every layout) or the local rows' G Gᵀ (Shampoo's).
 ROW_STATS = ("gradients", "outputs")
+# The group options a matrix's layout is made from (Dobb._layout).
+LAYOUT_OPTIONS = (
+    "num_blocks",
+    "block_size",
+    "two_sided",
+    "row_blocks",
+    "row_stats",
+    "basis_source",
+)
 # Largest batch of same-shape matrices updated together (elements of the stacked momentum);
 # bounds the batched step's temporary memory at a few copies of this many state elements.
 BATCH_ELEMENTS = 1 << 26
@@ -279,10 +282,8 @@ class Dobb(MatrixOptimizer):
             partial(split_over_ranks, group=self._data_parallel_groups[-1]) if split else None
         )
         self._input_dims: dict[Tensor, int] = {}  # 0 for (d_in, d_out) weights; set by track
-        self._layouts: dict[tuple, tuple[BlockStack, ...]] = {}
-        self.statistics = DobbStatistics(
-            self, self._data_parallel_groups, missing_stats=missing_stats, stats_sync=stats_sync
-        )
+        self._layouts: dict[tuple, MatrixLayout] = {}  # _layout's
+        self.statistics = DobbStatistics(name_of=self.name_of, batched=self.batched)
         self._host_counts: dict[Tensor, list[int]] = {}  # capturable: [step, stats_steps]
         self._basis_stacks: dict[tuple, tuple[list[Tensor], Tensor]] = {}  # _stacked_bases
         self.basis_failures = BlockFailures()  # blocks whose new basis the guard rejected
@@ -303,56 +304,44 @@ class Dobb(MatrixOptimizer):
         ):
             raise NotImplementedError("basis_source='gradients' supports unsharded matrices only")
         for p in group["params"]:
-            self._stacks(p, group)
-            self._row_stacks(p, group)
+            self._layout(p, group)
 
-    def _stacks(self, param: Tensor, group: dict[str, Any]) -> tuple[BlockStack, ...]:
-        """Blocks of this rank's input columns of ``param`` (all unless they are sharded).
+    def _layout(self, param: Tensor, group: dict[str, Any]) -> MatrixLayout:
+        """``param``'s layout (``dobb.optim.dobb_layout.matrix_layout``): its orientation
+        (``track`` sets it; dim 1 until then) and each side's blocks and groups.
 
-        Derived from shape, placements and ``num_blocks``, so cached here rather than kept in
-        the checkpointed state (DTensor offsets are slow to recompute every step).
+        Derived from shape, placements and the group's options, so made once per
+        orientation and options (at construction, and at ``track()`` for ``(d_in, d_out)``
+        weights) rather than kept in the checkpointed state (DTensor offsets are slow to
+        recompute every step).
         """
         dim = self._input_dims.get(param, 1)
-        num_blocks = group["num_blocks"]
-        if group["block_size"] is not None:
-            num_blocks = -(-param.shape[dim] // group["block_size"])
-        key = (id(param), dim, num_blocks)
-        if key not in self._layouts:  # at construction, and at track() for (d_in, d_out)
-            check_stats_group(self._data_parallel_groups, param, dim, self.name_of(param))
-            self._layouts[key] = param_block_stacks(param, dim, num_blocks, self.name_of(param))
+        key = (id(param), dim, *(group[option] for option in LAYOUT_OPTIONS))
+        if key not in self._layouts:
+            groups, name = self._data_parallel_groups, self.name_of(param)
+            self._layouts[key] = matrix_layout(param, dim, group, groups, name)
         return self._layouts[key]
 
-    def _row_stacks(self, param: Tensor, group: dict[str, Any]) -> tuple[BlockStack, ...]:
-        """Two-sided Dobb's blocks of this rank's rows (output features); () one-sided."""
-        if not group["two_sided"]:
-            return ()
-        dim = 1 - self._input_dims.get(param, 1)
-        key = (id(param), dim, "rows", group["row_blocks"])
-        if key not in self._layouts:
-            row_groups = matrix_placement(param).groups_splitting(dim)
-            if group["row_stats"] == "outputs" and shared_axis(
-                self._data_parallel_groups, row_groups
-            ):
-                raise NotImplementedError(
-                    f"{self.name_of(param)}: row_stats='outputs' keeps each rank's row blocks, "
-                    "averaged over stats_group, but this matrix's rows are split over ranks of "
-                    "stats_group: FSDP's data ranks (use row_stats='gradients') or a "
-                    f"tensor-parallel axis ({STATS_GROUP_FIX})"
-                )
-            if group["row_blocks"] is None:  # one block of the rows this rank holds
-                start, stop = matrix_placement(param).span(dim)
-                self._layouts[key] = block_stacks(stop - start, 1) if stop > start else ()
-            else:
-                self._layouts[key] = param_block_stacks(
-                    param, dim, group["row_blocks"], self.name_of(param), rows=True
-                )
-        return self._layouts[key]
+    def _groups(self) -> list[dict[str, Any]]:
+        """The Dobb parameter groups (not the AdamW/Lion ones)."""
+        return [g for g in self.param_groups if g["algorithm"] == self.algorithm]
 
     def track(self, model: nn.Module) -> list[RemovableHandle]:
-        """Hook every layer of ``model`` whose weight is in a Dobb group (``nn.Linear``,
-        ``transformers``' ``Conv1D``, types added with ``dobb.stats.register_layer``);
-        returns the handles. See ``DobbStatistics.track``."""
-        return self.statistics.track(model)
+        """Hook every layer of ``model`` whose weight is in a Dobb group whose statistics
+        come from hooks (``nn.Linear``, ``transformers``' ``Conv1D``, types added with
+        ``dobb.stats.register_layer``); returns the handles (``untrack`` removes all).
+
+        The layer says the weight's orientation: a ``(d_in, d_out)`` weight (``Conv1D``)
+        has its input blocks along dim 0. See ``DobbStatistics.track``.
+        """
+        groups = {p: g for g in self._groups() for p in g["params"]}
+        layers = []
+        for module, weight, spec in layer_weights(model):
+            group = groups.get(weight)
+            if group is not None and hooked(group):
+                self._input_dims[weight] = spec.input_dim
+                layers.append((module, weight, self._layout(weight, group)))
+        return self.statistics.track(layers)
 
     def untrack(self) -> None:
         """Remove every hook ``track`` added and drop the pending statistics."""
@@ -363,7 +352,10 @@ class Dobb(MatrixOptimizer):
 
         Exact at any time, the EMA being linear. Every data-parallel rank must call it.
         """
-        self.statistics.synchronize()
+        held = [(p, g) for g in self._groups() for p in g["params"] if p in self.state]
+        self.statistics.synchronize(
+            [Matrix(p, self.state[p], g, self._layout(p, g)) for p, g in held]
+        )
 
     def _extra_inputs(self, matrix_groups):
         return self.statistics.pending_inputs()
@@ -372,9 +364,18 @@ class Dobb(MatrixOptimizer):
         self.statistics.discard()
 
     def _prepare(self, matrix_groups) -> None:
-        self.statistics.check_present(matrix_groups)
+        """``RuntimeError`` before any state changes if a matrix stepping with ``lr > 0`` has
+        no statistics for this step (unless ``missing_stats="identity"``); a tensor ``lr``
+        (capturable) is not read: statistics are needed."""
+        if self.config.missing_stats == "identity":
+            return
+        stepping = [g for g in matrix_groups if isinstance(g["lr"], Tensor) or g["lr"] != 0]
+        needed = [(p, g) for g in stepping for p in g["params"] if p.grad is not None]
+        self.statistics.check_present([(p, self._layout(p, g)) for p, g in needed])
 
     def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """Counters, momentum, each side's ``C`` and bases (``Side.init_state``), and the
+        Adam coefficients' ``V``."""
         dtype, device = state_dtype(param), local(param).device
         counter = device if self.capturable else "cpu"
         state = {
@@ -384,23 +385,8 @@ class Dobb(MatrixOptimizer):
         }
         self._host_counts[param] = [0, 0]
         self.basis_failures.counter(device)  # made before any capture (see BlockFailures)
-        dim = self._input_dims.get(param, 1)
-        sides = (  # (keys, blocks, the param dim they tile, random bases)
-            (STACK_KEYS, self._stacks(param, group), dim, group["basis_source"] == "random"),
-            (ROW_KEYS, self._row_stacks(param, group), 1 - dim, False),
-        )
-        for keys, stacks, side_dim, random in sides:
-            for (cov_key, basis_key), s in zip(keys, stacks):
-                cov = torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device)
-                basis = torch.eye(s.size, dtype=dtype, device=device).repeat(s.count, 1, 1)
-                if random:  # a fixed random orthogonal basis per block, seeded by the name
-                    seed = zlib.crc32(f"{self.name_of(param)}/{cov_key}".encode())
-                    noise = torch.randn(
-                        s.count, s.size, s.size, generator=torch.Generator().manual_seed(seed)
-                    )
-                    basis = torch.linalg.qr(noise.to(dtype)).Q.to(device)
-                state[cov_key] = block_state_like(cov, param, side_dim)
-                state[basis_key] = block_state_like(basis, param, side_dim)
+        for side in self._layout(param, group).sides:
+            state.update(side.init_state(param, self.name_of(param), dtype))
         if group["coefficients"] == "adam":
             state["variance"] = torch.zeros_like(param, dtype=dtype)
         return state
@@ -409,92 +395,103 @@ class Dobb(MatrixOptimizer):
         """The algorithm box for every matrix: statistics EMA, due refreshes, update, each
         phase batched (kernels per distinct shape, not per matrix); the schedule reads CPU
         counters (``tolist``), or host counts if capturable: no device sync."""
-        active = list(self._matrices_with_grad(groups))
+        active = self._active(groups)
         if not active:
             return
-        states = [state for _, state, _ in active]
-        live = self._live
-        counters = [state["step"] for state in states]
+        steps, folded = self._count(active)
+        due = [
+            (m, stats_steps)
+            for m, step, stats_steps in zip(active, steps, folded)
+            if (int(step) - 1) % m.group["basis_interval"] == 0 and stats_steps > 0
+        ]
+        due_ids = {id(m.state) for m, _ in due}
+        every_step = self.config.stats_sync == "step"
+        self.statistics.average([m for m in active if every_step or id(m.state) in due_ids])
+        self._refresh(due)
+        if self._live is not None:  # Adam coefficients' bias correction: the device counts
+            steps = [m.state["step"] for m in active]
+        step_of = {id(m.state): step for m, step in zip(active, steps)}
+        for batch in self._batches(active):
+            self._update(batch, [step_of[id(m.state)] for m in batch])
+
+    def _active(self, groups: list[dict[str, Any]]) -> list[Matrix]:
+        """Every matrix of ``groups`` with a gradient, with its layout; state built lazily."""
+        return [Matrix(p, s, g, self._layout(p, g)) for p, s, g in self._matrices_with_grad(groups)]
+
+    def _count(self, active: list[Matrix]) -> tuple[list, list]:
+        """Advance the step counters and fold this step's statistics; returns each matrix's
+        ``step`` and ``stats_steps`` after them, read from the CPU counters, or (capturable)
+        counted on the host, with no read."""
+        counters, live = [m.state["step"] for m in active], self._live
         torch._foreach_add_(counters, 1.0 if live is None else each(live, counters))
         if live is None:
-            steps = torch.stack([state["step"] for state in states]).tolist()
-            folded = self.statistics.fold(active)
-        else:  # capturable: the schedule on the host, no read
-            counts = [self._host_count(p, state) for p, state, _ in active]
-            steps = [c[0] + 1 for c in counts]
-            folded = self.statistics.fold(active, [c[1] for c in counts], live)
-            for c, step, stats_steps in zip(counts, steps, folded):
-                c[:] = step, stats_steps
-        due = [
-            (state, group, stats_steps)
-            for (_, state, group), step, stats_steps in zip(active, steps, folded)
-            if (int(step) - 1) % group["basis_interval"] == 0 and stats_steps > 0
-        ]
-        due_ids = {id(state) for state, _, _ in due}
-        synced = [m for m in active if self.statistics.stats_sync == "step" or id(m[1]) in due_ids]
-        self.statistics.average(synced)
-        self._refresh(due)
-        if live is not None:  # Adam coefficients' bias correction: the device counts
-            steps = [state["step"] for state in states]
-        step_of = {id(state): step for state, step in zip(states, steps)}
-        for batch in self._batches(active):
-            p, _, group = batch[0]
-            dim = self._input_dims.get(p, 1)
-            stacks, row_stacks = self._stacks(p, group), self._row_stacks(p, group)
-            adam = group["coefficients"] == "adam"
-            hyper = dict(
-                lr=group["lr"],
-                beta=group["momentum"],
-                nesterov=group["nesterov"],
-                weight_decay=group["weight_decay"],
-                scale=update_alpha(group["update_scale"], p.shape[dim]),
-                beta2=group["coefficient_beta"],
-                row_stacks=row_stacks,
-                projection_dtype=getattr(torch, group["projection_dtype"] or "", None),
-            )
-            low = hyper["projection_dtype"] or state_dtype(p)
-            if len(batch) == 1 and live is None:  # the reference: no stacking copies
-                state = batch[0][1]
-                # (d_in, d_out) weights (Conv1D) are updated through their transpose
-                orient = (lambda t: t.mT) if dim == 0 else (lambda t: t)
-                dobb_update(
-                    orient(local(p)),
-                    orient(local(p.grad)),
-                    orient(local(state["momentum"])),
-                    [local(state[b]) for _, b in STACK_KEYS[: len(stacks)]],
-                    stacks,
-                    row_bases=[local(state[b]) for _, b in ROW_KEYS[: len(row_stacks)]],
-                    variance=orient(local(state["variance"])) if adam else None,
-                    step=step_of[id(state)],
-                    **hyper,
-                )
-                continue
+            return torch.stack(counters).tolist(), self.statistics.fold(active)
+        counts = [self._host_count(m.param, m.state) for m in active]
+        steps = [c[0] + 1 for c in counts]
+        folded = self.statistics.fold(active, [c[1] for c in counts], live)
+        for c, step, stats_steps in zip(counts, steps, folded):
+            c[:] = step, stats_steps
+        return steps, folded
 
-            dobb_update_batched(
-                [local(q) for q, _, _ in batch],
-                [local(q.grad) for q, _, _ in batch],
-                [local(s["momentum"]) for _, s, _ in batch],
-                self._stacked_bases(batch, STACK_KEYS[: len(stacks)], low),
+    def _update(self, batch: list[Matrix], steps: list) -> None:
+        """Dobb's update of one batch (``_batches``), ``steps`` its matrices' step counts:
+        ``dobb_update`` on a lone matrix (the reference: no stacking copies), else
+        ``dobb_update_batched``; each side gives its bases and stacks (the row side none
+        one-sided)."""
+        p, state, group, layout = batch[0]
+        stacks, row_stacks = (s.stacks for s in layout.sides)
+        adam = group["coefficients"] == "adam"
+        hyper = dict(
+            lr=group["lr"],
+            beta=group["momentum"],
+            nesterov=group["nesterov"],
+            weight_decay=group["weight_decay"],
+            scale=update_alpha(group["update_scale"], p.shape[layout.input_dim]),
+            beta2=group["coefficient_beta"],
+            row_stacks=row_stacks,
+            projection_dtype=getattr(torch, group["projection_dtype"] or "", None),
+        )
+        if len(batch) == 1 and self._live is None:
+            # (d_in, d_out) weights (Conv1D) are updated through their transpose
+            orient = (lambda t: t.mT) if layout.input_dim == 0 else (lambda t: t)
+            bases, row_bases = ([local(state[b]) for _, b in s.keys] for s in layout.sides)
+            dobb_update(
+                *(orient(local(t)) for t in (p, p.grad, state["momentum"])),
+                bases,
                 stacks,
-                row_bases=self._stacked_bases(batch, ROW_KEYS[: len(row_stacks)], low) or None,
-                variances=[local(s["variance"]) for _, s, _ in batch] if adam else None,
-                steps=[step_of[id(s)] for _, s, _ in batch],
-                transposed=dim == 0,
-                live=live,
+                row_bases=row_bases,
+                variance=orient(local(state["variance"])) if adam else None,
+                step=steps[0],
                 **hyper,
             )
+            return
+        low = hyper["projection_dtype"] or state_dtype(p)
+        bases, row_bases = (self._stacked_bases(batch, side, low) for side in layout.sides)
+        dobb_update_batched(
+            [local(m.param) for m in batch],
+            [local(m.param.grad) for m in batch],
+            [local(m.state["momentum"]) for m in batch],
+            bases,
+            stacks,
+            row_bases=row_bases or None,
+            variances=[local(m.state["variance"]) for m in batch] if adam else None,
+            steps=steps,
+            transposed=layout.input_dim == 0,
+            live=self._live,
+            **hyper,
+        )
 
-    def _stacked_bases(self, batch: list[tuple], keys, dtype) -> list[Tensor]:
-        """``batch``'s bases under each ``(cov, basis)`` key, stacked ``(n, count, s, s)`` in
+    def _stacked_bases(self, batch: list[Matrix], side: Side, dtype) -> list[Tensor]:
+        """``batch``'s bases of each stack of ``side``, stacked ``(n, count, s, s)`` in
         ``dtype`` (the projections') once and kept between steps: bases change only in
         ``_refresh``, which refills these copies in place (a captured steady step reads them
         where the capture found them), and on a load, which drops them (memory: a copy of
         the bases)."""
         out = []
-        for _, key in keys:
-            cache_key = (key, dtype, *(id(state) for _, state, _ in batch))
+        for _, key in side.keys:
+            cache_key = (key, dtype, *(id(m.state) for m in batch))
             if cache_key not in self._basis_stacks:
-                bases = [local(state[key]) for _, state, _ in batch]
+                bases = [local(m.state[key]) for m in batch]
                 self._basis_stacks[cache_key] = (bases, torch.stack(bases).to(dtype))
             out.append(self._basis_stacks[cache_key][1])
         return out
@@ -513,8 +510,7 @@ class Dobb(MatrixOptimizer):
         reached the host."""
         due = any(
             p not in self._host_counts or self._host_counts[p][0] % g["basis_interval"] == 0
-            for g in self.param_groups
-            if g["algorithm"] == self.algorithm
+            for g in self._groups()
             for p in g["params"]
         )
         if due:
@@ -528,27 +524,34 @@ class Dobb(MatrixOptimizer):
             counts[0] += 1
             counts[1] += counts[1] > 0
 
-    def _batches(self, active: list[tuple[Tensor, dict, dict]]) -> list[list[tuple]]:
+    def _batches(self, active: list[Matrix]) -> list[list[Matrix]]:
         """``active`` split into batches that can share kernels, each of at most
         ``BATCH_ELEMENTS`` elements: same local shape, orientation, block layout, dtypes,
         device and hyperparameters; one matrix each unless ``batched`` (``foreach``)."""
-        batches: dict[tuple, list[list[tuple]]] = {}
-        for entry in active:
-            p, state, group = entry
-            param, grad, dim = local(p), local(p.grad), self._input_dims.get(p, 1)
-            layout = (tuple(param.shape), dim, self._stacks(p, group), self._row_stacks(p, group))
-            dtypes = (param.dtype, grad.dtype, state["momentum"].dtype, param.device)
-            key = (*layout, *dtypes, math_key(group, self._math_options))
-            chunks = batches.setdefault(key, [[]])
+        batches: dict[tuple, list[list[Matrix]]] = {}
+        for m in active:
+            param, grad = local(m.param), local(m.param.grad)
+            dtypes = (param.dtype, grad.dtype, m.state["momentum"].dtype, param.device)
+            key = (tuple(param.shape), m.layout.input_dim, *(s.stacks for s in m.layout.sides))
+            key += dtypes
+            chunks = batches.setdefault((*key, math_key(m.group, self._math_options)), [[]])
             full = (len(chunks[-1]) + 1) * param.numel() > BATCH_ELEMENTS
             if chunks[-1] and (full or not self.batched(param.device)):
                 chunks.append([])
-            chunks[-1].append(entry)
+            chunks[-1].append(m)
         return [chunk for chunks in batches.values() for chunk in chunks]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load state; saved statistics were averaged when saved (see ``state_dict``)."""
-        super().load_state_dict(state_dict)
+        """Load state; saved statistics were averaged when saved (see ``state_dict``).
+
+        A checkpoint in the keys written up to commit d368fca (``cov``, ``cov_tail``,
+        ``row_basis``, ...) loads too: they are renamed (``LEGACY_KEYS``).
+        """
+        state = {
+            index: {LEGACY_KEYS.get(key, key): value for key, value in entry.items()}
+            for index, entry in state_dict["state"].items()
+        }
+        super().load_state_dict({**state_dict, "state": state})
         self._host_counts.clear()  # capturable: read again from the loaded counters
         self._basis_stacks.clear()
         for p in self.state:
@@ -566,26 +569,27 @@ class Dobb(MatrixOptimizer):
         self.synchronize_statistics()
         return super().state_dict()
 
-    def _refresh(self, due: list[tuple[dict[str, Any], dict[str, Any], float]]) -> None:
-        """Recompute the bases of ``due`` ``(state, group, stats_steps)`` matrices, one batched
-        solver call per method, side and block size (``COLD_START`` on a matrix's first
-        statistics; rejected blocks counted in ``basis_failures``). Input blocks are shared
-        out over the data ranks (``shard_refresh``); row blocks are computed where they
-        live: an FSDP rank holds only its own."""
+    def _refresh(self, due: list[tuple[Matrix, float]]) -> None:
+        """Recompute the bases of ``due`` ``(matrix, stats_steps)``, one batched solver call
+        per method, sharing and block size (``COLD_START`` on a matrix's first statistics;
+        rejected blocks counted in ``basis_failures``). A side's blocks are shared out over
+        the data ranks if they hold the same ``C`` (``Side.shared``: the input side, with
+        ``shard_refresh``), else computed where they live: an FSDP rank holds only its own
+        row blocks."""
         by_method: dict[tuple[str, bool], list[tuple[dict, str, str]]] = {}
-        for state, group, stats_steps in due:
-            method = group["basis_method"]
+        for m, stats_steps in due:
+            method = m.group["basis_method"]
             method = COLD_START.get(method, method) if stats_steps == 1 else method
-            for keys, split in ((STACK_KEYS, True), (ROW_KEYS, False)):
-                by_method.setdefault((method, split), []).extend(
-                    (state, cov_key, basis_key) for cov_key, basis_key in keys if cov_key in state
+            for side in m.layout.sides:
+                by_method.setdefault((method, side.shared), []).extend(
+                    (m.state, cov_key, basis_key) for cov_key, basis_key in side.keys
                 )
-        for (method, split), keys in by_method.items():
+        for (method, shared), keys in by_method.items():
             if not keys:
                 continue
             targets = [local(state[b]) for state, _, b in keys]
             covs = [local(state[c]) for state, c, _ in keys]
-            run = self._run if split else None
+            run = self._run if shared else None
             solver = dict(failures=self.basis_failures, capturable=self.capturable)
             torch._foreach_copy_(targets, refresh_bases(covs, targets, method, run, **solver))
         if due:  # refill the stacked copies where a captured steady step reads them
@@ -599,8 +603,7 @@ class Dobb(MatrixOptimizer):
 
     def local_blocks(self, param: Tensor) -> tuple[BlockStack, ...]:
         """The blocks of this rank's input columns of ``param`` (a matrix of a Dobb group)."""
-        mine = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
-        groups = [g for g in mine if any(q is param for q in g["params"])]
+        groups = [g for g in self._groups() if any(q is param for q in g["params"])]
         if not groups:
             raise ValueError(f"{self.name_of(param)} is not in a Dobb parameter group")
-        return self._stacks(param, groups[0])
+        return self._layout(param, groups[0]).input.stacks

@@ -151,31 +151,38 @@ def dobb_update_batched(
     """
     if live is not None:  # a skipped step: G := M keeps M (and U is zeroed in ``_apply``)
         grads = [torch.where(live.bool(), g, m.to(g.dtype)) for g, m in zip(grads, momenta)]
+    hyper = dict(lr=lr, beta=beta, nesterov=nesterov, weight_decay=weight_decay, scale=scale)
+    hyper.update(transposed=transposed, live=live, low=projection_dtype)
     if row_stacks or variances is not None:
+        variants = (row_bases, row_stacks, variances, steps)
         _rotated_update(
-            params,
-            grads,
-            momenta,
-            bases,
-            stacks,
-            row_bases,
-            row_stacks,
-            variances,
-            steps,
-            lr=lr,
-            beta=beta,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            scale=scale,
-            beta2=beta2,
-            eps=eps,
-            transposed=transposed,
-            live=live,
-            low=projection_dtype,
+            params, grads, momenta, bases, stacks, *variants, beta2=beta2, eps=eps, **hyper
         )
-        return
+    else:
+        _signed_update(params, grads, momenta, bases, stacks, **hyper)
+
+
+def _signed_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    bases: list[Tensor],
+    stacks: tuple[BlockStack, ...],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    scale: float,
+    transposed: bool,
+    live: Tensor | None,
+    low: torch.dtype | None,
+) -> None:
+    """The paper's update for ``n`` matrices (one-sided, sign coefficients):
+    ``dobb_update``'s arithmetic, op for op, on ``(n, ...)`` stacks, each block's
+    ``sign(N_b Q_b) Q_bᵀ`` one ``bmm`` pair per stack (in ``low``)."""
     n, dtype = len(params), momenta[0].dtype
-    low = projection_dtype or dtype
+    low = low or dtype
     if grads[0].dtype != dtype:  # e.g. bf16 gradients, fp32 momentum
         grads = torch.stack(grads).to(dtype).unbind(0)
     # M <- mu M + (1 - mu) G

@@ -67,7 +67,8 @@ def compare_layout(
         ((full(p.detach()) - q).norm() / q.norm()).item()
         for p, q in zip(model.parameters(), reference.parameters())
     ]
-    bases = [full(s[k]) for s in opt.state.values() for k in ("basis", "basis_tail") if k in s]
+    keys = ("input_basis_0", "input_basis_1")
+    bases = [full(s[k]) for s in opt.state.values() for k in keys if k in s]
     with CommRecorder() as rec:  # after a non-refresh step: averages unless synced every step
         opt.state_dict()
     return {"errors": errors, "comms": comms, "bases": bases, "save": rec.count()}

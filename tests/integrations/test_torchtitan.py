@@ -53,15 +53,15 @@ LAYOUTS = {
 # (optimizer, layout, state every hidden matrix of that optimizer holds), run with their
 # resumed twins: on 2 ranks, and on 4
 JOBS = [
-    ("dobb", "fsdp", "basis"),
+    ("dobb", "fsdp", "input_basis_0"),
     ("muon", "fsdp", "momentum"),
     ("dion", "fsdp", "Q"),
-    ("dobb", "tp", "basis"),
+    ("dobb", "tp", "input_basis_0"),
     ("muon", "tp", "momentum"),
     ("dion", "tp", "Q"),
-    ("dobb", "pp", "basis"),
+    ("dobb", "pp", "input_basis_0"),
 ]
-JOBS_4 = [("dobb", "hsdp", "basis"), ("dobb", "fsdp_tp", "basis")]
+JOBS_4 = [("dobb", "hsdp", "input_basis_0"), ("dobb", "fsdp_tp", "input_basis_0")]
 RANKS = {**{layout: 2 for _, layout, _ in JOBS}, **{layout: 4 for _, layout, _ in JOBS_4}}
 RANKS["pp_fsdp"] = 4
 # jobs run again with torchtitan's compile switch on, as (optimizer, layout)
@@ -447,7 +447,7 @@ def test_model_parts_get_one_optimizer_each_and_one_flat_state(titan):
     saved = optimizers.state_dict()
     for key in ("state.layers.0.attention.wo.weight.momentum", "param_groups.norm.weight.lr"):
         assert key in saved
-    assert "state.layers.5.attention.wo.weight.basis" in saved
+    assert "state.layers.5.attention.wo.weight.input_basis_0" in saved
     fresh = integration.DobbOptimizersContainer(config, model_parts=parts)
     fresh.load_state_dict(saved)
     loaded = fresh.state_dict()

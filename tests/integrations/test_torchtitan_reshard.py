@@ -34,7 +34,7 @@ ranks' 384-row ones, but not the bases (eigenvectors of a 384-row block do not s
 the statistics across the old block boundaries were never gathered. Its resume onto
 another world size is refused: DCP stops the load, on every rank, with one line naming the
 row state and both shapes ("Size mismatch between saved torch.Size([2, 384, 384]) and
-current: torch.Size([4, 192, 192]) for optimizer.state....row_cov"), before anything is
+current: torch.Size([4, 192, 192]) for optimizer.state....row_cov_0"), before anything is
 loaded. ``row_blocks`` set to a multiple of both row-shard counts (here 4) reshards.
 """
 
@@ -158,7 +158,7 @@ def test_the_loaded_state_is_the_saved_state_bit_for_bit(runs, name, old, new):
     # the optimizer's own state went through: momentum (and Dobb's bases, row bases)
     assert any(key.endswith("wo.weight.momentum") for key in saved) or name == "dion"
     if name == "dobb2s":
-        assert "optimizer.state.layers.0.feed_forward.w1.weight.row_basis" in saved
+        assert "optimizer.state.layers.0.feed_forward.w1.weight.row_basis_0" in saved
 
 
 def assert_close(a, b, name: str, what: str) -> None:
