@@ -51,6 +51,12 @@ class OwnerExchange:
         for j, sources in enumerate(self.sources):  # the distinct pieces tile the matrix
             m, n = self.shapes[j]
             assert sum(self._numel(j, h) for h in sources) == m * n, (j, self.pieces[j])
+        # some rank holds less than a whole matrix (a sum over a matrix needs its pieces')
+        self.split = any(
+            len(rows) * len(cols) != m * n
+            for (m, n), pieces in zip(self.shapes, self.pieces)
+            for rows, cols in pieces
+        )
         # both are part of the shared plan, so every rank skips a needless collective alike
         self.gather_needed = any(
             h != self.owners[j] for j, sources in enumerate(self.sources) for h in sources

@@ -22,28 +22,30 @@ runs them on one matrix (the reference). Unshared matrices run ``dion2_updates``
 batched form: one selection and one Newton-Schulz per stack of same-shape matrices.
 Sharded, each rank selects among its own rows and only the selected rows travel to the
 matrix's owner and back, through Muon's ``OwnerExchange`` on the ``k x n`` matrix of
-selected rows. Design notes and the distributed form: docs/baselines.md.
+selected rows (``Dion2Core.exchanged_rows``; the driver, ``dobb.optim.owner_groups``,
+plans it). Design notes and the distributed form: docs/baselines.md.
 """
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from dobb._dtensor import local
-from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.placement import MatrixPlacement, matrix_placement
-from dobb.optim.base import state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, solo
-from dobb.optim.config import SPLITS, between, inherit, math_key, option
-from dobb.optim.muon import NS_STEPS, NewtonSchulzConfig, newton_schulz, ns_arguments
+from dobb.optim.config import SPLITS, between, inherit, option
+from dobb.optim.muon import (
+    NS_STEPS,
+    NewtonSchulzConfig,
+    NewtonSchulzCore,
+    momentum_state,
+    newton_schulz,
+    ns_options,
+)
 from dobb.optim.muonbp import chunk_sizes
-from dobb.optim.owner_groups import OwnerExchangeOptimizer, shared_buckets
+from dobb.optim.owner_groups import OwnerExchangeOptimizer
 
 
 def selected_count(rows: int, fraction: float) -> int:
@@ -190,6 +192,67 @@ def row_scale(shape: tuple[int, int]) -> float:
     return math.sqrt(shape[0] / shape[1])
 
 
+def selection_blocks(rows: int, group: dict[str, Any]) -> list[int]:
+    """Sizes of the selection blocks of a local piece with ``rows`` rows (``row_blocks``)."""
+    return chunk_sizes(rows, group["row_blocks"])
+
+
+class Dion2Core(NewtonSchulzCore):
+    """Dion2's core: ``dion2_updates`` on unshared matrices; shared, each rank selects among
+    its own rows and only those travel (``M_S``, ``k x n``), ``O`` comes back for them."""
+
+    whole_rows = "Dion2 selects whole rows"
+
+    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+        return momentum_state(param)
+
+    def options(self, params, group) -> dict[str, Any]:
+        """``dion2_updates``' options for the whole local matrices ``params``."""
+        return dict(
+            blocks=[selection_blocks(p.shape[0], group) for p in params],
+            lr=group["lr"],
+            fraction=group["fraction"],
+            ef_decay=group["ef_decay"],
+            weight_decay=group["weight_decay"],
+            scales=[row_scale(p.shape) for p in params],
+            **ns_options(group),
+        )
+
+    def updates(self, params, grads, states, group, *, batched: bool) -> None:
+        momenta = [state["momentum"] for state in states]
+        dion2_updates(params, grads, momenta, **self.options(params, group), batched=batched)
+
+    def directions(self, grads, states, group) -> tuple[list[Tensor], list]:
+        """The selected rows ``M_S`` of each piece, and their indices (for ``apply``)."""
+        rows, selected = [], []
+        for grad, state in zip(grads, states):
+            found = dion2_direction(
+                grad,
+                state["momentum"],
+                selection_blocks(grad.shape[0], group),
+                fraction=group["fraction"],
+                ef_decay=group["ef_decay"],
+            )
+            rows.append(found[0])
+            selected.append(found[1])
+        return selected, rows
+
+    def exchanged_rows(self, rows: int, group) -> int:
+        return sum(selected_count(b, group["fraction"]) for b in selection_blocks(rows, group))
+
+    def apply(self, params, updates, shapes, rows, group, sums) -> None:
+        """``W_S <- W_S - lr s O`` of each piece from its rows of ``O``."""
+        for param, update, shape, selected in zip(params, updates, shapes, rows):
+            apply_rows(
+                param,
+                selected,
+                update,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                scale=row_scale(shape),
+            )
+
+
 class Dion2(OwnerExchangeOptimizer):
     r"""Dion2 (arXiv 2512.16928) for hidden weight matrices, selecting rows.
 
@@ -213,6 +276,8 @@ class Dion2(OwnerExchangeOptimizer):
     """
 
     algorithm = "dion2"
+    core = Dion2Core()
+    blocks = staticmethod(selection_blocks)  # the cost model's name for it
 
     @dataclass(frozen=True)
     class Config(NewtonSchulzConfig):
@@ -247,138 +312,4 @@ class Dion2(OwnerExchangeOptimizer):
         nonfinite: str = Config.nonfinite,
         foreach: bool | None = Config.foreach,
     ):
-        self.config = self.Config.from_arguments(locals())
-        super().__init__(params)
-
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        super()._validate_group(group)
-        if group["algorithm"] == self.algorithm:
-            self._require_whole_rows(group, "Dion2 selects whole rows")
-
-    @staticmethod
-    def blocks(rows: int, group: dict[str, Any]) -> list[int]:
-        """Sizes of the selection blocks of a local piece with ``rows`` rows."""
-        return chunk_sizes(rows, _splits(group["row_blocks"]))
-
-    def _plan_exchanges(self) -> None:
-        """One ``OwnerExchange`` per process group, over the matrices of selected rows.
-
-        The selected rows of matrix ``j`` form a ``k_j x n`` matrix; a rank's rows of it
-        are a fixed range (its piece's count, after the pieces that start above it), so
-        the exchange is planned once (collective: two ``all_gather_object`` calls).
-        """
-        groups = self._own_groups()
-        group_of = {p: g for g in groups for p in g["params"]}
-        self._exchanges = []
-        for owners, params in shared_buckets(groups, self._replica_group):
-            pieces = []  # per matrix: (first global row or -1, selected rows) of my piece
-            for p in params:
-                rows = matrix_placement(p).rows
-                count = sum(
-                    selected_count(b, group_of[p]["fraction"])
-                    for b in self.blocks(len(rows), group_of[p])
-                )
-                pieces.append((int(rows[0]) if len(rows) else -1, count))
-            everyone = [None] * dist.get_world_size(owners)
-            dist.all_gather_object(everyone, pieces, group=owners)
-            placements = []
-            for j, (p, (first, count)) in enumerate(zip(params, pieces)):
-                distinct = dict(theirs[j] for theirs in everyone if theirs[j][0] >= 0)
-                before = sum(k for start, k in distinct.items() if start < first)
-                shape = (sum(distinct.values()), p.shape[1])
-                rows = torch.arange(before, before + count)
-                placements.append(MatrixPlacement(shape, rows, torch.arange(p.shape[1])))
-            self._exchanges.append((OwnerExchange(placements, owners), params))
-
-    # ------------------------------------------------------------------ step
-    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        return {"momentum": torch.zeros_like(param, dtype=state_dtype(param))}
-
-    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        shared = self._shared()
-        entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
-        # matrices no other rank shares: one dion2_updates per set of hyperparameters
-        for indices in group_by(entries, lambda e: math_key(e[2], self._math_options)).values():
-            params, group = [entries[i][0] for i in indices], entries[indices[0]][2]
-            dion2_updates(
-                [local(p) for p in params],
-                [local(p.grad) for p in params],
-                [local(entries[i][1]["momentum"]) for i in indices],
-                [self.blocks(p.shape[0], group) for p in params],
-                lr=group["lr"],
-                fraction=group["fraction"],
-                ef_decay=group["ef_decay"],
-                weight_decay=group["weight_decay"],
-                scales=[row_scale(p.shape) for p in params],
-                ns_steps=group["ns_steps"],
-                ns_dtype=group["ns_dtype"],
-                ns_coefficients=group["ns_coefficients"],
-                batched=self.batched(local(params[0]).device),
-                normalize=self._normalizer([entries[i][1] for i in indices], group),
-            )
-        group_of = {p: g for g in groups for p in g["params"]}
-        for exchange, params in self._exchanges:
-            self._shared_step(exchange, [(p, group_of[p]) for p in params])
-
-    def _shared_step(self, exchange: OwnerExchange, entries: list[tuple[Tensor, dict]]) -> None:
-        """Dion2 on matrices shared by ``exchange``'s ranks: only selected rows travel.
-
-        A parameter without a gradient sends zero rows and stays unchanged.
-        """
-        selected, indices = [], []
-        for j, (p, group) in enumerate(entries):
-            planned = len(exchange.pieces[j][exchange.me][0])
-            if p.grad is None:
-                selected.append(local(p).new_zeros((planned, p.shape[1]), dtype=state_dtype(p)))
-                indices.append(None)
-                continue
-            state = self.state[p]
-            if not state:
-                state.update(self._init_matrix_state(p, group))
-            param = local(p)
-            rows, values = dion2_direction(
-                local(p.grad),
-                local(state["momentum"]),
-                self.blocks(param.shape[0], group),
-                fraction=group["fraction"],
-                ef_decay=group["ef_decay"],
-            )
-            if len(rows) != planned:
-                raise RuntimeError(
-                    f"{self.name_of(p)}: {len(rows)} rows selected but {planned} planned; "
-                    "fraction and row_blocks of a sharded matrix are fixed at construction"
-                )
-            selected.append(values)
-            indices.append(rows)
-        # M_S: every rank's selected rows to the matrix's owner (one all_to_all)
-        whole = exchange.gather(selected)
-        # O = NS5(M_S), for the matrices this rank owns
-        results = {j: newton_schulz(S, *ns_arguments(entries[j][1])) for j, S in whole.items()}
-        # O: every rank's rows back from the owner (one all_to_all)
-        dtypes = [group["ns_dtype"] for _, group in entries]
-        buffer_dtype = functools.reduce(torch.promote_types, dtypes)
-        updates = exchange.scatter(results, buffer_dtype, selected[0].device)
-        self._apply_selected(exchange, entries, indices, updates)
-
-    def _normalizer(self, states: list[dict], group: dict[str, Any]):
-        """``dion2_updates``' ``normalize`` for matrices with ``states`` (Dion2: none)."""
-        return None
-
-    def _apply_selected(self, exchange, entries, indices, updates) -> None:
-        """``W_S <- W_S - lr s O`` for each shared matrix from its rows of ``O``."""
-        for (p, group), rows, update in zip(entries, indices, updates):
-            if rows is None:
-                continue
-            apply_rows(
-                local(p),
-                rows,
-                update.to(group["ns_dtype"]),
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                scale=row_scale(p.shape),
-            )
-
-
-def _splits(row_blocks) -> tuple:
-    """``row_blocks`` as a tuple of nested splits (an integer is one split)."""
-    return tuple(row_blocks) if isinstance(row_blocks, tuple | list) else (row_blocks,)
+        super().__init__(params, self.Config.from_arguments(locals()))

@@ -11,7 +11,8 @@ optimizer runs their batched forms (``nesterov_directions``, ``batched_newton_sc
 ``apply_updates``; ``muon_updates`` on one device): foreach kernels over all matrices and
 one Newton-Schulz per ``(n, m, k)`` stack of same-shape matrices, so a step costs O(shapes)
 kernels, not O(matrices), as Keller's and the Dion authors' implementations batch. The
-distributed path runs the same three with the direction gathered to one owner rank per
+optimizer is the owner-exchange driver (``dobb.optim.owner_groups``) over ``MuonCore``:
+shared matrices run the same three with the direction gathered to one owner rank per
 matrix in between (``OwnerExchange``). Design notes: docs/baselines.md, "Muon: design
 notes".
 """
@@ -24,13 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dobb._dtensor import DTensor, local
-from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.placement import matrix_placement
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
-from dobb.optim.config import BOOL, COUNT, UNIT, inherit, math_key, one_of, option
-from dobb.optim.owner_groups import OwnerExchangeConfig, OwnerExchangeOptimizer
+from dobb.optim.config import BOOL, COUNT, UNIT, inherit, one_of, option
+from dobb.optim.owner_groups import Core, OwnerExchangeConfig, OwnerExchangeOptimizer
 
 # Quintic Newton-Schulz coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, chosen to
 # maximize the slope at zero: https://github.com/KellerJordan/Muon/blob/00ba60d3a0d188993831f86e4d62597bb0e9b21c/muon.py#L21
@@ -225,10 +223,69 @@ def muon_updates(
     apply_updates(params, updates, lr=lr, weight_decay=weight_decay, scales=scales)
 
 
-def ns_arguments(group: dict[str, Any]) -> tuple:
-    """``newton_schulz``'s ``(steps, dtype, coefficients)`` from a group's options (also the
-    key under which matrices share an iteration)."""
-    return group["ns_steps"], group["ns_dtype"], group["ns_coefficients"]
+def ns_options(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's Newton-Schulz options, as the ``*_updates`` functions take them."""
+    return {name: group[name] for name in ("ns_steps", "ns_dtype", "ns_coefficients")}
+
+
+def muon_options(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's options of Muon's momentum, decay and Newton-Schulz, as ``muon_updates``
+    (and NorMuon's and the block step's) take them."""
+    return dict(
+        beta=group["momentum"],
+        nesterov=group["nesterov"],
+        weight_decay=group["weight_decay"],
+        **ns_options(group),
+    )
+
+
+def momentum_state(param: Tensor) -> dict[str, Tensor]:
+    """The momentum ``M``, zero, in ``param``'s placement and the state dtype."""
+    return {"momentum": torch.zeros_like(param, dtype=state_dtype(param))}
+
+
+class NewtonSchulzCore(Core):
+    """The owner's step of every core here: ``newton_schulz`` with the group's options."""
+
+    def orthogonalize(self, matrices: Tensor, group: dict[str, Any]) -> Tensor:
+        return newton_schulz(
+            matrices, group["ns_steps"], group["ns_dtype"], group["ns_coefficients"]
+        )
+
+    def result_dtype(self, group: dict[str, Any]) -> torch.dtype:
+        return group["ns_dtype"]
+
+
+class MuonCore(NewtonSchulzCore):
+    """Muon's core: ``muon_updates`` on unshared matrices; shared, the Nesterov direction
+    ``N`` travels to the owner and ``O = NS5(N)`` back (``apply_updates`` then)."""
+
+    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+        return momentum_state(param)
+
+    def updates(self, params, grads, states, group, *, batched: bool) -> None:
+        muon_updates(
+            params,
+            grads,
+            [state["momentum"] for state in states],
+            lr=group["lr"],
+            scales=[lr_scale(p.shape, group["adjust_lr"]) for p in params],
+            batched=batched,
+            **muon_options(group),
+        )
+
+    def directions(self, grads, states, group) -> tuple[list[Tensor], list]:
+        momenta = [state["momentum"] for state in states]
+        found = nesterov_directions(
+            grads, momenta, beta=group["momentum"], nesterov=group["nesterov"]
+        )
+        return found, [None] * len(found)
+
+    def apply(self, params, updates, shapes, aux, group, sums) -> None:
+        scales = [lr_scale(shape, group["adjust_lr"]) for shape in shapes]
+        apply_updates(
+            params, updates, lr=group["lr"], weight_decay=group["weight_decay"], scales=scales
+        )
 
 
 @dataclass(frozen=True)
@@ -266,6 +323,7 @@ class Muon(OwnerExchangeOptimizer):
     """
 
     algorithm = "muon"
+    core = MuonCore()
 
     @dataclass(frozen=True)
     class Config(NewtonSchulzConfig):
@@ -298,96 +356,4 @@ class Muon(OwnerExchangeOptimizer):
         nonfinite: str = Config.nonfinite,
         foreach: bool | None = Config.foreach,
     ):
-        self.config = self.Config.from_arguments(locals())
-        super().__init__(params)
-
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        super()._validate_group(group)
-        if group["algorithm"] != self.algorithm:
-            return
-        for p in group["params"]:
-            if isinstance(p, DTensor):
-                matrix_placement(p)  # rejects Partial placements
-
-    # ------------------------------------------------------------------ step
-    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        return {"momentum": torch.zeros_like(param, dtype=state_dtype(param))}
-
-    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        shared = self._shared()
-        entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
-        if entries:
-            self._local_step(entries)
-        group_of = {p: g for g in groups for p in g["params"]}
-        for exchange, params in self._exchanges:
-            self._shared_step(exchange, [(p, group_of[p]) for p in params])
-
-    def _local_step(self, entries: list[tuple[Tensor, dict, dict]]) -> None:
-        """Matrices no other rank shares, as ``(param, state, group)``: one ``muon_updates``
-        per set of hyperparameters (one device, or DDP without ``replica_group``)."""
-        for indices in group_by(entries, lambda e: math_key(e[2], self._math_options)).values():
-            group, params = entries[indices[0]][2], [entries[i][0] for i in indices]
-            muon_updates(
-                [local(p) for p in params],
-                [local(p.grad) for p in params],
-                [local(entries[i][1]["momentum"]) for i in indices],
-                lr=group["lr"],
-                beta=group["momentum"],
-                nesterov=group["nesterov"],
-                weight_decay=group["weight_decay"],
-                scales=[lr_scale(p.shape, group["adjust_lr"]) for p in params],
-                ns_steps=group["ns_steps"],
-                ns_dtype=group["ns_dtype"],
-                ns_coefficients=group["ns_coefficients"],
-                batched=self.batched(local(params[0]).device),
-            )
-
-    def _shared_step(self, exchange: OwnerExchange, entries: list[tuple[Tensor, dict]]) -> None:
-        """Muon on matrices shared by ``exchange``'s ranks: NS5 on the owner of each.
-
-        A parameter without a gradient sends a zero direction (every rank must take part)
-        and is left unchanged, as on one device.
-        """
-        live = [j for j, (p, _) in enumerate(entries) if p.grad is not None]
-        directions = [
-            None if p.grad is not None else torch.zeros_like(local(p), dtype=state_dtype(p))
-            for p, _ in entries
-        ]
-        for j in live:
-            p, group = entries[j]
-            if not self.state[p]:
-                self.state[p].update(self._init_matrix_state(p, group))
-        key = lambda j: math_key(entries[j][1], self._math_options)  # noqa: E731
-        for indices in group_by(live, key).values():
-            params, group = [entries[j][0] for j in indices], entries[indices[0]][1]
-            found = nesterov_directions(
-                [local(p.grad) for p in params],
-                [local(self.state[p]["momentum"]) for p in params],
-                beta=group["momentum"],
-                nesterov=group["nesterov"],
-            )
-            for j, direction in zip(indices, found):
-                directions[j] = direction
-        # N: every piece to the matrix's owner (one all_to_all)
-        whole = exchange.gather(directions)
-        # O = NS5(N), for the matrices this rank owns, batched by shape
-        owned = list(whole)
-        results = stack_apply(
-            [whole[j] for j in owned],
-            lambda N, hp: newton_schulz(N, *hp),
-            key=lambda i: ns_arguments(entries[owned[i]][1]),
-            batched=self.batched(directions[0].device),
-        )
-        # O: every rank's piece back from the owner (one all_to_all)
-        dtypes = [group["ns_dtype"] for _, group in entries]
-        buffer_dtype = functools.reduce(torch.promote_types, dtypes)
-        updates = exchange.scatter(dict(zip(owned, results)), buffer_dtype, directions[0].device)
-        for indices in group_by(live, key).values():
-            group = entries[indices[0]][1]
-            apply_updates(
-                [local(entries[j][0]) for j in indices],
-                [updates[j].to(group["ns_dtype"]) for j in indices],
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                scales=[lr_scale(entries[j][0].shape, group["adjust_lr"]) for j in indices],
-            )
+        super().__init__(params, self.Config.from_arguments(locals()))

@@ -8,10 +8,11 @@ block and full updates have the same RMS (the maths: the class docstring). ``per
 Muon; ``period=None`` never takes a full step (BlockMuon).
 
 Everything but the block step is Muon's (``dobb.optim.muon``): momentum, Newton-Schulz, the
-update and the shared-matrix exchange. This module adds the tiling of a local piece into
-blocks (``chunk_sizes``), the block step on those tiles (``block_muon_update``, the
-reference, and ``block_muon_updates``, which batches same-shape tiles across all
-matrices), and the choice of step.
+update and the shared-matrix exchange; the optimizer is the owner-exchange driver over
+Muon's core with ``BlockSteps`` beside it (``dobb.optim.owner_groups``). This module adds
+the tiling of a local piece into blocks (``chunk_sizes``), the block step on those tiles
+(``block_muon_update``, the reference, and ``block_muon_updates``, which batches
+same-shape tiles across all matrices), and the choice of step (``BlockSteps.schedule``).
 
 Tiling: ``chunk_sizes`` cuts a dim as FSDP2 and DTensor's ``Shard`` lay it out (18 over
 4: 5/5/5/3; 3 over 4: 1/1/1/0), and nested splits as a 2-D mesh's ``_StridedShard`` does
@@ -28,36 +29,35 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dobb._dtensor import local
-from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.placement import matrix_placement
-from dobb.optim.batching import group_by
-from dobb.optim.config import COUNT, NON_NEGATIVE, SPLITS, inherit, math_key, option, optional
+from dobb.optim.config import COUNT, NON_NEGATIVE, SPLITS, inherit, option, optional
 from dobb.optim.muon import (
     NS_STEPS,
     Muon,
+    MuonCore,
     apply_update,
     apply_updates,
     batched_newton_schulz,
     lr_scale,
+    muon_options,
     nesterov_direction,
     nesterov_directions,
     newton_schulz,
     update_dtype,
 )
-from dobb.optim.owner_groups import OwnerExchangeOptimizer
+from dobb.optim.owner_groups import OwnerExchangeOptimizer, PieceSteps
 
 Tile = tuple[slice, slice]
 
 
-def chunk_sizes(size: int, splits: Sequence[int]) -> list[int]:
+def chunk_sizes(size: int, splits: int | Sequence[int]) -> list[int]:
     """Sizes of ``size`` indices split like ``torch.chunk`` into ``splits[0]`` parts, each
-    part into ``splits[1]`` parts, and so on (outer split first); empty parts are kept.
+    part into ``splits[1]`` parts, and so on (outer split first); empty parts are kept. An
+    integer is one split.
 
     As FSDP2's ``Shard`` (18 over 4: 5/5/5/3); nested: ``_StridedShard`` (18: 5/4/5/4).
     """
     sizes = [size]
-    for parts in splits:
+    for parts in (splits,) if isinstance(splits, int) else splits:
         sizes = [piece for n in sizes for piece in _chunk(n, parts)]
     return sizes
 
@@ -68,8 +68,8 @@ def block_tiles(shape: tuple[int, int], row_blocks, col_blocks) -> list[Tile]:
     ``row_blocks`` / ``col_blocks``: an integer, or a tuple of them for nested splits (see
     ``chunk_sizes``). Tiles may be empty.
     """
-    rows = _slices(chunk_sizes(shape[0], _splits(row_blocks)))
-    cols = _slices(chunk_sizes(shape[1], _splits(col_blocks)))
+    rows = _slices(chunk_sizes(shape[0], row_blocks))
+    cols = _slices(chunk_sizes(shape[1], col_blocks))
     return [(r, c) for r in rows for c in cols]
 
 
@@ -172,7 +172,44 @@ def block_muon_updates(
     )
 
 
-class MuonBP(Muon):
+class BlockSteps(PieceSteps):
+    """MuonBP's period and block step, beside Muon's core (which takes the full steps).
+
+    ``step``: the updates a matrix has taken (a CPU scalar, as torch.optim's AdamW's);
+    update ``k`` (from 0) is full when ``k mod period == 0``.
+    """
+
+    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+        return {"step": torch.tensor(0.0)}
+
+    def schedule(self, states: list[dict], groups: list[dict[str, Any]]) -> list[bool]:
+        """Full (True) or block (False) for each matrix (one host read of the CPU step
+        counters for all of them), and every counter advanced."""
+        if not states:
+            return []
+        counters = [state["step"] for state in states]
+        steps = torch.stack(counters).tolist()
+        torch._foreach_add_(counters, 1)
+        return [
+            group["period"] is not None and int(k) % group["period"] == 0
+            for k, group in zip(steps, groups)
+        ]
+
+    def updates(self, params, grads, states, group, *, batched: bool) -> None:
+        """``block_muon_updates`` of local pieces, each tiled by the group's blocks."""
+        block_muon_updates(
+            params,
+            grads,
+            [state["momentum"] for state in states],
+            [block_tiles(tuple(p.shape), group["row_blocks"], group["col_blocks"]) for p in params],
+            lr=group["lr"] * group["block_lr_ratio"],
+            adjust_lr=group["adjust_lr"],
+            batched=batched,
+            **muon_options(group),
+        )
+
+
+class MuonBP(OwnerExchangeOptimizer):
     r"""MuonBP: Muon whose orthogonalization is block-local except every ``period`` steps.
 
     Khaled, Ozkara, Yu, Hong, Park, "MuonBP: Faster Muon via Block-Periodic
@@ -204,6 +241,8 @@ class MuonBP(Muon):
     """
 
     algorithm = "muonbp"
+    core = MuonCore()  # the full steps: Muon's
+    piece_steps = BlockSteps()
 
     @dataclass(frozen=True)
     class Config(Muon.Config):
@@ -246,104 +285,13 @@ class MuonBP(Muon):
         nonfinite: str = Config.nonfinite,
         foreach: bool | None = Config.foreach,
     ):
-        self._subset_exchanges: dict[tuple[int, ...], OwnerExchange] = {}
-        self.config = self.Config.from_arguments(locals())
-        # Muon's scaffolding with MuonBP's config (Muon.__init__ would build Muon's)
-        OwnerExchangeOptimizer.__init__(self, params)
-
-    def _plan_exchanges(self) -> None:
-        self._subset_exchanges = {}
-        super()._plan_exchanges()
-
-    # ------------------------------------------------------------------ step
-    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        # step: updates taken, which sets the phase; a CPU scalar, as torch.optim's AdamW
-        return {**super()._init_matrix_state(param, group), "step": torch.tensor(0.0)}
-
-    @staticmethod
-    def _full_steps(states: list[dict[str, Any]], groups: list[dict[str, Any]]) -> list[bool]:
-        """Update k (from 0) of a matrix is full when k mod period == 0 (one host read of
-        the CPU step counters for all matrices)."""
-        if not states:
-            return []
-        steps = torch.stack([state["step"] for state in states]).tolist()
-        return [
-            group["period"] is not None and int(k) % group["period"] == 0
-            for k, group in zip(steps, groups)
-        ]
-
-    def _local_step(self, entries: list[tuple[Tensor, dict, dict]]) -> None:
-        """Matrices no other rank shares (one device, no ``replica_group``)."""
-        full = self._full_steps([e[1] for e in entries], [e[2] for e in entries])
-        due = [e for e, f in zip(entries, full) if f]
-        if due:
-            super()._local_step(due)
-        self._block_steps([(p, group) for (p, _, group), f in zip(entries, full) if not f])
-        torch._foreach_add_([state["step"] for _, state, _ in entries], 1)
-
-    def _block_steps(self, entries: list[tuple[Tensor, dict]]) -> None:
-        """Block steps of ``(param, group)`` pairs: one ``block_muon_updates`` per set of
-        hyperparameters."""
-        for indices in group_by(entries, lambda e: math_key(e[1], self._math_options)).values():
-            group, params = entries[indices[0]][1], [entries[i][0] for i in indices]
-            pieces = [local(p) for p in params]
-            block_muon_updates(
-                pieces,
-                [local(p.grad) for p in params],
-                [local(self.state[p]["momentum"]) for p in params],
-                [
-                    block_tiles(tuple(piece.shape), group["row_blocks"], group["col_blocks"])
-                    for piece in pieces
-                ],
-                lr=group["lr"] * group["block_lr_ratio"],
-                beta=group["momentum"],
-                nesterov=group["nesterov"],
-                weight_decay=group["weight_decay"],
-                adjust_lr=group["adjust_lr"],
-                ns_steps=group["ns_steps"],
-                ns_dtype=group["ns_dtype"],
-                ns_coefficients=group["ns_coefficients"],
-                batched=self.batched(pieces[0].device),
-            )
-
-    def _shared_step(self, exchange: OwnerExchange, entries: list[tuple[Tensor, dict]]) -> None:
-        """Block steps locally; the matrices due for a full step through Muon's exchange.
-
-        Every rank holds the same phases (the same matrices get gradients on every rank),
-        so every rank takes the same collectives, or none.
-        """
-        live = [(p, group) for p, group in entries if p.grad is not None]
-        for p, group in live:
-            if not self.state[p]:
-                self.state[p].update(self._init_matrix_state(p, group))
-        states = [self.state[p] for p, _ in live]
-        full = self._full_steps(states, [group for _, group in live])
-        due = [e for e, f in zip(live, full) if f]
-        self._block_steps([e for e, f in zip(live, full) if not f])
-        if due and len(due) == len(live):  # the usual case: Muon's planned exchange
-            super()._shared_step(exchange, entries)
-        elif due:
-            super()._shared_step(self._subset_exchange(exchange, due), due)
-        if states:
-            torch._foreach_add_([state["step"] for state in states], 1)
-
-    def _subset_exchange(self, exchange: OwnerExchange, due: list[tuple[Tensor, dict]]):
-        """An exchange over just the matrices ``due`` (planned collectively, then kept)."""
-        key = (id(exchange), *(id(p) for p, _ in due))
-        if key not in self._subset_exchanges:
-            placements = [matrix_placement(p) for p, _ in due]
-            self._subset_exchanges[key] = OwnerExchange(placements, exchange.group)
-        return self._subset_exchanges[key]
+        super().__init__(params, self.Config.from_arguments(locals()))
 
 
 def _chunk(n: int, parts: int) -> list[int]:
     # torch.chunk: parts of ceil(n / parts) each, the last ones short or empty
     step = -(-n // parts)
     return [min(step, max(0, n - i * step)) for i in range(parts)]
-
-
-def _splits(blocks) -> tuple[int, ...]:
-    return tuple(blocks) if isinstance(blocks, tuple | list) else (blocks,)
 
 
 def _slices(sizes: list[int]) -> list[slice]:

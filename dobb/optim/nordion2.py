@@ -1,19 +1,18 @@
 """NorDion2 (Dion3, arXiv 2608.11612): Dion2's row selection and error feedback, with
 NorMuon's per-neuron normalization of the selected rows. Built from the two modules:
-``nordion2_update`` (the reference) and ``nordion2_updates`` (the batched form)."""
+``nordion2_update`` (the reference) and ``nordion2_updates`` (the batched form), and
+``NorDion2Core``: Dion2's core with NorMuon's state and a post step (the owner-exchange
+driver, ``dobb.optim.owner_groups``, sums its norms over a split matrix's pieces)."""
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from dobb._dtensor import local
 from dobb.optim.config import POSITIVE, UNIT, inherit, option
-from dobb.optim.dion2 import Dion2, apply_rows, dion2_direction, dion2_updates, row_scale
+from dobb.optim.dion2 import Dion2, Dion2Core, apply_rows, dion2_direction, dion2_updates
 from dobb.optim.muon import NS_STEPS, newton_schulz
-from dobb.optim.normuon import NORM_FLOOR, NorMuon, _any_split, neuron_normalize
+from dobb.optim.normuon import NORM_FLOOR, neuron_normalize, row_moment_state
 from dobb.optim.owner_groups import OwnerExchangeOptimizer
 
 
@@ -86,7 +85,48 @@ def nordion2_updates(
     dion2_updates(params, grads, momenta, blocks, normalize=normalize, **options)
 
 
-class NorDion2(Dion2):
+class NorDion2Core(Dion2Core):
+    """NorDion2's core: Dion2's selection and exchange, with NorMuon's ``v`` normalizing
+    the selected rows (``nordion2_updates`` on unshared matrices); shared, the post step
+    normalizes each rank's rows of ``O`` and sums ``||O||_F²``, ``||Ô||_F²`` over the
+    pieces, and ``apply`` rescales by their ratio."""
+
+    sums = (2,)  # ||O||_F², ||Ô||_F²
+
+    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+        return row_moment_state(param)
+
+    def updates(self, params, grads, states, group, *, batched: bool) -> None:
+        nordion2_updates(
+            params,
+            grads,
+            [state["momentum"] for state in states],
+            [state["row_second_moment"] for state in states],
+            beta2=group["beta2"],
+            eps=group["eps"],
+            batched=batched,
+            **self.options(params, group),
+        )
+
+    def normalize(self, pieces, states, rows, group) -> tuple[list[Tensor], list[Tensor]]:
+        """Ô on this rank's selected rows, and its parts of ``||O||_F²`` and ``||Ô||_F²``."""
+        found, sums = [], []
+        for ortho, state, selected in zip(pieces, states, rows):
+            v = state["row_second_moment"]
+            ortho = ortho.to(v.dtype)
+            update = normalize_selected(ortho, v, selected, beta2=group["beta2"], eps=group["eps"])
+            found.append(update)
+            sums.append(torch.stack([ortho.square().sum(), update.square().sum()]).double())
+        return found, sums
+
+    def apply(self, params, updates, shapes, rows, group, sums) -> None:
+        for update, (before, after) in zip(updates, sums):
+            # Ô <- ||O||_F / ||Ô||_F Ô
+            update.mul_(norm_ratio(before, after).to(update.dtype))
+        super().apply(params, updates, shapes, rows, group, sums)
+
+
+class NorDion2(OwnerExchangeOptimizer):
     r"""NorDion2 (arXiv 2608.11612; the Dion authors export it also as ``Dion3``).
 
     .. code-block:: text
@@ -115,6 +155,7 @@ class NorDion2(Dion2):
     """
 
     algorithm = "nordion2"
+    core = NorDion2Core()
 
     @dataclass(frozen=True)
     class Config(Dion2.Config):
@@ -146,46 +187,4 @@ class NorDion2(Dion2):
         nonfinite: str = Config.nonfinite,
         foreach: bool | None = Config.foreach,
     ):
-        self.config = self.Config.from_arguments(locals())
-        OwnerExchangeOptimizer.__init__(self, params)  # Dion2's scaffolding, NorDion2's config
-
-    # the state is NorMuon's: the momentum and v, sharded like W's rows
-    _init_matrix_state = NorMuon._init_matrix_state
-
-    def _normalizer(self, states: list[dict], group: dict[str, Any]):
-        moments = [local(state["row_second_moment"]) for state in states]
-        return selected_normalizer(moments, beta2=group["beta2"], eps=group["eps"])
-
-    def _apply_selected(self, exchange, entries, indices, updates) -> None:
-        """Normalize each rank's rows of ``O``, sum the two norms over the pieces, update."""
-        split = _any_split(exchange)
-        normalized, squares = [], []
-        zero = torch.zeros(2, dtype=torch.float64, device=updates[0].device)
-        for j, ((p, group), rows, ortho) in enumerate(zip(entries, indices, updates)):
-            if rows is None:  # no gradient: takes part in the sum, stays unchanged
-                normalized.append(None)
-                squares.append(zero)
-                continue
-            v = local(self.state[p]["row_second_moment"])
-            ortho = ortho.to(group["ns_dtype"]).to(v.dtype)
-            update = normalize_selected(ortho, v, rows, beta2=group["beta2"], eps=group["eps"])
-            normalized.append(update)
-            counted = not split or exchange.me in exchange.sources[j]
-            both = torch.stack([ortho.square().sum(), update.square().sum()]).double()
-            squares.append(both if counted else zero)
-        squares = torch.stack(squares)
-        if split:  # ||O||_F², ||Ô||_F² = sums over the distinct pieces (one all_reduce)
-            dist.all_reduce(squares, group=exchange.group)
-        for (p, group), rows, update, (before, after) in zip(entries, indices, normalized, squares):
-            if rows is None:
-                continue
-            # Ô <- ||O||_F / ||Ô||_F Ô
-            update.mul_(norm_ratio(before, after).to(update.dtype))
-            apply_rows(
-                local(p),
-                rows,
-                update,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                scale=row_scale(p.shape),
-            )
+        super().__init__(params, self.Config.from_arguments(locals()))

@@ -10,34 +10,32 @@ The momentum, the Newton-Schulz iteration and the weight update are Muon's
 (``dobb.optim.muon``); this module adds ``neuron_normalize`` and the RMS rescaling.
 ``normuon_update`` is the per-matrix reference; unshared matrices run ``normuon_updates``,
 its batched form (one Newton-Schulz and one normalization per stack of same-shape
-matrices). The distributed path runs them after Muon's owner exchange, on each rank's own
-rows. Design notes and where we chose against the authors' code: docs/baselines.md,
+matrices). ``NorMuonCore`` gives them to the owner-exchange driver
+(``dobb.optim.owner_groups``): shared matrices are normalized after Muon's exchange, on
+each rank's own rows, the driver summing ``||Ô||_F²`` over the pieces. Design notes and where we chose against the authors' code: docs/baselines.md,
 "NorMuon: design notes".
 """
 
-import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from dobb._dtensor import local
-from dobb.distributed.exchange import OwnerExchange
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import group_by, solo
-from dobb.optim.config import BOOL, POSITIVE, UNIT, inherit, math_key, option
+from dobb.optim.config import BOOL, POSITIVE, UNIT, inherit, option
 from dobb.optim.muon import (
     NS_STEPS,
+    MuonCore,
     NewtonSchulzConfig,
     apply_update,
     apply_updates,
+    momentum_state,
+    muon_options,
     nesterov_direction,
     nesterov_directions,
     newton_schulz,
-    ns_arguments,
 )
 from dobb.optim.owner_groups import OwnerExchangeOptimizer
 
@@ -132,6 +130,61 @@ def normuon_updates(
     apply_updates(params, updates, lr=lr, weight_decay=weight_decay, scales=[1.0] * len(params))
 
 
+def row_moment_state(param: Tensor) -> dict[str, Tensor]:
+    """The momentum and ``v`` (m x 1), zero; ``v`` sharded like W's rows (a column slice of
+    a row-sharded DTensor)."""
+    return momentum_state(param) | {
+        "row_second_moment": torch.zeros_like(param[:, :1], dtype=state_dtype(param))
+    }
+
+
+class NorMuonCore(MuonCore):
+    """NorMuon's core: Muon's direction and Newton-Schulz; ``normuon_updates`` on unshared
+    matrices; shared, the post step normalizes each rank's rows and sums ``||Ô||_F²`` over
+    the pieces, and ``apply`` rescales to RMS 0.2."""
+
+    sums = ()  # ||Ô||_F²
+    whole_rows = "NorMuon normalizes whole rows"
+
+    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+        return row_moment_state(param)
+
+    def updates(self, params, grads, states, group, *, batched: bool) -> None:
+        normuon_updates(
+            params,
+            grads,
+            [state["momentum"] for state in states],
+            [state["row_second_moment"] for state in states],
+            lr=group["lr"],
+            beta2=group["beta2"],
+            eps=group["eps"],
+            batched=batched,
+            **muon_options(group),
+        )
+
+    def normalize(self, pieces, states, aux, group) -> tuple[list[Tensor], list[Tensor]]:
+        """Ô on this rank's rows, and its part of ``||Ô||_F²``."""
+        found = [
+            neuron_normalize(
+                piece, state["row_second_moment"], beta2=group["beta2"], eps=group["eps"]
+            )
+            for piece, state in zip(pieces, states)
+        ]
+        return found, [update.square().sum().double() for update in found]
+
+    def apply(self, params, updates, shapes, aux, group, sums) -> None:
+        for update, shape, square_norm in zip(updates, shapes, sums):
+            # Ô <- 0.2 sqrt(m n) Ô / ||Ô||_F
+            update.mul_(rms_factor(shape, square_norm))
+        apply_updates(
+            params,
+            updates,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            scales=[1.0] * len(params),
+        )
+
+
 class NorMuon(OwnerExchangeOptimizer):
     r"""NorMuon (arXiv 2510.05491, Algorithm 1) for hidden weight matrices.
 
@@ -154,6 +207,7 @@ class NorMuon(OwnerExchangeOptimizer):
     """
 
     algorithm = "normuon"
+    core = NorMuonCore()
 
     @dataclass(frozen=True)
     class Config(NewtonSchulzConfig):
@@ -189,110 +243,4 @@ class NorMuon(OwnerExchangeOptimizer):
         nonfinite: str = Config.nonfinite,
         foreach: bool | None = Config.foreach,
     ):
-        self.config = self.Config.from_arguments(locals())
-        super().__init__(params)
-
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        super()._validate_group(group)
-        if group["algorithm"] == self.algorithm:
-            self._require_whole_rows(group, "NorMuon normalizes whole rows")
-
-    # ------------------------------------------------------------------ step
-    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        dtype = state_dtype(param)
-        return {
-            "momentum": torch.zeros_like(param, dtype=dtype),
-            # v: (m, 1), sharded like W's rows (a column slice of a row-sharded DTensor)
-            "row_second_moment": torch.zeros_like(param[:, :1], dtype=dtype),
-        }
-
-    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        shared = self._shared()
-        entries = [e for e in self._matrices_with_grad(groups) if e[0] not in shared]
-        # matrices no other rank shares: one normuon_updates per set of hyperparameters
-        for indices in group_by(entries, lambda e: math_key(e[2], self._math_options)).values():
-            group = entries[indices[0]][2]
-            params, states = [entries[i][0] for i in indices], [entries[i][1] for i in indices]
-            normuon_updates(
-                [local(p) for p in params],
-                [local(p.grad) for p in params],
-                [local(state["momentum"]) for state in states],
-                [local(state["row_second_moment"]) for state in states],
-                lr=group["lr"],
-                beta=group["momentum"],
-                beta2=group["beta2"],
-                nesterov=group["nesterov"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                ns_steps=group["ns_steps"],
-                ns_dtype=group["ns_dtype"],
-                ns_coefficients=group["ns_coefficients"],
-                batched=self.batched(local(params[0]).device),
-            )
-        group_of = {p: g for g in groups for p in g["params"]}
-        for exchange, params in self._exchanges:
-            self._shared_step(exchange, [(p, group_of[p]) for p in params])
-
-    def _shared_step(self, exchange: OwnerExchange, entries: list[tuple[Tensor, dict]]) -> None:
-        """NorMuon on matrices shared by ``exchange``'s ranks (see the class docstring).
-
-        A parameter without a gradient sends a zero direction and stays unchanged.
-        """
-        directions = []
-        for p, group in entries:
-            if p.grad is None:
-                directions.append(torch.zeros_like(local(p), dtype=state_dtype(p)))
-                continue
-            state = self.state[p]
-            if not state:
-                state.update(self._init_matrix_state(p, group))
-            directions.append(
-                nesterov_direction(
-                    local(p.grad),
-                    local(state["momentum"]),
-                    beta=group["momentum"],
-                    nesterov=group["nesterov"],
-                )
-            )
-        # N: every piece to the matrix's owner (one all_to_all)
-        whole = exchange.gather(directions)
-        # O = NS5(N), for the matrices this rank owns
-        results = {j: newton_schulz(N, *ns_arguments(entries[j][1])) for j, N in whole.items()}
-        # O: every rank's piece back from the owner (one all_to_all)
-        dtypes = [group["ns_dtype"] for _, group in entries]
-        buffer_dtype = functools.reduce(torch.promote_types, dtypes)
-        pieces = exchange.scatter(results, buffer_dtype, directions[0].device)
-        # Ô on this rank's rows, and the part of ||Ô||_F² this rank accounts for
-        normalized, square_norms = [], []
-        split = _any_split(exchange)
-        for j, ((p, group), piece) in enumerate(zip(entries, pieces)):
-            v = local(self.state[p]["row_second_moment"]) if p.grad is not None else None
-            update = (
-                None
-                if v is None
-                else neuron_normalize(piece, v, beta2=group["beta2"], eps=group["eps"])
-            )
-            counted = update is not None and (not split or exchange.me in exchange.sources[j])
-            normalized.append(update)
-            zero = torch.zeros((), dtype=torch.float64, device=piece.device)
-            square_norms.append(update.square().sum().double() if counted else zero)
-        square_norms = torch.stack(square_norms)
-        if split:  # ||Ô||_F² = sum over the distinct pieces (one all_reduce)
-            dist.all_reduce(square_norms, group=exchange.group)
-        for (p, group), update, square_norm in zip(entries, normalized, square_norms):
-            if update is None:
-                continue
-            # Ô <- 0.2 sqrt(m n) Ô / ||Ô||_F
-            update.mul_(rms_factor(p.shape, square_norm))
-            apply_update(
-                local(p), update, lr=group["lr"], weight_decay=group["weight_decay"], scale=1.0
-            )
-
-
-def _any_split(exchange: OwnerExchange) -> bool:
-    """True if some rank holds less than a whole matrix (then ``||Ô||_F`` needs a sum)."""
-    return any(
-        len(rows) * len(cols) != m * n
-        for (m, n), pieces in zip(exchange.shapes, exchange.pieces)
-        for rows, cols in pieces
-    )
+        super().__init__(params, self.Config.from_arguments(locals()))
