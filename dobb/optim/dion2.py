@@ -224,18 +224,12 @@ class Dion2Core(NewtonSchulzCore):
 
     def directions(self, grads, states, group) -> tuple[list[Tensor], list]:
         """The selected rows ``M_S`` of each piece, and their indices (for ``apply``)."""
-        rows, selected = [], []
-        for grad, state in zip(grads, states):
-            found = dion2_direction(
-                grad,
-                state["momentum"],
-                selection_blocks(grad.shape[0], group),
-                fraction=group["fraction"],
-                ef_decay=group["ef_decay"],
-            )
-            rows.append(found[0])
-            selected.append(found[1])
-        return selected, rows
+        options = dict(fraction=group["fraction"], ef_decay=group["ef_decay"])
+        found = [
+            dion2_direction(g, s["momentum"], selection_blocks(len(g), group), **options)
+            for g, s in zip(grads, states)
+        ]
+        return [selected for _, selected in found], [rows for rows, _ in found]
 
     def exchanged_rows(self, rows: int, group) -> int:
         return sum(selected_count(b, group["fraction"]) for b in selection_blocks(rows, group))
