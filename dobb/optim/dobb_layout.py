@@ -16,11 +16,13 @@ and options.
 
 State keys: stack ``i`` of side ``s`` keeps ``C`` under ``"{s}_cov_{i}"`` and its basis under
 ``"{s}_basis_{i}"`` (``input_cov_0``, ``row_basis_1``), ``i`` in ``dobb.blocks.block_stacks``'
-order (the longer blocks first). By stack index rather than block size: the keys stay a
-matrix's stacks in order, one to one with the keys written before (``LEGACY_KEYS``: ``cov``,
-``cov_tail``, ..., which ``Dobb.load_state_dict`` renames), and a key holds no shape, so a
-side's keys do not change with the world size where its block size does (two-sided
-``row_blocks=None``: one block of each rank's rows).
+order (the longer blocks first). By stack index, not block size, for two reasons. The keys
+are then one to one with those written before (``LEGACY_KEYS``: ``cov``, ``cov_tail``, ...,
+which ``Dobb.load_state_dict`` renames and ``dobb.optim.dobb_checkpoint`` reads through
+DCP). And a name holds no shape, which is the tensor's to say: where the block size
+depends on the world size (two-sided ``row_blocks=None``: one block of each rank's rows), a
+resume onto another world size finds the same key with another shape, which DCP refuses
+in one line naming both shapes, rather than a key that is missing.
 """
 
 import zlib

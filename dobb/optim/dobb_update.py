@@ -151,38 +151,31 @@ def dobb_update_batched(
     """
     if live is not None:  # a skipped step: G := M keeps M (and U is zeroed in ``_apply``)
         grads = [torch.where(live.bool(), g, m.to(g.dtype)) for g, m in zip(grads, momenta)]
-    hyper = dict(lr=lr, beta=beta, nesterov=nesterov, weight_decay=weight_decay, scale=scale)
-    hyper.update(transposed=transposed, live=live, low=projection_dtype)
     if row_stacks or variances is not None:
-        variants = (row_bases, row_stacks, variances, steps)
         _rotated_update(
-            params, grads, momenta, bases, stacks, *variants, beta2=beta2, eps=eps, **hyper
+            params,
+            grads,
+            momenta,
+            bases,
+            stacks,
+            row_bases,
+            row_stacks,
+            variances,
+            steps,
+            lr=lr,
+            beta=beta,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            scale=scale,
+            beta2=beta2,
+            eps=eps,
+            transposed=transposed,
+            live=live,
+            low=projection_dtype,
         )
-    else:
-        _signed_update(params, grads, momenta, bases, stacks, **hyper)
-
-
-def _signed_update(
-    params: list[Tensor],
-    grads: list[Tensor],
-    momenta: list[Tensor],
-    bases: list[Tensor],
-    stacks: tuple[BlockStack, ...],
-    *,
-    lr: float,
-    beta: float,
-    nesterov: bool,
-    weight_decay: float,
-    scale: float,
-    transposed: bool,
-    live: Tensor | None,
-    low: torch.dtype | None,
-) -> None:
-    """The paper's update for ``n`` matrices (one-sided, sign coefficients):
-    ``dobb_update``'s arithmetic, op for op, on ``(n, ...)`` stacks, each block's
-    ``sign(N_b Q_b) Q_bᵀ`` one ``bmm`` pair per stack (in ``low``)."""
-    n, dtype = len(params), momenta[0].dtype
-    low = low or dtype
+        return
+    dtype = momenta[0].dtype
+    low = projection_dtype or dtype
     if grads[0].dtype != dtype:  # e.g. bf16 gradients, fp32 momentum
         grads = torch.stack(grads).to(dtype).unbind(0)
     # M <- mu M + (1 - mu) G
@@ -190,11 +183,19 @@ def _signed_update(
     # N = (1 - mu) G + mu M  (Nesterov),  else  N = M
     direction = torch.stack(torch._foreach_lerp(grads, momenta, beta) if nesterov else momenta)
     direction = direction.mT if transposed else direction  # (n, rows, d_in)
-    rows, d_in = direction.shape[1:]
+    update = _signed_blocks(direction, bases, stacks, low)
+    _apply(params, update.mT if transposed else update, lr, weight_decay, scale, live)
+
+
+def _signed_blocks(direction: Tensor, bases: list[Tensor], stacks, low: torch.dtype) -> Tensor:
+    """``U_b = sign(N_b Q_b) Q_bᵀ`` for every block of ``direction`` ``N`` ``(n, rows,
+    d_in)``, laid out like it: per stack one ``bmm`` pair over all ``n count`` blocks, the
+    operands in ``low``."""
+    n, rows, d_in = direction.shape
     update = direction.new_empty(n, rows, d_in)
     for basis, s in zip(bases, stacks, strict=True):
         blocks = direction[..., s.start : s.stop].unflatten(2, (s.count, s.size)).transpose(1, 2)
-        if low != dtype:  # convert while laying out: one pass
+        if low != direction.dtype:  # convert while laying out: one pass
             blocks = blocks.new_empty(blocks.shape, dtype=low).copy_(blocks)
         blocks = blocks.reshape(n * s.count, rows, s.size)  # (n count, rows, size)
         basis = basis.reshape(n * s.count, s.size, s.size).to(low)
@@ -202,7 +203,7 @@ def _signed_update(
         block_update = torch.bmm(torch.bmm(blocks, basis).sign_(), basis.mT)
         target = update[..., s.start : s.stop].unflatten(2, (s.count, s.size))
         target.copy_(block_update.unflatten(0, (n, s.count)).transpose(1, 2))
-    _apply(params, update.mT if transposed else update, lr, weight_decay, scale, live)
+    return update
 
 
 def _apply(params, update: Tensor, lr, weight_decay: float, scale: float, live=None) -> None:
