@@ -474,7 +474,7 @@ def test_stage_metadata_inference_adds_no_statistics(titan, monkeypatch):
     config = integration.DobbOptimizersContainer.Config()
     optimizers = integration.DobbOptimizersContainer(config, model_parts=parts)
     tracked = optimizers.optimizers[0].statistics._stats
-    stats = [tracked[b.feed_forward.w1.weight] for b in parts[0].layers.values()]
+    stats = [tracked[b.feed_forward.w1.weight]["input"] for b in parts[0].layers.values()]
     stage, x = types.SimpleNamespace(submod=parts[0]), torch.randn(1, 16, 256)
     PipelineStage._forward_metadata_inference(stage, x)
     assert not any(s.seen for s in stats)
