@@ -9,6 +9,7 @@ position needs no saving: batch `step` is a pure function of (seed, step, rank).
 relies on (intact checks, retention, failed saves, trust): `docs/harness.md`.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dobb.optim.dobb_checkpoint import LegacyKeysLoadPlanner
 from dobb.train.errors import RunError, RunWarning
 
 MARKER = "COMPLETE"
@@ -346,7 +348,8 @@ def load_checkpoint(
             f"{sorted(unused)[0]}): it was saved from a larger or different model; {fix}"
         )
     try:
-        _dcp(dcp.load, state, path)
+        # Dobb state saved in the keys written up to d368fca (cov, cov_tail, ...) loads too
+        _dcp(functools.partial(dcp.load, planner=LegacyKeysLoadPlanner()), state, path)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
     except (RuntimeError, KeyError, ValueError, CheckpointException) as e:  # another model,

@@ -9,6 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from multirank import run_ranks
 
+from dobb.optim.dobb import Dobb
+from dobb.optim.dobb_layout import OLD_NAMES
 from dobb.optim.registry import OPTIMIZERS
 from dobb.train.checkpoint import (
     MARKER,
@@ -79,6 +81,38 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, monkeypatch, optimizer):
 
     assert resumed["final_val_loss"] == whole["final_val_loss"]
     assert losses(tmp_path / "split") == losses(tmp_path / "whole")  # steps 5, 6 logged once
+    a = final_params(tmp_path / "whole" / "checkpoints" / "step_000008")
+    b = final_params(tmp_path / "split" / "checkpoints" / "step_000008")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_in_dobbs_old_state_keys_resumes_exactly(tmp_path, monkeypatch):
+    """A run saved with Dobb's state under the keys written up to d368fca (``cov``,
+    ``cov_tail``, ...) resumes, and ends as the uninterrupted run (DCP reads today's keys
+    from the old names: ``LegacyKeysLoadPlanner``)."""
+    whole = train(config(tmp_path / "whole", "dobb"))
+    state_dict = Dobb.state_dict
+
+    def old_keys(self):
+        saved = state_dict(self)
+        saved["state"] = {
+            i: {OLD_NAMES.get(k, k): v for k, v in entry.items()}
+            for i, entry in saved["state"].items()
+        }
+        return saved
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Dobb, "state_dict", old_keys)
+        crash_at(patch, CRASH_AT)
+        with pytest.raises(KeyboardInterrupt):
+            train(config(tmp_path / "split", "dobb"))
+    step_4 = tmp_path / "split" / "checkpoints" / "step_000004"
+    saved = dcp.FileSystemReader(str(step_4)).read_metadata().state_dict_metadata
+    assert any(k.endswith(".cov") for k in saved) and not any("input_cov" in k for k in saved)
+    resumed = train(config(tmp_path / "split", "dobb", resume=True))
+    assert resumed["final_val_loss"] == whole["final_val_loss"]
     a = final_params(tmp_path / "whole" / "checkpoints" / "step_000008")
     b = final_params(tmp_path / "split" / "checkpoints" / "step_000008")
     for name in a:
