@@ -10,7 +10,7 @@
 - a path that starts with ``dobb/``, ``bench/``, ``tests/`` or ``docs/``
   (``dobb/optim/config.py``, ``tests/distributed``, ``bench/model/costs/*.py``) exists in
   the repository (a glob matches at least one file);
-- a page followed by quoted section titles (``docs/baselines.md, "Muon: design notes"``,
+- a page followed by quoted section titles (``docs/baselines.md, "Options"``,
   ``... "A" and "B"``) has a heading of each title (line breaks in a title read as spaces).
 
 A name ending in a file suffix (``dobb.py``, ``bench.json``) is a file name, not a dotted
@@ -167,7 +167,7 @@ def test_the_check_sees_names_and_paths():
     gone = (
         "``dobb.optim.muon.no_such_function``, `bench.no_such_module`, dobb.Dobb.no_such, "
         "`dobb/optim/no_such.py`, tests/no_such_dir/, bench/model/costs/no_such_*.py; "
-        'docs/baselines.md, "Muon: design\n    notes" and "No such section"'
+        'docs/baselines.md, "The registry\'s starting\n    learning rates" and "No such section"'
     )
     assert [b.split(":")[0] for b in dangling(gone)] == [
         "dobb.optim.muon.no_such_function",

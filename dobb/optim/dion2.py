@@ -23,7 +23,7 @@ batched form: one selection and one Newton-Schulz per stack of same-shape matric
 Sharded, each rank selects among its own rows and only the selected rows travel to the
 matrix's owner and back, through Muon's ``OwnerExchange`` on the ``k x n`` matrix of
 selected rows (``Dion2Core.exchanged_rows``; the driver, ``dobb.optim.owner_groups``,
-plans it). Design notes and the distributed form: docs/baselines.md.
+plans it).
 """
 
 import math
@@ -262,11 +262,18 @@ class Dion2(OwnerExchangeOptimizer):
 
     Options: ``Dion2.Config``.
 
-    Distributed: each rank selects among its own rows (the authors' ``"local"`` scope);
-    one ``all_to_all`` sends them to the matrix's owner (none under DDP), one returns its
-    rows of ``O``. Whole rows only (a ``Shard(1)`` parameter raises): ``docs/baselines.md``.
+    Distributed: each rank selects among its own rows (the authors' ``"local"`` scope), so
+    nothing but the selected rows moves: each rank's ``k_local x n`` rows go to the matrix's
+    owner, which runs NS5 on the ``k x n`` stack of them, and come back as rows of ``O``
+    (the driver's owner exchange, ``dobb.optim.owner_groups``; whole rows only, a
+    ``Shard(1)`` parameter raises). The selection sizes of a sharded matrix are planned at
+    construction from ``fraction`` and ``row_blocks``; changing either later raises.
 
-    Where we chose against the authors' code: ``docs/baselines.md``.
+    Where we chose (facts from the authors' code, microsoft/dion ``dion2.py``): the L1 row
+    norm; selection along rows always (their code picks the shorter side of an unsharded
+    matrix and the sharded side of a sharded one: rows under FSDP); the scale
+    ``sqrt(m/n)`` of the whole matrix; Muon's quintic Newton-Schulz (their default is Polar
+    Express); momentum in fp32 (or the parameter's wider dtype).
     """
 
     algorithm = "dion2"

@@ -13,8 +13,7 @@ one Newton-Schulz per ``(n, m, k)`` stack of same-shape matrices, so a step cost
 kernels, not O(matrices), as Keller's and the Dion authors' implementations batch. The
 optimizer is the owner-exchange driver (``dobb.optim.owner_groups``) over ``MuonCore``:
 shared matrices run the same three with the direction gathered to one owner rank per
-matrix in between (``OwnerExchange``). Design notes: docs/baselines.md, "Muon: design
-notes".
+matrix in between (``OwnerExchange``; the protocol and its bytes: ``owner_groups``).
 """
 
 import functools
@@ -317,9 +316,14 @@ class Muon(OwnerExchangeOptimizer):
 
     Options: ``Muon.Config``.
 
-    Distributed: each matrix goes to an owner rank (one ``all_to_all``), which runs ``NS5``;
-    one ``all_to_all`` brings every rank its piece of ``O`` (the protocol, the bytes and the
-    deviations from the reference: ``docs/baselines.md``).
+    Distributed (matrices split over ranks, or ``replica_group`` set): ``N`` is formed on
+    each rank's own piece, travels to the matrix's owner rank, which runs ``NS5``, and every
+    rank gets its piece of ``O`` back (the driver's owner exchange, one ``all_to_all`` each
+    way: ``dobb.optim.owner_groups``); any placement.
+
+    Differences from the reference, both harmless: momentum is kept in fp32 (or the
+    parameter's dtype where wider), and the shape scale ``s`` multiplies ``lr`` rather than
+    the bf16 update (as ``torch.optim.Muon`` does).
     """
 
     algorithm = "muon"

@@ -16,9 +16,7 @@ same-shape tiles across all matrices), and the choice of step (``BlockSteps.sche
 
 Tiling: ``chunk_sizes`` cuts a dim as FSDP2 and DTensor's ``Shard`` lay it out (18 over
 4: 5/5/5/3; 3 over 4: 1/1/1/0), and nested splits as a 2-D mesh's ``_StridedShard`` does
-(18 over TP 2, then FSDP 2: 5/4/5/4). Design notes, tilings, phases and checkpoints:
-docs/baselines.md, "MuonBP: design notes" and "MuonBP: blocks, group keys and
-communication".
+(18 over TP 2, then FSDP 2: 5/4/5/4).
 """
 
 import itertools
@@ -227,17 +225,42 @@ class MuonBP(OwnerExchangeOptimizer):
             W_b <- W_b (1 - lr_b wd) - lr_b s(m_b, n_b) O_b,   lr_b = block_lr_ratio lr
           s(m, n) = 0.2 sqrt(max(m, n))   ("match_rms_adamw": update RMS 0.2 lr, any shape)
 
-    Blocks: a DTensor's local shard, a plain tensor's whole matrix, each cut into
-    ``row_blocks x col_blocks`` tiles, so one device emulates a shard layout
-    (``row_blocks=4``: FSDP over 4 ranks) and equals the sharded run.
+    Blocks: on a DTensor parameter, the rank's local shard (FSDP ``Shard(0)``: its rows; TP
+    row-parallel ``Shard(1)``: its columns; FSDP x TP: the intersection), cut into
+    ``row_blocks x col_blocks`` tiles (default 1 x 1: the shard itself). On a plain tensor
+    (one device, or DDP) the local piece is the whole matrix, so the tiles emulate a shard
+    layout: ``row_blocks=4`` is FSDP over 4 ranks, ``col_blocks=2`` TP row-parallel over 2,
+    ``row_blocks=(2, 2)`` the rows of a column-parallel weight on a 2 x 2 FSDP x TP mesh.
+    Such a single-device run equals the sharded one.
 
-    Learning rates: both step kinds are RMS-matched (``match_rms_adamw``), so by default a block
-    and a full update have RMS ``0.2 lr``; the reasoning and our deviations: ``docs/baselines.md``.
+    Learning rates (the paper's rule, as far as we could read it: two stepsizes, each
+    update scaled by the square root of the dimensions of the matrix it orthogonalizes,
+    matching update RMS): ``lr`` is the full steps' rate, ``block_lr_ratio * lr`` the block
+    steps', and ``s`` is Muon's ``lr_scale`` of the full shape on full steps and of the
+    block's shape on block steps. With the default ``adjust_lr="match_rms_adamw"`` a block
+    and a full update both have RMS ``0.2 lr`` (for an exactly orthogonal ``O``), so
+    ``block_lr_ratio=1`` (our default: the paper's theory lets the two rates differ, and we
+    could not read the ratio its experiments used) changes only the direction, not the size.
+    ``adjust_lr="spectral"`` applies Keller's ``sqrt(max(1, m/n))`` the same way; it keeps
+    the RMS for row blocks but not for column blocks.
+
+    Differences from the paper, all opt-out or harmless: Muon's momentum conventions (EMA
+    form and Nesterov, Keller's defaults; NS5 divides out the EMA's scale, so only Nesterov
+    changes the direction: ``nesterov=False`` gives the paper's heavy ball), and decoupled
+    weight decay multiplied by the step's own learning rate.
 
     Options: ``MuonBP.Config`` (Muon's, with its own defaults, and four more).
+    ``period``, ``block_lr_ratio``, ``row_blocks`` and ``col_blocks`` are group keys, so one
+    optimizer can tile each matrix like its own layout; like every group key they are saved
+    in ``state_dict()`` and restored by ``load_state_dict()``. The blocks of a sharded
+    matrix are its local shards, so resuming on a mesh that splits the matrices differently
+    changes the block steps (the checkpoint itself loads fine).
 
-    Communication: none on block steps; Muon's exchange on full steps (tilings, phases and
-    checkpoints: ``docs/baselines.md``).
+    Communication: none on block steps; Muon's owner exchange on full steps (one
+    ``all_to_all`` of ``N`` to the owners and one back, per mesh or data-parallel group).
+    Each matrix counts its own updates (``step``, checkpointed); matrices of one exchange
+    out of phase take their full steps over an exchange of just those due
+    (``dobb.optim.owner_groups``).
     """
 
     algorithm = "muonbp"

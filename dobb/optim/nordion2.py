@@ -1,8 +1,14 @@
 """NorDion2 (Dion3, arXiv 2608.11612): Dion2's row selection and error feedback, with
-NorMuon's per-neuron normalization of the selected rows. Built from the two modules:
-``nordion2_update`` (the reference) and ``nordion2_updates`` (the batched form), and
-``NorDion2Core``: Dion2's core with NorMuon's state and a post step (the owner-exchange
-driver, ``dobb.optim.owner_groups``, sums its norms over a split matrix's pieces)."""
+NorMuon's per-neuron normalization of the selected rows.
+
+Built from the two modules: Dion2's selection, error feedback and row update
+(``dion2_direction``, ``dion2_updates``, ``apply_rows``; ``Dion2Core``'s planned exchange of
+the selected rows) around NorMuon's ``neuron_normalize`` on the selected rows
+(``normalize_selected``). ``nordion2_update`` is the reference, ``nordion2_updates`` the
+batched form, and ``NorDion2Core`` Dion2's core with NorMuon's state and a post step (the
+owner-exchange driver, ``dobb.optim.owner_groups``, sums its norms over a split matrix's
+pieces).
+"""
 
 from dataclasses import dataclass
 
@@ -145,13 +151,20 @@ class NorDion2(OwnerExchangeOptimizer):
     rows (so selected rows are whole neurons); the normalization on the orthogonalized
     selected rows only, ``v`` moving only on them; the Frobenius norm of ``O`` kept (not
     NorMuon's RMS 0.2); ``lr sqrt(m/n)`` (their ``adjust_lr="spectral_norm"``); the defaults
-    below, Polar Express included. Deviations: ``docs/baselines.md``.
+    below, Polar Express included.
+
+    Where we differ: the selection scope. The authors' default (``selection_scope="global"``)
+    selects the exact top rows of the assembled matrix, sending every row to the owner; we
+    select per shard, as our Dion2 does (their opt-in ``"local"``), so only the selected
+    rows travel. On one device ``row_blocks=1`` is their global selection. On their local
+    path the rescale uses each shard's own norms; we sum ``||O||_F²`` and ``||Ô||_F²`` over
+    the shards, so a sharded run equals one device with ``row_blocks`` set to the shards.
+    ``v`` is fp32 state (theirs is kept in the parameter's dtype).
 
     Options: ``NorDion2.Config`` (Dion2's, and ``beta2``, ``eps``).
 
-    Distributed as Dion2 (rows only), plus one ``all_reduce`` of ``||O||_F²``, ``||Ô||_F²``
-    per matrix over the pieces (none under DDP): sharded equals one device whose
-    ``row_blocks`` are the shards.
+    Distributed as Dion2 (rows only), its post step's two sums added over the pieces
+    (``dobb.optim.owner_groups``).
     """
 
     algorithm = "nordion2"

@@ -12,8 +12,7 @@ The momentum, the Newton-Schulz iteration and the weight update are Muon's
 its batched form (one Newton-Schulz and one normalization per stack of same-shape
 matrices). ``NorMuonCore`` gives them to the owner-exchange driver
 (``dobb.optim.owner_groups``): shared matrices are normalized after Muon's exchange, on
-each rank's own rows, the driver summing ``||Ô||_F²`` over the pieces. Design notes and where we chose against the authors' code: docs/baselines.md,
-"NorMuon: design notes".
+each rank's own rows, the driver summing ``||Ô||_F²`` over the pieces.
 """
 
 import math
@@ -199,11 +198,14 @@ class NorMuon(OwnerExchangeOptimizer):
 
     Options: ``NorMuon.Config``.
 
-    Distributed: Muon's owner exchange, then each rank normalizes its own rows (whole rows
-    only: a ``Shard(1)`` parameter raises) and one ``all_reduce`` of a float per matrix
-    sums ``||Ô||_F²`` over the pieces (none under DDP); details: ``docs/baselines.md``.
+    Distributed: Muon's owner exchange (``dobb.optim.owner_groups``), then, in its post
+    step, each rank updates ``v`` and normalizes its own rows, which must be whole (the
+    mean is over whole rows; a ``Shard(1)`` parameter raises), and ``||Ô||_F²`` is summed
+    over the pieces (one float per matrix). ``v`` (fp32 state) is sharded like the rows of
+    ``W``.
 
-    Where we chose against the authors' code: ``docs/baselines.md``.
+    Where we chose: the paper's box is followed as written (target RMS 0.2); the authors'
+    code instead keeps ``||Ô||_F = ||O||_F`` and applies Muon's ``sqrt(max(1, m/n))``.
     """
 
     algorithm = "normuon"

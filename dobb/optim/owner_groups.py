@@ -10,16 +10,55 @@ placement of every update and every collective. Two placements:
 - local: a matrix no other rank shares (one device; DDP without ``replica_group``) takes
   ``core.updates``, the algorithm's batched ``*_updates`` function; nothing communicates.
 - owner exchange: the matrices a process group shares (a DTensor's mesh; DDP with
-  ``replica_group``) go through one ``OwnerExchange`` per group (``_exchange_step``):
-  ``core.directions`` on each rank's piece; one ``all_to_all`` to each matrix's owner;
-  ``core.orthogonalize`` there, stacked by shape; one ``all_to_all`` back; the optional post
-  step, ``core.normalize``, whose partial sums the driver adds over the pieces of a split
-  matrix (one ``all_reduce``); ``core.apply`` on each rank's piece.
+  ``replica_group``) go through one ``OwnerExchange`` per group (``_exchange_step``, the
+  protocol below).
 
 Composition, not inheritance between optimizers: a ``PieceSteps`` beside the core (MuonBP's
 block steps and period) takes the matrices its ``schedule`` does not send to the core this
 step, on their local pieces with no communication; an exchange then carries only the others
 (an exchange over that subset, planned on first use).
+
+The owner exchange, per step and process group, for all its matrices together (the pieces
+are read from the placements, ``dobb.distributed.exchange``; the owners are balanced over
+the group's ranks by size, largest first, so each owner holds about ``1/size`` of them):
+
+1. ``core.directions`` on each rank's own piece (elementwise: momentum and direction);
+2. one ``all_to_all`` sends every piece to its matrix's owner, which assembles it: a piece
+   held by several ranks (HSDP replicas) is sent once, a piece the owner holds is not sent,
+   and under DDP, where every rank holds every matrix whole, the collective is skipped;
+3. each owner runs ``core.orthogonalize`` on its whole matrices, stacked by shape;
+4. one ``all_to_all`` sends every rank (every holder of a replicated piece) its piece of
+   the result, in ``core.result_dtype``;
+5. the post step, if the core has one (``sums``): ``core.normalize`` on each rank's rows,
+   and one ``all_reduce`` (float64) adds its partial sums over the distinct pieces of each
+   matrix, skipped when every rank holds whole matrices (DDP);
+6. ``core.apply`` updates each rank's own piece of ``W``.
+
+Per core, what travels (elements per ``m x n`` matrix; back, in ``ns_dtype``: as many,
+times replicas; MuonBP's full steps are ``MuonCore``'s, its block steps send nothing):
+
+============  ==============================  ================================  ==========
+core          to the owner (state dtype)      post-step ``all_reduce``          pieces
+============  ==============================  ================================  ==========
+MuonCore      ``N``: up to ``m n``            none                              any
+NorMuonCore   ``N``: up to ``m n``            ``||Ô||_F²``: 1 float             whole rows
+Dion2Core     ``M_S``: ``k n`` selected rows  none                              whole rows
+NorDion2Core  ``M_S``: ``k n`` selected rows  ``||O||_F², ||Ô||_F²``: 2 floats  whole rows
+============  ==============================  ================================  ==========
+
+"Whole rows": the core's maths is per row (``whole_rows``), so each piece must hold whole
+rows (DDP, FSDP ``Shard(0)``, HSDP, column-parallel TP); a parameter split along its columns
+(row-parallel TP's ``Shard(1)``) raises ``NotImplementedError`` at construction. Where the
+core sends only some rows (``exchanged_rows``), the owner's matrix is the ``k x n`` stack of
+every rank's rows in row order, its size planned at construction: a sharded matrix whose
+selection sizes change later (another ``fraction`` or ``row_blocks``) raises. With
+``ns_dtype=torch.float32`` the result equals the single-device update up to float rounding
+of the matmuls (the distributed tests hold every optimizer to one device).
+
+Phases: a ``PieceSteps`` schedules each matrix by its own counter (MuonBP's ``step``, in
+the state, checkpointed), so the matrices of one exchange can fall out of phase (one had no
+gradient on some step); the core's step of those due then runs over an exchange of just
+them, planned once (a collective: every rank reaches it with the same matrices) and kept.
 
 Why this shape. Of the three designs the issue names, torch's ``adam()`` over
 ``_multi_tensor_adam`` keeps the maths in functions on tensor lists, which ours already
