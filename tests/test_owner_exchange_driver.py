@@ -7,10 +7,12 @@ import inspect
 
 import pytest
 import torch
+from multirank import run_ranks
 
 import dobb
 from dobb.optim import dion2, muon, muonbp, nordion2, normuon, owner_groups
 from dobb.optim.owner_groups import Core, OwnerExchangeOptimizer
+from dobb.optim.registry import build_optimizer
 
 ALGORITHMS = (muon, muonbp, normuon, dion2, nordion2)
 
@@ -62,3 +64,38 @@ def test_each_optimizer_is_the_driver_over_a_core(cls):
 def test_muonbp_is_muons_core_with_block_steps_beside_it():
     assert type(dobb.MuonBP.core) is type(dobb.Muon.core)
     assert dobb.Muon.piece_steps is None and dobb.MuonBP.piece_steps is not None
+
+
+def _resume_with_lr_zero(rank: int, world: int, name: str) -> bool:
+    """On DDP-style replicas sharing the work (``replica_group``): step, save, load into a
+    new optimizer, set ``lr = 0`` in its param_groups (what a scheduler does) and step:
+    True if no matrix moved."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8))
+    options = dict(ns_dtype=torch.float32, replica_group=torch.distributed.group.WORLD)
+    options |= {"period": 1} if name == "muonbp" else {}
+    make = lambda: build_optimizer(name, model, **options)  # noqa: E731
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def step(opt):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    first = make()
+    step(first)
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    for group in resumed.param_groups:
+        group["lr"] = 0.0
+    before = [layer.weight.detach().clone() for layer in model]
+    step(resumed)
+    return all(torch.equal(a, layer.weight) for a, layer in zip(before, model))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["muon", "muonbp", "normuon", "dion2", "nordion2"])
+def test_a_loaded_optimizer_steps_with_its_current_groups(name):
+    """``load_state_dict`` replaces the group dicts; the exchange reads the new ones (an lr
+    schedule after a resume is followed by the shared matrices too)."""
+    assert run_ranks(_resume_with_lr_zero, 2, name, timeout=110) == [True, True]

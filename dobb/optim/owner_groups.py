@@ -230,21 +230,20 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
         rank builds the optimizer, so every rank gets here with the same parameters)."""
         self._subsets: dict[tuple[int, ...], OwnerExchange] = {}
         groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
-        self._group_of = {p: g for g in groups for p in g["params"]}
+        group_of = _group_of(groups)
         self._exchanges = [
-            (OwnerExchange(self._placements(params, owners), owners), params)
+            (OwnerExchange(self._placements(params, owners, group_of), owners), params)
             for owners, params in shared_buckets(groups, self._replica_group)
         ]
 
-    def _placements(self, params: list[Tensor], owners) -> list[MatrixPlacement]:
+    def _placements(self, params: list[Tensor], owners, group_of) -> list[MatrixPlacement]:
         """This rank's placement of what each matrix sends its owner: its piece, or, where
         the core sends only some rows (``exchanged_rows``: Dion2's selection), its rows of
         the ``k x n`` matrix of every rank's: a fixed range, after the rows of the pieces
         that start above it (collective: one ``all_gather_object``)."""
         placements = [matrix_placement(p) for p in params]
         counts = [
-            self.core.exchanged_rows(len(pl.rows), self._group_of[p])
-            for p, pl in zip(params, placements)
+            self.core.exchanged_rows(len(pl.rows), group_of[p]) for p, pl in zip(params, placements)
         ]
         if all(count is None for count in counts):
             return placements
@@ -261,12 +260,12 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
             out.append(MatrixPlacement(shape, rows, torch.arange(p.shape[1])))
         return out
 
-    def _subset(self, exchange: OwnerExchange, params: list[Tensor]) -> OwnerExchange:
+    def _subset(self, exchange: OwnerExchange, params: list[Tensor], group_of) -> OwnerExchange:
         """An exchange over just ``params`` of ``exchange``'s (planned collectively on first
         use, then kept: every rank reaches it with the same matrices)."""
         key = (id(exchange), *(id(p) for p in params))
         if key not in self._subsets:
-            placements = self._placements(params, exchange.group)
+            placements = self._placements(params, exchange.group, group_of)
             self._subsets[key] = OwnerExchange(placements, exchange.group)
         return self._subsets[key]
 
@@ -283,8 +282,10 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
             [e for e, c in zip(live, core_step) if c and e[0] not in shared], self.core.updates
         )
         due = {e[0] for e, c in zip(live, core_step) if c}
+        # this step's group dicts: load_state_dict replaces them, a scheduler edits them
+        group_of = _group_of(groups)
         for exchange, params in self._exchanges:
-            self._exchange_step(exchange, params, due)
+            self._exchange_step(exchange, params, due, group_of)
 
     def _local(self, entries: list[tuple[Tensor, dict, Group]], update) -> None:
         """``update`` (``core.updates`` or ``piece_steps.updates``) of ``(param, state,
@@ -300,17 +301,18 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
                 batched=self.batched(pieces[0].device),
             )
 
-    def _exchange_step(self, exchange: OwnerExchange, params: list[Tensor], due: set) -> None:
+    def _exchange_step(self, exchange: OwnerExchange, params: list[Tensor], due: set, group_of):
         """The core's step of the matrices shared by ``exchange``'s ranks that are ``due``
-        (the others took a piece step). A parameter without a gradient takes part with
-        zeros (every rank must) and stays unchanged."""
+        (the others took a piece step), with this step's options (``group_of``: each
+        parameter's group dict). A parameter without a gradient takes part with zeros
+        (every rank must) and stays unchanged."""
         live = [p for p in params if p.grad is not None]
         if not any(p in due for p in live):
             return
         if not all(p in due for p in live):
             params = [p for p in live if p in due]
-            exchange = self._subset(exchange, params)
-        groups = [self._group_of[p] for p in params]
+            exchange = self._subset(exchange, params, group_of)
+        groups = [group_of[p] for p in params]
         live = [j for j, p in enumerate(params) if p.grad is not None]
         keys = [math_key(g, self._math_options) for g in groups]
         stacks = [[live[i] for i in ix] for ix in group_by(live, keys.__getitem__).values()]
@@ -382,6 +384,11 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
         if exchange.split:
             dist.all_reduce(sums, group=exchange.group)
         return sums
+
+
+def _group_of(groups: list[Group]) -> dict[Tensor, Group]:
+    """Each parameter's group dict."""
+    return {p: g for g in groups for p in g["params"]}
 
 
 def _local_state(state: dict[str, Any]) -> dict[str, Any]:
