@@ -569,3 +569,27 @@ def test_public_accessors_name_blocks_and_groups():
     assert opt.stats_groups == []  # one process: nothing to average over
     with pytest.raises(ValueError, match="not in a Dobb parameter group"):
         opt.local_blocks(nn.Parameter(torch.zeros(2, 2)))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"block_size": 3}, {"two_sided": True}, {"two_sided": True, "row_blocks": None}],
+)
+def test_a_layout_reads_only_the_options_it_is_cached_by(options):
+    """``Dobb._layout`` caches a matrix's layout by ``LAYOUT_OPTIONS``: ``matrix_layout``
+    must read no other option, or a group changing it would keep a stale layout."""
+    from dobb.optim.dobb import LAYOUT_OPTIONS
+    from dobb.optim.dobb_layout import matrix_layout
+
+    read = set()
+
+    class Recording(dict):
+        def __getitem__(self, key):
+            read.add(key)
+            return super().__getitem__(key)
+
+    layer = nn.Linear(12, 10, bias=False)
+    opt = dobb.Dobb(layer.parameters(), lr=0.1, num_blocks=2, **options)
+    group = Recording(opt.param_groups[0])
+    matrix_layout(layer.weight, 1, group, (), "weight")
+    assert read and read <= set(LAYOUT_OPTIONS), read - set(LAYOUT_OPTIONS)
