@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dobb.optim.dobb_checkpoint import LegacyKeysLoadPlanner
+from dobb.optim.dobb_checkpoint import LegacyKeysLoadPlanner, convert_legacy_checkpoint
 from dobb.optim.dobb_layout import LEGACY_KEYS, OLD_NAMES
 
 SPEC = importlib.util.spec_from_file_location(
@@ -84,6 +84,34 @@ def test_an_old_dcp_checkpoint_loads_through_the_legacy_planner(saved, tmp_path)
     """A DCP checkpoint in the old keys (the committed state saved by DCP, as
     ``dobb.train`` saves) does not load by today's keys; with ``LegacyKeysLoadPlanner``
     it loads and continues as the run that wrote it."""
+    save_old_dcp(saved, tmp_path)
+    model, opt = legacy.build()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: optim"):
+        dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+    dcp.load(state, checkpoint_id=tmp_path, planner=LegacyKeysLoadPlanner(), no_dist=True)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    continues_as_it_did(model, opt, saved)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_converted_old_dcp_checkpoint_loads_without_a_planner(saved, tmp_path):
+    """``convert_legacy_checkpoint`` (for loaders that take no planner, as torchtitan's)
+    writes a copy in today's keys, which plain ``dcp.load`` reads and continues from."""
+    save_old_dcp(saved, tmp_path / "old")
+    old_keys = sum(k in LEGACY_KEYS for e in saved["optimizer"]["state"].values() for k in e)
+    assert convert_legacy_checkpoint(tmp_path / "old", tmp_path / "new") == old_keys == 20
+    model, opt = legacy.build()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=tmp_path / "new", no_dist=True)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    continues_as_it_did(model, opt, saved)
+
+
+def save_old_dcp(saved, path) -> None:
+    """The committed old state saved by DCP in the old keys (as ``dobb.train`` saved)."""
     model, opt = legacy.build()
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optimizer"])
@@ -93,17 +121,8 @@ def test_an_old_dcp_checkpoint_loads_through_the_legacy_planner(saved, tmp_path)
         for fqn, entry in optim["state"].items()
     }
     state = {"model": get_model_state_dict(model), "optim": optim}
-    dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    dcp.save(state, checkpoint_id=path, no_dist=True)
     assert (
         "optim.state.0.weight.cov_tail"
-        in dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata
+        in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     )
-
-    model, opt = legacy.build()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: optim"):
-        dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
-    dcp.load(state, checkpoint_id=tmp_path, planner=LegacyKeysLoadPlanner(), no_dist=True)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
-    continues_as_it_did(model, opt, saved)

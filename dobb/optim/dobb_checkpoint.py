@@ -8,13 +8,24 @@ name. ``LegacyKeysLoadPlanner`` reads such an entry from the old name instead::
 
     dcp.load(state, checkpoint_id=path, planner=LegacyKeysLoadPlanner())
 
+A loader that takes no planner (torchtitan's ``CheckpointManager``) needs the checkpoint
+converted once instead: ``convert_legacy_checkpoint(old_dir, new_dir)`` writes a copy in
+today's keys (in one process, holding the whole checkpoint in memory; DCP reshards it on
+load as any other).
+
 Imported on its own (``torch.distributed.checkpoint`` is not imported by ``dobb``).
 """
 
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from dobb.optim.dobb_layout import OLD_NAMES
+from dobb.optim.dobb_layout import LEGACY_KEYS, OLD_NAMES
 
 
 class LegacyKeysLoadPlanner(DefaultLoadPlanner):
@@ -33,3 +44,29 @@ class LegacyKeysLoadPlanner(DefaultLoadPlanner):
                 if key in self.mappings:  # its place in the nested dict (flatten_state_dict)
                     self.mappings[old] = self.mappings.pop(key)
         return super().create_local_plan()
+
+
+def convert_legacy_checkpoint(old: str | Path, new: str | Path) -> int:
+    """Write the DCP checkpoint ``old`` to ``new`` with every Dobb matrix state's old keys
+    renamed (``LEGACY_KEYS``); returns how many entries were renamed. A Dobb matrix state
+    is a dict holding ``momentum`` and ``stats_steps``; nothing else is touched."""
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(old, whole)
+        state = torch.load(whole, weights_only=False)
+        renamed = _rename_legacy_keys(state)
+        torch.save(state, whole)
+        torch_save_to_dcp(whole, new)
+    return renamed
+
+
+def _rename_legacy_keys(tree: Any) -> int:
+    """Rename the old keys of every Dobb matrix state in the nested dict ``tree``."""
+    if not isinstance(tree, dict):
+        return 0
+    if {"momentum", "stats_steps"} <= tree.keys():
+        old = [key for key in tree if key in LEGACY_KEYS]
+        for key in old:
+            tree[LEGACY_KEYS[key]] = tree.pop(key)
+        return len(old)
+    return sum(_rename_legacy_keys(value) for value in tree.values())
