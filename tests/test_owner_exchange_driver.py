@@ -11,7 +11,7 @@ from multirank import run_ranks
 
 import dobb
 from dobb.optim import dion2, muon, muonbp, nordion2, normuon, owner_groups
-from dobb.optim.owner_groups import Core, OwnerExchangeOptimizer
+from dobb.optim.owner_groups import ExchangeCore, OwnerExchangeOptimizer
 from dobb.optim.registry import build_optimizer
 
 ALGORITHMS = (muon, muonbp, normuon, dion2, nordion2)
@@ -56,7 +56,7 @@ def test_no_constructor_is_skipped_and_no_method_borrowed(module):
     "cls", [dobb.Muon, dobb.MuonBP, dobb.NorMuon, dobb.Dion2, dobb.NorDion2], ids=str
 )
 def test_each_optimizer_is_the_driver_over_a_core(cls):
-    assert issubclass(cls, OwnerExchangeOptimizer) and Core in type(cls.core).__mro__
+    assert issubclass(cls, OwnerExchangeOptimizer) and ExchangeCore in type(cls.core).__mro__
     opt = cls([torch.nn.Parameter(torch.zeros(4, 3))])
     assert opt.config == cls.Config()  # the constructor's defaults are the config's
 

@@ -1,10 +1,23 @@
-"""Scaffolding shared by every matrix optimizer in dobb.
+"""The driver every matrix optimizer in dobb runs on, and the two things it drives.
 
-A ``MatrixOptimizer`` owns the parts that are the same for Dobb, Dion and Muon: parameter
-groups routed by an ``algorithm`` key (the subclass's own name for hidden matrices,
-``"adamw"`` or ``"lion"`` for everything else), group validation, the non-finite-gradient
-check that runs before any state is touched, ``step(closure)``, and a ``load_state_dict``
-that keeps state dtypes. Subclasses write only their matrix update.
+A ``MatrixOptimizer`` owns what is the same for every algorithm: parameter groups routed by
+an ``algorithm`` key (the subclass's own name for hidden matrices, ``"adamw"`` or
+``"lion"`` for everything else), group validation, the non-finite-gradient check that runs
+before any state is touched, ``step(closure)``, the lazy state, and a ``load_state_dict``
+that keeps state dtypes. An algorithm is the driver over two kinds of parts:
+
+- its ``core`` (``Core``): the maths on plain local tensors, ``init_state`` and
+  ``updates`` over the matrices of one set of math options, stacked by shape when
+  ``batched`` (a stack of one is the per-matrix form); a core communicates nothing.
+- its ``placements`` (``Placement``), in order: each claims the matrices it updates and
+  steps them, the last one (``Local``: ``core.updates``, no communication) all the rest.
+  The others hold every collective of a step: the owner exchange of Muon's family
+  (``dobb.optim.owner_groups``), Dion's sharded protocol (``dobb.optim.dion_sharded``),
+  MuonBP's block steps (``dobb.optim.muonbp``: a placement that claims by a schedule).
+
+A step: the non-finite check; ``core.begin`` over every matrix with a gradient (Dobb's
+statistics and refreshes; raises before any state changes where it must); the placements
+claim and step their matrices; then AdamW/Lion on the other groups.
 
 Two options every subclass takes, what they mean at more length:
 
@@ -27,8 +40,8 @@ import torch
 from torch import Tensor
 
 from dobb._dtensor import local
-from dobb.optim.batching import each
-from dobb.optim.config import OptimizerConfig
+from dobb.optim.batching import each, group_by
+from dobb.optim.config import OptimizerConfig, math_key
 from dobb.optim.scalar import (
     SCALAR_ALGORITHMS,
     SCALAR_DEFAULTS,
@@ -40,6 +53,8 @@ from dobb.optim.state_init import is_state_init_step
 
 GROUP_KEYS = {"params", "algorithm", "param_names", "initial_lr"}
 COUNTERS = ("step", "stats_steps")  # CPU scalars (read for free), device ones if capturable
+Group = dict[str, Any]
+Entry = tuple[Tensor, dict[str, Any], Group]  # a matrix with a gradient: (param, state, group)
 
 
 def state_dtype(param: Tensor) -> torch.dtype:
@@ -56,11 +71,87 @@ def batched_by_default(device: torch.device | str) -> bool:
     return torch.device(device).type != "cpu"
 
 
-class MatrixOptimizer(torch.optim.Optimizer):
-    """Base class: routing, validation and the step loop; subclasses add the matrix math.
+def local_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict with the rank-local tensor of each DTensor."""
+    return {key: local(value) for key, value in state.items()}
 
-    Subclasses set ``algorithm`` (their group name) and implement ``_init_matrix_state``
-    and ``_matrix_step`` (every matrix with a gradient, batched as they like).
+
+def local_tensors(entries: list[Entry]) -> tuple[list[Tensor], list[Tensor], list[dict]]:
+    """The rank-local pieces of the params, gradients and states of ``entries``."""
+    params = [local(p) for p, _, _ in entries]
+    return params, [local(p.grad) for p, _, _ in entries], [local_state(s) for _, s, _ in entries]
+
+
+class Core:
+    """An algorithm's maths, which communicates nothing (a base with the defaults).
+
+    ``init_state`` and ``updates`` are every core's; the other three only a core whose
+    step consumes more than gradients (Dobb's activation statistics) overrides.
+    """
+
+    def init_state(self, param: Tensor, group: Group) -> dict[str, Any]:
+        """A matrix's state, placed as ``param`` (a DTensor's is a DTensor)."""
+        raise NotImplementedError
+
+    def updates(self, params, grads, states, group: Group, *, batched: bool) -> None:
+        """The whole update, in place, of matrices no other rank shares: lists of plain
+        local tensors (``states``: state dicts of local tensors) of one set of math options
+        (``group``: their options), stacked by shape where ``batched``."""
+        raise NotImplementedError
+
+    def local_step(self, entries: list[Entry], group: Group, *, batched: bool) -> None:
+        """``updates`` of ``entries`` on their local tensors (``Local``'s call)."""
+        self.updates(*local_tensors(entries), group, batched=batched)
+
+    def begin(self, entries: list[Entry], live: Tensor | None) -> None:
+        """Before any placement steps, over every matrix with a gradient (``live``: the
+        capturable step's finite flag, else None)."""
+
+    def inputs(self, groups: list[Group]) -> list[tuple[Tensor, Tensor]]:
+        """The ``(param, tensor)`` pairs besides gradients the step consumes, which must be
+        finite; raises, before any state changes, if one it needs is missing."""
+        return []
+
+    def discard(self) -> None:
+        """Drop this step's inputs (a skipped or failed step)."""
+
+
+class Local:
+    """The placement of matrices no other rank shares, and the last of every optimizer's:
+    it claims what the others left and runs ``core.local_step`` once per set of math
+    options (``math_key``); no communication.
+
+    A ``Placement`` (this class is the base with the defaults) holds what a step of the
+    matrices it claims needs besides the core: their collectives, and any state of its own
+    (``init_state``), which the driver merges into each matrix's.
+    """
+
+    def init_state(self, param: Tensor, group: Group) -> dict[str, Any]:
+        """State beside the core's (none here)."""
+        return {}
+
+    def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+        """``entries`` split into the ones this placement steps and the rest."""
+        return entries, []
+
+    def step(self, entries: list[Entry], driver: "MatrixOptimizer") -> None:
+        """One step of the claimed ``entries`` (with their gradients)."""
+        by_options = group_by(entries, lambda e: math_key(e[2], driver.math_options))
+        for indices in by_options.values():
+            mine = [entries[i] for i in indices]
+            self.run(driver.core, mine, batched=driver.batched(local(mine[0][0]).device))
+
+    def run(self, core: Core, entries: list[Entry], *, batched: bool) -> None:
+        """The step of matrices of one set of math options."""
+        core.local_step(entries, entries[0][2], batched=batched)
+
+
+class MatrixOptimizer(torch.optim.Optimizer):
+    """The driver: routing, validation, the step loop and the lazy state, over a ``core``
+    and its ``placements`` (the module docstring).
+
+    Subclasses set ``algorithm`` (their group name), ``core`` and, where some matrices are
+    shared with other ranks, placements before ``Local``: ``self.placements``.
 
     Options: the subclass's ``Config`` (``dobb.optim.config``), set as ``self.config``
     before this constructor runs, which validates every group against it.
@@ -69,13 +160,15 @@ class MatrixOptimizer(torch.optim.Optimizer):
     algorithm: str
     Config: type[OptimizerConfig]  # the options: each subclass nests its own
     config: OptimizerConfig  # this optimizer's values of them
+    core: Core
+    placements: tuple[Local, ...] = (Local(),)
 
     def __init__(
         self, params, defaults, *, nonfinite: str = "raise", foreach=None, capturable=False
     ):
         """``defaults``: ``self.config.defaults()``; the three options as in the config."""
         self.nonfinite, self.foreach, self.capturable = nonfinite, foreach, capturable
-        self._math_options = self.config.math_options()  # the batching key's (math_key)
+        self.math_options = self.config.math_options()  # the batching key's (math_key)
         self.skipped_steps: int | Tensor = 0
         self._live: Tensor | None = None  # capturable: 1.0 if this step's inputs are finite
         self._names: dict[Tensor, str] = {}
@@ -170,9 +263,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._live = self._inputs_live(matrix_groups)
         elif not self._inputs_finite(matrix_groups):
             self.skipped_steps += 1
-            self._discard_step_inputs()
+            self.core.discard()
             return loss
-        self._prepare(matrix_groups)  # may raise; nothing has been changed yet
         for group in self.param_groups:
             if group["algorithm"] in SCALAR_ALGORITHMS:
                 self._scalar_step(group)
@@ -193,9 +285,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     self.state[p].update(self._init_matrix_state(p, group))
 
     def _step_inputs(self, matrix_groups) -> list[tuple[Tensor, Tensor]]:
-        """(param, tensor) of every gradient and subclass input that must be finite."""
+        """(param, tensor) of every gradient and core input that must be finite; raises if
+        the core misses one (``Core.inputs``), before any state changes."""
         tensors = [(p, local(p.grad)) for g in self.param_groups for p in g["params"]]
-        tensors = [(p, t) for p, t in tensors if t is not None] + self._extra_inputs(matrix_groups)
+        tensors = [(p, t) for p, t in tensors if t is not None] + self.core.inputs(matrix_groups)
         return [(p, t) for p, t in tensors if t.numel()]  # FSDP shards may be empty
 
     def _inputs_live(self, matrix_groups) -> Tensor:
@@ -230,22 +323,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if self.nonfinite == "skip":
             return False
         # the failed batch's inputs are dropped, so the next clean batch steps normally
-        self._discard_step_inputs()
+        self.core.discard()
         raise NonFiniteGradientError(
             f"non-finite values (NaN or Inf) in the gradient or statistics of {bad}; no state "
             "was changed. Lower the learning rate, clip gradients, or construct the optimizer "
             "with nonfinite='skip' to skip such steps."
         )
-
-    def _extra_inputs(self, matrix_groups) -> list[tuple[Tensor, Tensor]]:
-        """Further (param, tensor) pairs that must be finite (Dobb: activation statistics)."""
-        return []
-
-    def _discard_step_inputs(self) -> None:
-        """Called when a step is skipped (Dobb drops that step's statistics)."""
-
-    def _prepare(self, matrix_groups) -> None:
-        """Check preconditions before any state changes (Dobb: statistics present)."""
 
     def _scalar_step(self, group: dict[str, Any]) -> None:
         """AdamW or Lion on every parameter of ``group`` with a gradient, with torch's
@@ -282,12 +365,25 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     state.update(self._init_matrix_state(p, group))
                 yield p, state, group
 
-    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        """Update every matrix of ``groups`` that has a gradient."""
-        raise NotImplementedError
+    def _matrix_step(self, groups: list[Group]) -> None:
+        """Every matrix of ``groups`` with a gradient: ``core.begin`` over all of them, then
+        each placement claims its matrices from those the ones before it left, and steps
+        them (in this order: a placement's collectives run in it on every rank)."""
+        entries = list(self._matrices_with_grad(groups))
+        self.core.begin(entries, self._live)
+        claimed = []
+        for placement in self.placements:
+            mine, entries = placement.claim(entries)
+            claimed.append((placement, mine))
+        for placement, mine in claimed:
+            placement.step(mine, self)
 
-    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
+    def _init_matrix_state(self, param: Tensor, group: Group) -> dict[str, Any]:
+        """The core's state of a matrix, and each placement's beside it."""
+        state = self.core.init_state(param, group)
+        for placement in self.placements:
+            state |= placement.init_state(param, group)
+        return state
 
     # ------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from torch import Tensor
 from dobb.optim.base import state_dtype
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
 from dobb.optim.config import BOOL, COUNT, UNIT, inherit, one_of, option
-from dobb.optim.owner_groups import Core, OwnerExchangeConfig, OwnerExchangeOptimizer
+from dobb.optim.owner_groups import ExchangeCore, OwnerExchangeConfig, OwnerExchangeOptimizer
 
 # Quintic Newton-Schulz coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, chosen to
 # maximize the slope at zero: https://github.com/KellerJordan/Muon/blob/00ba60d3a0d188993831f86e4d62597bb0e9b21c/muon.py#L21
@@ -243,7 +243,7 @@ def momentum_state(param: Tensor) -> dict[str, Tensor]:
     return {"momentum": torch.zeros_like(param, dtype=state_dtype(param))}
 
 
-class NewtonSchulzCore(Core):
+class NewtonSchulzCore(ExchangeCore):
     """The owner's step of every core here: ``newton_schulz`` with the group's options."""
 
     def orthogonalize(self, matrices: Tensor, group: dict[str, Any]) -> Tensor:
@@ -259,7 +259,7 @@ class MuonCore(NewtonSchulzCore):
     """Muon's core: ``muon_updates`` on unshared matrices; shared, the Nesterov direction
     ``N`` travels to the owner and ``O = NS5(N)`` back (``apply_updates`` then)."""
 
-    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
         return momentum_state(param)
 
     def updates(self, params, grads, states, group, *, batched: bool) -> None:

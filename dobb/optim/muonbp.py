@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dobb.optim.base import Entry, Local, local_tensors
 from dobb.optim.config import COUNT, NON_NEGATIVE, SPLITS, inherit, option, optional
 from dobb.optim.muon import (
     NS_STEPS,
@@ -42,7 +43,7 @@ from dobb.optim.muon import (
     newton_schulz,
     update_dtype,
 )
-from dobb.optim.owner_groups import OwnerExchangeOptimizer, PieceSteps
+from dobb.optim.owner_groups import OwnerExchangeOptimizer
 
 Tile = tuple[slice, slice]
 
@@ -170,31 +171,35 @@ def block_muon_updates(
     )
 
 
-class BlockSteps(PieceSteps):
-    """MuonBP's period and block step, beside Muon's core (which takes the full steps).
+class BlockSteps(Local):
+    """MuonBP's period and block steps: a placement before Muon's (which takes the full
+    steps), claiming each matrix whose update this step is a block step.
 
     ``step``: the updates a matrix has taken (a CPU scalar, as torch.optim's AdamW's);
     update ``k`` (from 0) is full when ``k mod period == 0``.
     """
 
-    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
         return {"step": torch.tensor(0.0)}
 
-    def schedule(self, states: list[dict], groups: list[dict[str, Any]]) -> list[bool]:
-        """Full (True) or block (False) for each matrix (one host read of the CPU step
-        counters for all of them), and every counter advanced."""
-        if not states:
-            return []
-        counters = [state["step"] for state in states]
+    def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+        """The block steps (one host read of the CPU step counters for all matrices), and
+        the full ones left to the core; every counter advanced."""
+        if not entries:
+            return [], []
+        counters = [state["step"] for _, state, _ in entries]
         steps = torch.stack(counters).tolist()
         torch._foreach_add_(counters, 1)
-        return [
+        full = [
             group["period"] is not None and int(k) % group["period"] == 0
-            for k, group in zip(steps, groups)
+            for k, (_, _, group) in zip(steps, entries)
         ]
+        return [e for e, f in zip(entries, full) if not f], [e for e, f in zip(entries, full) if f]
 
-    def updates(self, params, grads, states, group, *, batched: bool) -> None:
+    def run(self, core, entries: list[Entry], *, batched: bool) -> None:
         """``block_muon_updates`` of local pieces, each tiled by the group's blocks."""
+        params, grads, states = local_tensors(entries)
+        group = entries[0][2]
         block_muon_updates(
             params,
             grads,

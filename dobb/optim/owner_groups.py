@@ -1,22 +1,21 @@
-"""One driver for the optimizers that orthogonalize whole matrices on an owner rank: Muon,
-MuonBP, NorMuon, Dion2 and NorDion2.
+"""The owner-exchange placement, for the optimizers that orthogonalize whole matrices on an
+owner rank: Muon, MuonBP, NorMuon, Dion2 and NorDion2.
 
-An algorithm is a *core* (``Core``): its state (``init_state``) and pure functions on plain
-local tensors, each call over the matrices of one set of math options (``math_key``), which
-the functions stack by shape (a stack of one is the per-matrix form). The driver,
-``OwnerExchangeOptimizer``, owns the rest: the groups by ``math_key``, the lazy state, the
-placement of every update and every collective. Two placements:
+Each of them is the driver (``dobb.optim.base.MatrixOptimizer``) over an ``ExchangeCore``:
+its state (``init_state``) and pure functions on plain local tensors, each call over the
+matrices of one set of math options (``math_key``), which the functions stack by shape (a
+stack of one is the per-matrix form). ``OwnerExchangeOptimizer`` gives them two placements:
 
-- local: a matrix no other rank shares (one device; DDP without ``replica_group``) takes
+- ``OwnerExchanges``: the matrices a process group shares (a DTensor's mesh; DDP with
+  ``replica_group``) go through one ``OwnerExchange`` per group (``exchange_step``, the
+  protocol below);
+- ``Local``: a matrix no other rank shares (one device; DDP without ``replica_group``) takes
   ``core.updates``, the algorithm's batched ``*_updates`` function; nothing communicates.
-- owner exchange: the matrices a process group shares (a DTensor's mesh; DDP with
-  ``replica_group``) go through one ``OwnerExchange`` per group (``_exchange_step``, the
-  protocol below).
 
-Composition, not inheritance between optimizers: a ``PieceSteps`` beside the core (MuonBP's
-block steps and period) takes the matrices its ``schedule`` does not send to the core this
-step, on their local pieces with no communication; an exchange then carries only the others
-(an exchange over that subset, planned on first use).
+Composition, not inheritance between optimizers: MuonBP's block steps are a placement
+before these two (``piece_steps``), which claims the matrices its schedule does not send to
+the core this step and steps their local pieces with no communication; an exchange then
+carries only the others (an exchange over that subset, planned on first use).
 
 The owner exchange, per step and process group, for all its matrices together (the pieces
 are read from the placements, ``dobb.distributed.exchange``; the owners are balanced over
@@ -67,13 +66,13 @@ other and the authors' code): the cores only name them. microsoft/dion's megabat
 writes each algorithm as a generator that yields at its collectives, so the communication
 stays inside the maths, which is what this driver removes. Distributed Shampoo's
 distributors separate placement from the algorithm as we do, but also own the blocking of
-parameters and one class per parallelism; five algorithms sharing one protocol need one
-driver with two placements, not a hierarchy of distributors.
+parameters and one class per parallelism; seven algorithms sharing three protocols need one
+driver with a short list of placements per optimizer, not a hierarchy of distributors.
 """
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,11 +82,9 @@ from dobb._dtensor import DTensor, local
 from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.groups import check_group, mesh_group, one_group
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
-from dobb.optim.base import MatrixOptimizer, state_dtype
+from dobb.optim.base import Core, Entry, Group, Local, MatrixOptimizer, local_state, state_dtype
 from dobb.optim.batching import group_by, stack_apply
 from dobb.optim.config import OptimizerConfig, math_key, option
-
-Group = dict[str, Any]
 
 
 def holders(param: Tensor, replica_group):
@@ -109,11 +106,11 @@ def shared_buckets(groups: list[Group], replica_group) -> list[tuple[Any, list[T
     return list(buckets.values())
 
 
-class Core(Protocol):
-    """An algorithm's functional core (a protocol; cores subclass it for its defaults).
-
-    Each method but ``init_state`` takes the matrices of one parameter group's math options
-    as lists of plain local tensors (``states``: their state dicts, with local tensors) and
+class ExchangeCore(Core):
+    """The core of an algorithm that orthogonalizes whole matrices on an owner: besides
+    ``Core``'s ``init_state`` and ``updates`` (unshared matrices), the steps around the
+    owner exchange. Each method takes the matrices of one parameter group's math options as
+    lists of plain local tensors (``states``: their state dicts, with local tensors) and
     ``group``, the group's options.
 
     ``sums``: the shape of each matrix's partial sums in the post step (None: no post step).
@@ -124,48 +121,33 @@ class Core(Protocol):
     sums: tuple[int, ...] | None = None
     whole_rows: str | None = None
 
-    def init_state(self, param: Tensor) -> dict[str, Tensor]:
-        """A matrix's state, placed as ``param`` (a DTensor's is a DTensor)."""
-
-    def updates(self, params, grads, states, group: Group, *, batched: bool) -> None:
-        """The whole update of matrices no other rank shares, in place."""
-
     def directions(self, grads, states, group: Group) -> tuple[list[Tensor], list]:
         """Before the exchange: the ``(rows, cols)`` piece of each matrix to orthogonalize
         (its rows: ``exchanged_rows``), and what ``apply`` needs of each (None: nothing)."""
+        raise NotImplementedError
 
     def orthogonalize(self, matrices: Tensor, group: Group) -> Tensor:
         """On the owner: a whole matrix, or a ``(b, m, n)`` stack, orthogonalized."""
+        raise NotImplementedError
 
     def result_dtype(self, group: Group) -> torch.dtype:
         """The dtype ``orthogonalize`` returns (the exchange sends it exactly)."""
+        raise NotImplementedError
 
     def normalize(self, pieces, states, aux, group: Group) -> tuple[list[Tensor], list[Tensor]]:
         """The post step on each rank's pieces of the orthogonalized matrices: the updates
         so far and their partial sums (of shape ``sums``), which ``apply`` gets summed
         over the pieces of each matrix."""
+        raise NotImplementedError
 
     def apply(self, params, updates, shapes, aux, group: Group, sums) -> None:
         """After the exchange: each piece of ``params`` updated in place (``shapes``: the
         whole matrices'; ``sums``: the summed partial sums, or None)."""
+        raise NotImplementedError
 
     def exchanged_rows(self, rows: int, group: Group) -> int | None:
         """How many rows of a ``rows``-row piece travel to the owner (None: the piece)."""
         return None
-
-
-class PieceSteps(Protocol):
-    """Steps on each rank's own piece, between the core's (MuonBP's block steps)."""
-
-    def init_state(self, param: Tensor) -> dict[str, Tensor]:
-        """State beside the core's (the schedule's counters)."""
-
-    def schedule(self, states: list[dict], groups: list[Group]) -> list[bool]:
-        """Whether each matrix takes the core's step now (else a piece step); advances the
-        schedule."""
-
-    def updates(self, params, grads, states, group: Group, *, batched: bool) -> None:
-        """A piece step of local pieces, in place; communicates nothing."""
 
 
 @dataclass(frozen=True)
@@ -179,61 +161,25 @@ class OwnerExchangeConfig(OptimizerConfig):
     share over their own mesh."""
 
 
-class OwnerExchangeOptimizer(MatrixOptimizer):
-    """The driver: a ``MatrixOptimizer`` running ``core`` (and ``piece_steps``, if any)
-    on every matrix, locally or through an owner exchange (``self._exchanges``: one per
-    process group of shared matrices, with its parameters)."""
+class OwnerExchanges(Local):
+    """The placement of shared matrices: one ``OwnerExchange`` per process group of them
+    (``exchanges``: with its parameters), planned by ``plan`` (collective), and the step of
+    each (``exchange_step``, the protocol of the module docstring)."""
 
-    core: Core
-    piece_steps: PieceSteps | None = None
-    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
-    data_parallel_option = "replica_group"
+    def __init__(self, core: ExchangeCore, replica_group):
+        self.core, self.replica_group = core, replica_group
+        self.exchanges: list[tuple[OwnerExchange, list[Tensor]]] = []
+        self.subsets: dict[tuple[int, ...], OwnerExchange] = {}
 
-    def __init__(self, params, config: OwnerExchangeConfig):
-        self.config = config
-        self._replica_group = check_group(
-            type(self).__name__, "replica_group", config.replica_group
-        )
-        self._exchanges: list[tuple[OwnerExchange, list[Tensor]]] | None = None  # set below
-        super().__init__(
-            params, config.defaults(), nonfinite=config.nonfinite, foreach=config.foreach
-        )
-        self._plan_exchanges()
-
-    def add_param_group(self, param_group: Group) -> None:
-        super().add_param_group(param_group)
-        if self._exchanges is not None:  # a group added after construction: plan again
-            self._plan_exchanges()
-
-    def _validate_group(self, group: Group) -> None:
-        super()._validate_group(group)
-        if group["algorithm"] != self.algorithm:
-            return
-        for p in group["params"]:
-            if not isinstance(p, DTensor):
-                continue
-            placement = matrix_placement(p)  # rejects Partial placements
-            if self.core.whole_rows and len(placement.cols) != p.shape[1]:
-                raise NotImplementedError(
-                    f"{self.name_of(p)} is split along its columns ({tuple(p.placements)}); "
-                    f"{self.core.whole_rows}, so shard its rows only (FSDP Shard(0)) or give "
-                    "it to Muon"
-                )
-
-    def _init_matrix_state(self, param: Tensor, group: Group) -> dict[str, Any]:
-        state = self.core.init_state(param)
-        return state if self.piece_steps is None else state | self.piece_steps.init_state(param)
-
-    # ------------------------------------------------------------- planning
-    def _plan_exchanges(self) -> None:
-        """One ``OwnerExchange`` per process group of shared matrices (collective: every
-        rank builds the optimizer, so every rank gets here with the same parameters)."""
-        self._subsets: dict[tuple[int, ...], OwnerExchange] = {}
-        groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
+    def plan(self, groups: list[Group]) -> None:
+        """One ``OwnerExchange`` per process group of shared matrices of ``groups`` (the
+        matrix groups; collective: every rank builds the optimizer, so every rank gets here
+        with the same parameters)."""
+        self.subsets = {}
         group_of = _group_of(groups)
-        self._exchanges = [
+        self.exchanges = [
             (OwnerExchange(self._placements(params, owners, group_of), owners), params)
-            for owners, params in shared_buckets(groups, self._replica_group)
+            for owners, params in shared_buckets(groups, self.replica_group)
         ]
 
     def _placements(self, params: list[Tensor], owners, group_of) -> list[MatrixPlacement]:
@@ -264,44 +210,26 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
         """An exchange over just ``params`` of ``exchange``'s (planned collectively on first
         use, then kept: every rank reaches it with the same matrices)."""
         key = (id(exchange), *(id(p) for p in params))
-        if key not in self._subsets:
+        if key not in self.subsets:
             placements = self._placements(params, exchange.group, group_of)
-            self._subsets[key] = OwnerExchange(placements, exchange.group)
-        return self._subsets[key]
+            self.subsets[key] = OwnerExchange(placements, exchange.group)
+        return self.subsets[key]
 
-    # ----------------------------------------------------------------- step
-    def _matrix_step(self, groups: list[Group]) -> None:
-        live = list(self._matrices_with_grad(groups))  # (param, state, group); state built
-        core_step = [True] * len(live)
-        if self.piece_steps is not None:
-            core_step = self.piece_steps.schedule([s for _, s, _ in live], [g for *_, g in live])
-            pieces = [e for e, c in zip(live, core_step) if not c]
-            self._local(pieces, self.piece_steps.updates)
-        shared = {p for _, params in self._exchanges for p in params}
-        self._local(
-            [e for e, c in zip(live, core_step) if c and e[0] not in shared], self.core.updates
-        )
-        due = {e[0] for e, c in zip(live, core_step) if c}
+    def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+        """The matrices of an exchange; the rest are local."""
+        shared = {p for _, params in self.exchanges for p in params}
+        return [e for e in entries if e[0] in shared], [e for e in entries if e[0] not in shared]
+
+    def step(self, entries: list[Entry], driver: MatrixOptimizer) -> None:
+        """Each exchange's step of its matrices among ``entries`` (the others of it took
+        another placement's step, or have no gradient), with this step's options."""
+        due = {p for p, _, _ in entries}
         # this step's group dicts: load_state_dict replaces them, a scheduler edits them
-        group_of = _group_of(groups)
-        for exchange, params in self._exchanges:
-            self._exchange_step(exchange, params, due, group_of)
+        group_of = _group_of([g for g in driver.param_groups if g["algorithm"] == driver.algorithm])
+        for exchange, params in self.exchanges:
+            self.exchange_step(exchange, params, due, group_of, driver)
 
-    def _local(self, entries: list[tuple[Tensor, dict, Group]], update) -> None:
-        """``update`` (``core.updates`` or ``piece_steps.updates``) of ``(param, state,
-        group)`` entries on their local tensors, once per set of math options."""
-        for indices in group_by(entries, lambda e: math_key(e[2], self._math_options)).values():
-            params = [entries[i][0] for i in indices]
-            pieces = [local(p) for p in params]
-            update(
-                pieces,
-                [local(p.grad) for p in params],
-                [_local_state(entries[i][1]) for i in indices],
-                entries[indices[0]][2],
-                batched=self.batched(pieces[0].device),
-            )
-
-    def _exchange_step(self, exchange: OwnerExchange, params: list[Tensor], due: set, group_of):
+    def exchange_step(self, exchange: OwnerExchange, params, due: set, group_of, driver) -> None:
         """The core's step of the matrices shared by ``exchange``'s ranks that are ``due``
         (the others took a piece step), with this step's options (``group_of``: each
         parameter's group dict). A parameter without a gradient takes part with zeros
@@ -314,9 +242,9 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
             exchange = self._subset(exchange, params, group_of)
         groups = [group_of[p] for p in params]
         live = [j for j, p in enumerate(params) if p.grad is not None]
-        keys = [math_key(g, self._math_options) for g in groups]
+        keys = [math_key(g, driver.math_options) for g in groups]
         stacks = [[live[i] for i in ix] for ix in group_by(live, keys.__getitem__).values()]
-        states = {j: _local_state(self.state[params[j]]) for j in live}
+        states = {j: local_state(driver.state[params[j]]) for j in live}
         pieces, aux = [None] * len(params), [None] * len(params)
         for js in stacks:
             grads = [local(params[j].grad) for j in js]
@@ -329,7 +257,7 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
                 pieces[j] = local(p).new_zeros((len(rows), len(cols)), dtype=state_dtype(p))
             elif len(pieces[j]) != len(rows):
                 raise RuntimeError(
-                    f"{self.name_of(p)}: {len(pieces[j])} rows selected but {len(rows)} "
+                    f"{driver.name_of(p)}: {len(pieces[j])} rows selected but {len(rows)} "
                     "planned; fraction and row_blocks of a sharded matrix are fixed at "
                     "construction"
                 )
@@ -342,7 +270,7 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
             [whole[j] for j in owned],
             lambda matrices, k: self.core.orthogonalize(matrices, group_of_key[k]),
             key=lambda i: keys[owned[i]],
-            batched=self.batched(device),
+            batched=driver.batched(device),
         )
         # every rank's piece of the results back from the owner (one all_to_all)
         dtypes = [self.core.result_dtype(g) for g in groups]
@@ -386,11 +314,52 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
         return sums
 
 
+class OwnerExchangeOptimizer(MatrixOptimizer):
+    """The driver over an ``ExchangeCore`` with the placements ``piece_steps`` (if any),
+    ``OwnerExchanges`` and ``Local``."""
+
+    core: ExchangeCore
+    piece_steps: Local | None = None  # MuonBP's block steps: claims by a schedule
+    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
+    data_parallel_option = "replica_group"
+
+    def __init__(self, params, config: OwnerExchangeConfig):
+        self.config = config
+        replica_group = check_group(type(self).__name__, "replica_group", config.replica_group)
+        self.exchanges = OwnerExchanges(self.core, replica_group)
+        before = () if self.piece_steps is None else (self.piece_steps,)
+        self.placements = (*before, self.exchanges, Local())
+        self._planned = False
+        super().__init__(
+            params, config.defaults(), nonfinite=config.nonfinite, foreach=config.foreach
+        )
+        self._plan_exchanges()
+
+    def add_param_group(self, param_group: Group) -> None:
+        super().add_param_group(param_group)
+        if self._planned:  # a group added after construction: plan again
+            self._plan_exchanges()
+
+    def _plan_exchanges(self) -> None:
+        self.exchanges.plan([g for g in self.param_groups if g["algorithm"] == self.algorithm])
+        self._planned = True
+
+    def _validate_group(self, group: Group) -> None:
+        super()._validate_group(group)
+        if group["algorithm"] != self.algorithm:
+            return
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                continue
+            placement = matrix_placement(p)  # rejects Partial placements
+            if self.core.whole_rows and len(placement.cols) != p.shape[1]:
+                raise NotImplementedError(
+                    f"{self.name_of(p)} is split along its columns ({tuple(p.placements)}); "
+                    f"{self.core.whole_rows}, so shard its rows only (FSDP Shard(0)) or give "
+                    "it to Muon"
+                )
+
+
 def _group_of(groups: list[Group]) -> dict[Tensor, Group]:
     """Each parameter's group dict."""
     return {p: g for g in groups for p in g["params"]}
-
-
-def _local_state(state: dict[str, Any]) -> dict[str, Any]:
-    """A state dict with the rank-local tensor of each DTensor."""
-    return {key: local(value) for key, value in state.items()}

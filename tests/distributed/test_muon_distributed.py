@@ -82,7 +82,7 @@ def _plan(opt):
         return None
     return [
         (exchange.owners[j], [exchange._numel(j, h) for h in range(exchange.size)])
-        for exchange, _ in opt._exchanges
+        for exchange, _ in opt.exchanges.exchanges
         for j in range(len(exchange.shapes))
     ]
 

@@ -63,7 +63,7 @@ def compare(rank, world, layout, name, options, reference_blocks=None):
             (exchange.owners[j], [len(r) * len(c) for r, c in exchange.pieces[j]])
             for j in range(len(exchange.shapes))
         ]
-        for exchange, _ in opt._exchanges
+        for exchange, _ in opt.exchanges.exchanges
     ]
     placements = [
         tuple(v.placements) if hasattr(v, "placements") else None
