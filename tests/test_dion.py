@@ -335,7 +335,7 @@ def test_optimizer_batches_same_shape_matrices_and_shares_their_sketch():
             Q = [opt._init_matrix_state(p, opt.param_groups[0])["Q"] for p in params]
         opt.step()
         for i, s in enumerate(shapes):
-            seed = opt._sketch_seed(s, 3, step)
+            seed = opt.core.sketch_seed(s, 3, step)
             generator = torch.Generator().manual_seed(seed)
             hp = dict(lr=0.05, mu=0.95, weight_decay=0.1, orthogonalize="cholesky_qr")
             scale = math.sqrt(s[0] / s[1])

@@ -1,8 +1,12 @@
 """Dion: Distributed Orthonormalized Updates (Ahn et al., arXiv 2504.05295).
 
-The optimizer class: parameter groups, lazy state, sketch seeds and the placement of each
-matrix; the math (``dion_update``, the reference, and its batched form ``dion_updates``) is in
-``dobb.optim.dion_core``, the sharded protocol (``dion_step``) in ``dobb.optim.dion_sharded``.
+``Dion`` is the driver (``dobb.optim.base.MatrixOptimizer``) over ``DionCore``, its maths
+on whole local matrices (``dion_update``, the reference, and its batched form
+``dion_updates``, both in ``dobb.optim.dion_core``), and two placements: ``ShardedSteps``
+(``dobb.optim.dion_sharded``) claims the matrices other ranks share (split over ranks or
+under compressed sync) and steps them by Dion's sharded protocol (``dion_step``, which
+holds every collective), then ``Local`` steps the rest by the core. The class keeps its
+options, the check of its groups' placements and ``state_dict``'s averaging of momenta.
 
 The momentum buffer accumulates gradients (``B = M + G``, not an EMA); the error feedback
 removes a ``1 - mu`` fraction of what the update used. Parameter groups with
@@ -36,23 +40,99 @@ DeviceMesh of data axes for HSDP): Dion then runs the paper's compressed sync, a
 ``P`` and ``R`` instead of the gradients (how to set it up: docs/distributed.md).
 """
 
-import math
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from dobb._dtensor import DTensor, local
+from dobb._dtensor import local
 from dobb.distributed.groups import axis_groups, check_group
-from dobb.distributed.placement import MatrixPlacement, like_columns, matrix_placement
+from dobb.distributed.placement import like_columns
 from dobb.distributed.reduce import all_reduce_
-from dobb.optim.base import MatrixOptimizer, state_dtype
+from dobb.optim.base import Core, Local, MatrixOptimizer, state_dtype
 from dobb.optim.config import COUNT, OptimizerConfig, between, inherit, one_of, option, optional
-from dobb.optim.dion_core import ORTHOGONALIZE_METHODS, dion_update, dion_updates
-from dobb.optim.dion_sharded import DionMatrix, dion_step
+from dobb.optim.dion_core import (
+    ORTHOGONALIZE_METHODS,
+    dion_options,
+    dion_update,
+    dion_updates,
+    rank_of,
+    shape_scale,
+)
+from dobb.optim.dion_sharded import ShardedSteps
+
+
+class DionCore(Core):
+    """Dion's maths on whole local matrices: ``dion_updates`` stacked by shape, or on the
+    CPU (``foreach`` off) ``dion_update`` one by one (no stacking copies); no communication.
+
+    State per ``(d_out, d_in)`` matrix: ``step`` (a CPU scalar), the momentum ``M`` (laid
+    out like ``W``) and the right factor ``Q`` (``(d_in, r)``, ``r = rank_of``; a DTensor's
+    holds this rank's rows of ``Q`` for its columns, ``like_columns``).
+
+    ``seed``: the base seed; ``name_of``: a ``weakref.WeakMethod`` of the optimizer's
+    ``name_of`` (a strong reference would be a cycle, and the optimizer's state would be
+    freed only by the garbage collector), the matrix's name, which with ``seed`` seeds
+    ``Q_0``; ``placement_of(param)``: its ``MatrixPlacement``, None if whole.
+    """
+
+    def __init__(self, seed: int, name_of, placement_of):
+        self.seed, self.name_of, self.placement_of = seed, name_of, placement_of
+
+    def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """``Q_0 ~ N(0, 1)`` of the whole matrix, drawn on the CPU (any device agrees) from
+        ``seed`` and the name (crc32 is stable, hash() not, so every replica draws alike);
+        this rank's columns of it for a DTensor. ``M = 0``, ``step = 0``."""
+        dtype, device = state_dtype(param), local(param).device
+        name_seed = zlib.crc32(f"{self.seed}/{self.name_of()(param)}".encode())
+        d_in = param.shape[1]
+        generator = torch.Generator().manual_seed(name_seed)
+        Q = torch.randn(d_in, rank_of(param.shape, group), generator=generator)
+        placement = self.placement_of(param)
+        if placement is not None:  # this rank's columns of the one Q_0 of the whole matrix
+            Q = Q[placement.cols]
+        return {
+            "step": torch.tensor(0.0),
+            "momentum": torch.zeros_like(param, dtype=dtype),
+            "Q": like_columns(Q.to(device=device, dtype=dtype), param, d_in),
+        }
+
+    def sketch_seed(self, shape: tuple[int, int], rank: int, step: int) -> int:
+        """The seed of the sketch of every ``shape`` matrix of rank ``rank`` at ``step``:
+        equal on every rank holding such a matrix, and one per shape, so that a stack of
+        same-shape matrices draws one sketch (a Gaussian ``S`` independent of each ``P``,
+        which is all the preconditioner needs)."""
+        m, n = shape
+        return zlib.crc32(f"{self.seed}/sketch/{m}x{n}/{rank}".encode()) * 1_000_003 + step
+
+    def step_seeds(self, states: list[dict[str, Any]], shapes: list) -> list[int]:
+        """Advance each matrix's step counter (CPU scalars: one host read for all) and return
+        its sketch seed at the new step; ``shapes``: the whole matrices'. The one place
+        both forms of the step (here and ``ShardedSteps``) count steps."""
+        steps = [state["step"] for state in states]
+        torch._foreach_add_(steps, 1.0)
+        return [
+            self.sketch_seed(shape, state["Q"].shape[1], int(step))
+            for shape, state, step in zip(shapes, states, torch.stack(steps).tolist())
+        ]
+
+    def updates(self, params, grads, states, group, *, batched: bool) -> None:
+        """``step_seeds``, then ``dion_updates`` or (not ``batched``) ``dion_update`` of each
+        whole ``(d_out, d_in)`` matrix, with the lr factor ``sqrt(d_out / d_in)``."""
+        seeds = self.step_seeds(states, [p.shape for p in params])
+        momenta, Qs = [state["momentum"] for state in states], [state["Q"] for state in states]
+        scales = [shape_scale(p.shape) for p in params]
+        hp = dion_options(group)
+        if batched:
+            dion_updates(params, grads, momenta, Qs, scales=scales, sketch_seeds=seeds, **hp)
+            return
+        sketched = hp["orthogonalize"] == "cholesky_qr"  # the only use of a generator
+        for p, grad, momentum, Q, scale, seed in zip(params, grads, momenta, Qs, scales, seeds):
+            generator = torch.Generator(p.device).manual_seed(seed) if sketched else None
+            dion_update(p, grad, momentum, Q, scale=scale, generator=generator, **hp)
 
 
 class Dion(MatrixOptimizer):
@@ -74,6 +154,9 @@ class Dion(MatrixOptimizer):
 
     Sharding: DTensors (FSDP, TP, FSDP x TP, uneven shards) equal one device, with one
     all-reduce per mesh axis and round (the rounds: ``dobb.optim.dion_sharded``).
+
+    Parts: ``core`` a ``DionCore``; ``placements`` ``(ShardedSteps, Local())``, the first
+    also ``self.sharded`` (each matrix's ``MatrixPlacement`` and compressed-sync groups).
     """
 
     algorithm = "dion"
@@ -126,11 +209,9 @@ class Dion(MatrixOptimizer):
         foreach: bool | None = Config.foreach,
     ):
         self.config = config = self.Config.from_arguments(locals())
-        self.seed = seed
-        self._sync_groups = axis_groups(check_group("Dion", "sync_group", sync_group))
-        # derived layout, recomputed rather than checkpointed (a checkpoint may load
-        # into another mesh)
-        self._placements: dict[Tensor, MatrixPlacement] = {}
+        self.sharded = ShardedSteps(axis_groups(check_group("Dion", "sync_group", sync_group)))
+        self.placements = (self.sharded, Local())
+        self.core = DionCore(seed, weakref.WeakMethod(self.name_of), self.sharded.placement_of)
         super().__init__(
             params, config.defaults(), nonfinite=config.nonfinite, foreach=config.foreach
         )
@@ -140,134 +221,16 @@ class Dion(MatrixOptimizer):
         if group["algorithm"] != self.algorithm:
             return
         for p in group["params"]:
-            self._placement(p)  # rejects Partial placements now rather than mid-step
+            self.sharded.placement_of(p)  # rejects Partial placements now rather than mid-step
 
-    def _placement(self, param: Tensor) -> MatrixPlacement | None:
-        """How ``param`` is split over ranks; None for a plain tensor."""
-        if not isinstance(param, DTensor):
-            return None
-        if param not in self._placements:
-            self._placements[param] = matrix_placement(param)
-        return self._placements[param]
-
-    def _data_groups(self, param: Tensor) -> tuple:
-        """The ``sync_group`` axes along which ``param`` is copied (compressed sync)."""
-        placement = self._placement(param)
-        if placement is None:
-            return self._sync_groups
-        split = [dist.get_process_group_ranks(g) for g in placement.row_groups]
-        split += [dist.get_process_group_ranks(g) for g in placement.col_groups]
-        return tuple(g for g in self._sync_groups if dist.get_process_group_ranks(g) not in split)
-
-    @staticmethod
-    def rank_of(shape: tuple[int, int], group: dict[str, Any]) -> int:
-        """``r`` for a ``(d_out, d_in)`` matrix: ``rank``, else ``ceil(fraction * min)``."""
-        smaller = min(shape)
-        # round first so that float error cannot bump the rank (0.07 * 100 = 7.000000000000001)
-        rank = group["rank"] or math.ceil(round(group["rank_fraction"] * smaller, 9))
-        return min(rank, smaller)
-
-    def _seed(self, param: Tensor) -> int:
-        """A per-matrix seed that every replica computes alike (crc32 is stable, hash() not)."""
-        return zlib.crc32(f"{self.seed}/{self.name_of(param)}".encode())
-
-    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        dtype, device = state_dtype(param), local(param).device
-        generator = torch.Generator().manual_seed(self._seed(param))  # on CPU: any device agrees
-        d_in = param.shape[1]
-        Q = torch.randn(d_in, self.rank_of(param.shape, group), generator=generator)
-        placement = self._placement(param)
-        if placement is not None:  # this rank's columns of the one Q_0 of the whole matrix
-            Q = Q[placement.cols]
-        return {
-            "step": torch.tensor(0.0),
-            "momentum": torch.zeros_like(param, dtype=dtype),
-            "Q": like_columns(Q.to(device=device, dtype=dtype), param, d_in),
-        }
-
-    def _sketch_seed(self, shape: tuple[int, int], rank: int, step: int) -> int:
-        """The seed of the sketch of every ``shape`` matrix of rank ``rank`` at ``step``:
-        equal on every rank holding such a matrix, and one per shape, so that a stack of
-        same-shape matrices draws one sketch (a Gaussian ``S`` independent of each ``P``,
-        which is all the preconditioner needs)."""
-        m, n = shape
-        return zlib.crc32(f"{self.seed}/sketch/{m}x{n}/{rank}".encode()) * 1_000_003 + step
-
-    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        """Per group, the placement decides the form: whole matrices (one device, DDP
-        without ``sync_group``) run the local update, split or compressed-sync ones Dion's
-        sharded protocol (``dion_step``)."""
-        for group in groups:
-            entries = list(self._matrices_with_grad([group]))
-            if not entries:
-                continue
-            steps = [state["step"] for _, state, _ in entries]  # CPU scalars: no device sync
-            torch._foreach_add_(steps, 1.0)
-            seeds = [
-                self._sketch_seed(p.shape, state["Q"].shape[1], int(step))
-                for (p, state, _), step in zip(entries, torch.stack(steps).tolist())
-            ]
-            hp = dict(lr=group["lr"], mu=group["mu"], weight_decay=group["weight_decay"])
-            hp["orthogonalize"] = group["orthogonalize"]
-            local_entries, sharded_entries = [], []
-            for (p, state, g), seed in zip(entries, seeds):
-                whole = self._placement(p) is None and not self._data_groups(p)
-                (local_entries if whole else sharded_entries).append(((p, state, g), seed))
-            self._local_step(local_entries, hp)
-            self._sharded_step(sharded_entries, hp)
-
-    def _local_step(self, entries: list[tuple[tuple, int]], hp: dict[str, Any]) -> None:
-        """Whole matrices, as ``((param, state, group), sketch seed)``: ``dion_updates``
-        stacked by shape, or on the CPU (``foreach`` off) ``dion_update`` one by one (no
-        stacking copies). No communication."""
-        if not entries:
-            return
-        params = [p for (p, _, _), _ in entries]
-        states = [state for (_, state, _), _ in entries]
-        scales = [math.sqrt(p.shape[0] / p.shape[1]) for p in params]  # the paper's factor
-        if self.batched(local(params[0]).device):
-            dion_updates(
-                [local(p) for p in params],
-                [local(p.grad) for p in params],
-                [local(state["momentum"]) for state in states],
-                [local(state["Q"]) for state in states],
-                scales=scales,
-                sketch_seeds=[seed for _, seed in entries],
-                **hp,
-            )
-            return
-        sketched = hp["orthogonalize"] == "cholesky_qr"  # the only use of a generator
-        for p, state, scale, (_, seed) in zip(params, states, scales, entries):
-            generator = torch.Generator(local(p).device).manual_seed(seed) if sketched else None
-            momentum, Q = local(state["momentum"]), local(state["Q"])
-            dion_update(
-                local(p), local(p.grad), momentum, Q, scale=scale, generator=generator, **hp
-            )
-
-    def _sharded_step(self, entries: list[tuple[tuple, int]], hp: dict[str, Any]) -> None:
-        """Matrices split over ranks or under compressed sync: ``dion_step``, whose
-        all-reduces complete the sums over split dims (and average over ``sync_group``)."""
-        matrices = [
-            DionMatrix(
-                local(p),
-                local(p.grad),
-                local(state["momentum"]),
-                local(state["Q"]),
-                scale=math.sqrt(p.shape[0] / p.shape[1]),  # the paper's shape factor
-                generator=torch.Generator(local(p).device).manual_seed(seed),
-                placement=self._placement(p),
-                data_groups=self._data_groups(p),
-            )
-            for (p, state, _), seed in entries
-        ]
-        dion_step(matrices, **hp)
+    rank_of = staticmethod(rank_of)  # public: the cost model (bench) reads it
 
     def state_dict(self) -> dict[str, Any]:
         """The state; under compressed sync the replicas' momenta are averaged first (a
         collective), so that a checkpoint holds one consistent ``M`` (the update depends on
         the replicas' momenta only through their mean, so this changes nothing)."""
         momenta = [
-            (local(self.state[p]["momentum"]), self._data_groups(p))
+            (local(self.state[p]["momentum"]), self.sharded.data_groups(p))
             for g in self.param_groups
             if g["algorithm"] == self.algorithm
             for p in g["params"]

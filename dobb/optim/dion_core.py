@@ -19,7 +19,9 @@ paper's box: the reference. ``dion_updates`` takes whole matrices (one device, D
 line runs once per stack of same-shape matrices, so a step costs O(shapes) kernels, not
 O(matrices). Both are pure: nothing here communicates. Matrices split over ranks run the
 same steps in ``dobb.optim.dion_sharded.dion_step``, which completes the sums over split
-dims with all-reduces between them.
+dims with all-reduces between them. The optimizer's core (``dobb.optim.dion.DionCore``)
+runs these on whole matrices; ``rank_of``, ``shape_scale`` and ``dion_options`` are what
+it and the sharded placement read from a matrix's shape and group.
 
 Matrices agreeing on shape, rank, dtypes, device, scale and sketch seed form one
 ``(b, m, n)`` stack, and each line of Algorithm 1 runs once per stack (bmm, batched
@@ -35,6 +37,7 @@ the error feedback and the update vanish, and ``Q`` is selected by ``where``.
 """
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,6 +50,26 @@ COLUMN_EPS = 1e-8  # columns of R with a smaller norm are left (near) zero, neve
 # values of microsoft/dion (dion_reference.py, `orthogonalize`, qr_method="rcqr").
 SKETCH_OVERSAMPLE = 1.25
 SKETCH_ROW_MULTIPLE = 128
+
+
+def rank_of(shape: tuple[int, int], group: dict[str, Any]) -> int:
+    """``r`` for a ``(d_out, d_in)`` matrix: ``rank``, else ``ceil(rank_fraction min)``,
+    capped at ``min(d_out, d_in)``."""
+    smaller = min(shape)
+    # round first so that float error cannot bump the rank (0.07 * 100 = 7.000000000000001)
+    rank = group["rank"] or math.ceil(round(group["rank_fraction"] * smaller, 9))
+    return min(rank, smaller)
+
+
+def shape_scale(shape: tuple[int, int]) -> float:
+    """The paper's learning-rate factor ``sqrt(d_out / d_in)`` of the whole matrix."""
+    return math.sqrt(shape[0] / shape[1])
+
+
+def dion_options(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's options as ``dion_update``, ``dion_updates`` and ``dion_step`` take them."""
+    keys = ("lr", "mu", "weight_decay", "orthogonalize")
+    return {key: group[key] for key in keys}
 
 
 def dion_update(

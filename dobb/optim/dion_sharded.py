@@ -1,5 +1,9 @@
 """Dion's sharded protocol: Algorithm 1 on matrices split over ranks, every collective here.
 
+``ShardedSteps`` is Dion's placement (``dobb.optim.base.Local``) of the matrices that other
+ranks share: those split over ranks (DTensors) or under compressed sync (``sync_group``).
+It claims them before ``Local`` takes the whole ones, and steps them with ``dion_step``.
+
 ``dion_step`` takes the steps of ``dobb.optim.dion_core.dion_update`` over a list of
 matrices (``DionMatrix``), each whole on this rank or split over ranks
 (``MatrixPlacement``); the maths of each step is a pure function of ``dion_core``, and the
@@ -42,16 +46,21 @@ QR runs along the longer side, which changes only which factor is column-normali
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from dobb.distributed.placement import MatrixPlacement
+from dobb._dtensor import DTensor, local
+from dobb.distributed.placement import MatrixPlacement, matrix_placement
 from dobb.distributed.reduce import all_reduce_
+from dobb.optim.base import Entry, Local
 from dobb.optim.dion_core import (
     cholesky_orthonormalize,
     column_normalize,
+    dion_options,
     error_feedback,
     orthonormalize,
     precondition,
+    shape_scale,
     sketch,
 )
 
@@ -168,3 +177,67 @@ def _sketch_rows(x: DionMatrix, P: Tensor) -> Tensor:
     m, r = x.placement.shape[0], P.shape[1]
     S = sketch(m, r, generator=x.generator, device=P.device, dtype=P.dtype)
     return S[:, x.placement.rows.to(P.device)]
+
+
+class ShardedSteps(Local):
+    """Dion's placement of matrices split over ranks or under compressed sync: ``dion_step``
+    once per set of math options, its all-reduces complete the sums over split dims and
+    average ``P`` and ``R`` over ``sync_groups`` (``dobb.distributed.groups.axis_groups``
+    of ``sync_group``: one process group per data axis).
+
+    The layout of each matrix (``placement_of``) is derived, recomputed rather than
+    checkpointed (a checkpoint may load into another mesh).
+    """
+
+    def __init__(self, sync_groups: tuple):
+        self.sync_groups = sync_groups
+        self._placements: dict[Tensor, MatrixPlacement] = {}
+
+    def placement_of(self, param: Tensor) -> MatrixPlacement | None:
+        """How ``param`` is split over ranks; None for a plain tensor (raises for a Partial
+        placement)."""
+        if not isinstance(param, DTensor):
+            return None
+        if param not in self._placements:
+            self._placements[param] = matrix_placement(param)
+        return self._placements[param]
+
+    def data_groups(self, param: Tensor) -> tuple:
+        """The ``sync_groups`` along which ``param`` is copied (compressed sync)."""
+        placement = self.placement_of(param)
+        if placement is None:
+            return self.sync_groups
+        split = [dist.get_process_group_ranks(g) for g in placement.row_groups]
+        split += [dist.get_process_group_ranks(g) for g in placement.col_groups]
+        return tuple(g for g in self.sync_groups if dist.get_process_group_ranks(g) not in split)
+
+    def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+        """The matrices split over ranks (DTensors) or copied over ``sync_groups``."""
+        shared = [
+            self.placement_of(p) is not None or bool(self.data_groups(p)) for p, _, _ in entries
+        ]
+        return [e for e, s in zip(entries, shared) if s], [
+            e for e, s in zip(entries, shared) if not s
+        ]
+
+    def run(self, core, entries: list[Entry], *, batched: bool) -> None:
+        """``dion_step`` of ``entries`` (one set of math options); ``core`` (``DionCore``)
+        advances their step counters and gives their sketch seeds. ``batched`` plays no
+        part: ``dion_step`` batches its collectives, each matrix's maths runs on its own."""
+        seeds = core.step_seeds(
+            [state for _, state, _ in entries], [p.shape for p, _, _ in entries]
+        )
+        matrices = [
+            DionMatrix(
+                local(p),
+                local(p.grad),
+                local(state["momentum"]),
+                local(state["Q"]),
+                scale=shape_scale(p.shape),  # the whole matrix's
+                generator=torch.Generator(local(p).device).manual_seed(seed),
+                placement=self.placement_of(p),
+                data_groups=self.data_groups(p),
+            )
+            for (p, state, _), seed in zip(entries, seeds)
+        ]
+        dion_step(matrices, **dion_options(entries[0][2]))
