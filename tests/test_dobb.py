@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 import dobb
-import dobb.optim.dobb as dobb_module
+import dobb.optim.dobb_core as dobb_core
 from dobb.blocks import block_stacks, eigenbasis, power_qr_basis
-from dobb.optim.dobb import dobb_update, dobb_update_batched
+from dobb.optim.dobb_core import DobbCore
+from dobb.optim.dobb_update import dobb_update, dobb_update_batched
 
 
 def mlp(dtype=torch.float32, d_in=12, hidden=20, d_out=6, seed=0):
@@ -555,11 +556,18 @@ def test_batches_split_by_shape_hyperparameters_and_size(monkeypatch):
     opt = dobb.Dobb(groups, lr=0.1, num_blocks=2, missing_stats="identity", foreach=True)
     for layer in layers:
         layer.weight.grad = torch.ones_like(layer.weight)
-    active = opt._active(opt.param_groups)
-    sizes = sorted(len(batch) for batch in opt._batches(active))
-    assert sizes == [1, 1, 2]
-    monkeypatch.setattr(dobb_module, "BATCH_ELEMENTS", 64)  # one 8 x 8 matrix per batch
-    assert sorted(len(batch) for batch in opt._batches(active)) == [1, 1, 1, 1]
+    sizes, batches = [], DobbCore._batches
+
+    def recorded(core, *args):  # a step's batches, of every set of math options
+        return [sizes.append(len(b)) or b for b in batches(core, *args)]
+
+    monkeypatch.setattr(DobbCore, "_batches", recorded)
+    opt.step()
+    assert sorted(sizes) == [1, 1, 2]
+    sizes.clear()
+    monkeypatch.setattr(dobb_core, "BATCH_ELEMENTS", 64)  # one 8 x 8 matrix per batch
+    opt.step()
+    assert sorted(sizes) == [1, 1, 1, 1]
 
 
 def test_public_accessors_name_blocks_and_groups():

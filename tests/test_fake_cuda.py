@@ -139,7 +139,7 @@ def test_dobb_variants_step_on_fake_cuda(variant):
 def test_capturable_dobb_reads_nothing_on_fake_cuda():
     """``capturable=True``: no host read in any step, refreshes included, on fake CUDA as
     with the CPU profiler; counters on the device. The first step after a load reads each
-    matrix's two device counters once (``Dobb._host_count``: the refresh schedule is kept
+    matrix's two device counters once (``DobbCore._count``: the refresh schedule is kept
     on the host), 3 matrices here."""
     result = measure("dobb", None, capturable=True, nonfinite="skip")
     assert result["fake"] == result["cpu"] == [0] * STEPS + [2 * 3]

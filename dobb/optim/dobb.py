@@ -5,9 +5,12 @@ a block-diagonal approximation of the input-activation second moment ``E[xᵀx]`
 is projected into each block's eigenbasis, normalized by an elementwise sign and rotated
 back. A row of the update depends only on the same row of the momentum, so row-sharded
 (FSDP, column-parallel TP) matrices are updated with no communication. The maths per
-matrix is in the class docstring; the update on plain tensors is ``dobb.optim.dobb_update``,
-the statistics ``dobb.optim.dobb_statistics``. Some options at more length than the class
-docstring gives them:
+matrix is in the class docstring. ``Dobb`` is the driver (``dobb.optim.base``) over its
+core, ``dobb.optim.dobb_core.DobbCore``, which holds the step (counters, fold, average,
+refresh, update) and runs under ``Local``, Dobb's only placement; the optimizer keeps the
+options, the layouts (``_layout``), the hooks (``track``) and the checkpoints. The update
+on plain tensors is ``dobb.optim.dobb_update``, the statistics ``dobb.optim.dobb_statistics``.
+Some options at more length than the class docstring gives them:
 
 Sharding: DTensor parameters are updated on their local shard. Row shards (FSDP
 ``Shard(0)``, column-parallel TP) need nothing; column shards (row-parallel TP ``Shard(1)``)
@@ -58,7 +61,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -66,9 +68,8 @@ from dobb._dtensor import DTensor, local
 from dobb.blocks import BlockStack
 from dobb.distributed.groups import axis_groups, check_group
 from dobb.distributed.sharding import split_over_ranks
-from dobb.eigensolve import BASIS_METHODS, CAPTURABLE_METHODS, BlockFailures, refresh_bases
-from dobb.optim.base import MatrixOptimizer, state_dtype
-from dobb.optim.batching import each
+from dobb.eigensolve import BASIS_METHODS, CAPTURABLE_METHODS, BlockFailures
+from dobb.optim.base import MatrixOptimizer
 from dobb.optim.config import (
     BOOL,
     COUNT,
@@ -76,30 +77,23 @@ from dobb.optim.config import (
     OptimizerConfig,
     Rule,
     inherit,
-    math_key,
     one_of,
     option,
     optional,
 )
-from dobb.optim.dobb_layout import LEGACY_KEYS, Matrix, MatrixLayout, Side, hooked, matrix_layout
+from dobb.optim.dobb_core import DobbCore
+from dobb.optim.dobb_layout import LEGACY_KEYS, Matrix, MatrixLayout, hooked, matrix_layout
 from dobb.optim.dobb_statistics import DobbStatistics
-from dobb.optim.dobb_update import COEFFICIENTS, dobb_update, dobb_update_batched, update_alpha
+from dobb.optim.dobb_update import COEFFICIENTS, dobb_update, update_alpha
 from dobb.stats import layer_weights
+
+__all__ = ["Dobb", "dobb_update", "update_alpha"]  # the last two for dobb.optim and bench
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 UPDATE_SCALE = Rule(
     lambda v: v in UPDATE_SCALE_MODES or (isinstance(v, float | int) and v > 0),
     f"a positive number or {one_of(*UPDATE_SCALE_MODES).want}",
 )
-# Warm-started solvers need a start: a matrix's first refresh runs batched Jacobi from the
-# identity with more sweeps (dobb.eigensolve.COLD_METHODS; no per-block eigh loop, no host
-# read), or eigh where "auto" means eigh (CPU), or CuPy's eigh (CUDA, CuPy installed).
-COLD_START = {
-    "power_qr": "jacobi_cold",
-    "cholqr": "jacobi_cold",
-    "jacobi": "jacobi_cold",
-    "auto": "auto_cold",
-}
 # Where the block bases come from: Dobb's activation moments, or controls for ablations.
 BASIS_SOURCES = ("activations", "gradients", "random", "identity")
 PROJECTION_DTYPES = (None, "float32", "bfloat16", "float16")  # the rotations' matmuls
@@ -115,9 +109,6 @@ LAYOUT_OPTIONS = (
     "row_stats",
     "basis_source",
 )
-# Largest batch of same-shape matrices updated together (elements of the stacked momentum);
-# bounds the batched step's temporary memory at a few copies of this many state elements.
-BATCH_ELEMENTS = 1 << 26
 
 
 class Dobb(MatrixOptimizer):
@@ -142,6 +133,10 @@ class Dobb(MatrixOptimizer):
 
     Sharding: each shard updates alone; column shards must hold whole blocks (else
     construction raises). ``state_dict()`` averages the statistics first (a collective).
+
+    The step is ``self.core``'s (``DobbCore``), given at construction the config, the
+    statistics, ``_layout``, ``name_of``, the shared refresh's runner and
+    ``basis_failures``.
     """
 
     algorithm = "dobb"
@@ -278,21 +273,14 @@ class Dobb(MatrixOptimizer):
         self._data_parallel_groups = axis_groups(check_group("Dobb", "stats_group", stats_group))
         # Refresh work is split over the innermost data axis (its ranks hold identical C_b).
         split = shard_refresh and self._data_parallel_groups
-        self._run = (
-            partial(split_over_ranks, group=self._data_parallel_groups[-1]) if split else None
-        )
+        run = partial(split_over_ranks, group=self._data_parallel_groups[-1]) if split else None
         self._input_dims: dict[Tensor, int] = {}  # 0 for (d_in, d_out) weights; set by track
         self._layouts: dict[tuple, MatrixLayout] = {}  # _layout's
         self.statistics = DobbStatistics(name_of=self.name_of, batched=self.batched)
-        self._host_counts: dict[Tensor, list[int]] = {}  # capturable: [step, stats_steps]
-        self._basis_stacks: dict[tuple, tuple[list[Tensor], Tensor]] = {}  # _stacked_bases
-        self.basis_failures = BlockFailures()  # blocks whose new basis the guard rejected
+        self.basis_failures = failures = BlockFailures()  # blocks whose new basis was rejected
+        self.core = DobbCore(config, self.statistics, self._layout, self.name_of, run, failures)
         super().__init__(
-            params,
-            config.defaults(),
-            nonfinite=nonfinite,
-            foreach=foreach,
-            capturable=capturable,
+            params, config.defaults(), nonfinite=nonfinite, foreach=foreach, capturable=capturable
         )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -357,189 +345,18 @@ class Dobb(MatrixOptimizer):
             [Matrix(p, self.state[p], g, self._layout(p, g)) for p, g in held]
         )
 
-    def _extra_inputs(self, matrix_groups):
-        return self.statistics.pending_inputs()
-
-    def _discard_step_inputs(self) -> None:
-        self.statistics.discard()
-
-    def _prepare(self, matrix_groups) -> None:
-        """``RuntimeError`` before any state changes if a matrix stepping with ``lr > 0`` has
-        no statistics for this step (unless ``missing_stats="identity"``); a tensor ``lr``
-        (capturable) is not read: statistics are needed."""
-        if self.config.missing_stats == "identity":
-            return
-        stepping = [g for g in matrix_groups if isinstance(g["lr"], Tensor) or g["lr"] != 0]
-        needed = [(p, g) for g in stepping for p in g["params"] if p.grad is not None]
-        self.statistics.check_present([(p, self._layout(p, g)) for p, g in needed])
-
-    def _init_matrix_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        """Counters, momentum, each side's ``C`` and bases (``Side.init_state``), and the
-        Adam coefficients' ``V``."""
-        dtype, device = state_dtype(param), local(param).device
-        counter = device if self.capturable else "cpu"
-        state = {
-            "step": torch.zeros((), device=counter),
-            "stats_steps": torch.zeros((), device=counter),
-            "momentum": torch.zeros_like(param, dtype=dtype),
-        }
-        self._host_counts[param] = [0, 0]
-        self.basis_failures.counter(device)  # made before any capture (see BlockFailures)
-        for side in self._layout(param, group).sides:
-            state.update(side.init_state(param, self.name_of(param), dtype))
-        if group["coefficients"] == "adam":
-            state["variance"] = torch.zeros_like(param, dtype=dtype)
-        return state
-
-    def _matrix_step(self, groups: list[dict[str, Any]]) -> None:
-        """The algorithm box for every matrix: statistics EMA, due refreshes, update, each
-        phase batched (kernels per distinct shape, not per matrix); the schedule reads CPU
-        counters (``tolist``), or host counts if capturable: no device sync."""
-        active = self._active(groups)
-        if not active:
-            return
-        steps, folded = self._count(active)
-        due = [
-            (m, stats_steps)
-            for m, step, stats_steps in zip(active, steps, folded)
-            if (int(step) - 1) % m.group["basis_interval"] == 0 and stats_steps > 0
-        ]
-        due_ids = {id(m.state) for m, _ in due}
-        every_step = self.config.stats_sync == "step"
-        self.statistics.average([m for m in active if every_step or id(m.state) in due_ids])
-        self._refresh(due)
-        if self._live is not None:  # Adam coefficients' bias correction: the device counts
-            steps = [m.state["step"] for m in active]
-        step_of = {id(m.state): step for m, step in zip(active, steps)}
-        for batch in self._batches(active):
-            self._update(batch, [step_of[id(m.state)] for m in batch])
-
-    def _active(self, groups: list[dict[str, Any]]) -> list[Matrix]:
-        """Every matrix of ``groups`` with a gradient, with its layout; state built lazily."""
-        return [Matrix(p, s, g, self._layout(p, g)) for p, s, g in self._matrices_with_grad(groups)]
-
-    def _count(self, active: list[Matrix]) -> tuple[list, list]:
-        """Advance the step counters and fold this step's statistics; returns each matrix's
-        ``step`` and ``stats_steps`` after them, read from the CPU counters, or (capturable)
-        counted on the host, with no read."""
-        counters, live = [m.state["step"] for m in active], self._live
-        torch._foreach_add_(counters, 1.0 if live is None else each(live, counters))
-        if live is None:
-            return torch.stack(counters).tolist(), self.statistics.fold(active)
-        counts = [self._host_count(m.param, m.state) for m in active]
-        steps = [c[0] + 1 for c in counts]
-        folded = self.statistics.fold(active, [c[1] for c in counts], live)
-        for c, step, stats_steps in zip(counts, steps, folded):
-            c[:] = step, stats_steps
-        return steps, folded
-
-    def _update(self, batch: list[Matrix], steps: list) -> None:
-        """Dobb's update of one batch (``_batches``), ``steps`` its matrices' step counts:
-        ``dobb_update`` on a lone matrix (the reference: no stacking copies), else
-        ``dobb_update_batched``; each side gives its bases and stacks (the row side none
-        one-sided)."""
-        p, state, group, layout = batch[0]
-        stacks, row_stacks = (s.stacks for s in layout.sides)
-        adam = group["coefficients"] == "adam"
-        hyper = dict(
-            lr=group["lr"],
-            beta=group["momentum"],
-            nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"],
-            scale=update_alpha(group["update_scale"], p.shape[layout.input_dim]),
-            beta2=group["coefficient_beta"],
-            row_stacks=row_stacks,
-            projection_dtype=getattr(torch, group["projection_dtype"] or "", None),
-        )
-        if len(batch) == 1 and self._live is None:
-            # (d_in, d_out) weights (Conv1D) are updated through their transpose
-            orient = (lambda t: t.mT) if layout.input_dim == 0 else (lambda t: t)
-            bases, row_bases = ([local(state[b]) for _, b in s.keys] for s in layout.sides)
-            dobb_update(
-                *(orient(local(t)) for t in (p, p.grad, state["momentum"])),
-                bases,
-                stacks,
-                row_bases=row_bases,
-                variance=orient(local(state["variance"])) if adam else None,
-                step=steps[0],
-                **hyper,
-            )
-            return
-        low = hyper["projection_dtype"] or state_dtype(p)
-        bases, row_bases = (self._stacked_bases(batch, side, low) for side in layout.sides)
-        dobb_update_batched(
-            [local(m.param) for m in batch],
-            [local(m.param.grad) for m in batch],
-            [local(m.state["momentum"]) for m in batch],
-            bases,
-            stacks,
-            row_bases=row_bases or None,
-            variances=[local(m.state["variance"]) for m in batch] if adam else None,
-            steps=steps,
-            transposed=layout.input_dim == 0,
-            live=self._live,
-            **hyper,
-        )
-
-    def _stacked_bases(self, batch: list[Matrix], side: Side, dtype) -> list[Tensor]:
-        """``batch``'s bases of each stack of ``side``, stacked ``(n, count, s, s)`` in
-        ``dtype`` (the projections') once and kept between steps: bases change only in
-        ``_refresh``, which refills these copies in place (a captured steady step reads them
-        where the capture found them), and on a load, which drops them (memory: a copy of
-        the bases)."""
-        out = []
-        for _, key in side.keys:
-            cache_key = (key, dtype, *(id(m.state) for m in batch))
-            if cache_key not in self._basis_stacks:
-                bases = [local(m.state[key]) for m in batch]
-                self._basis_stacks[cache_key] = (bases, torch.stack(bases).to(dtype))
-            out.append(self._basis_stacks[cache_key][1])
-        return out
-
-    def _host_count(self, param: Tensor, state: dict) -> list[int]:
-        """Capturable: ``[step, stats_steps]`` on the host (read once after a load)."""
-        if param not in self._host_counts:
-            self._host_counts[param] = [int(state["step"]), int(state["stats_steps"])]
-        return self._host_counts[param]
-
     def refresh_due(self) -> bool:
         """Capturable: whether the next ``step()`` may refresh a basis (replay the refresh
         graph, not the steady one; a matrix's first step runs eagerly). Host counts only: no
         device read. When due it also reports the solver's failures (``basis_failures``,
         counted on the device by the previous refreshes) whose non-blocking copy has
         reached the host."""
-        due = any(
-            p not in self._host_counts or self._host_counts[p][0] % g["basis_interval"] == 0
-            for g in self._groups()
-            for p in g["params"]
-        )
-        if due:
-            self.basis_failures.report()
-        return due
+        return self.core.refresh_due(self._groups())
 
     def count_replay(self) -> None:
         """Capturable: count a replayed step, steady or refresh (a CUDA graph replay runs
         no Python)."""
-        for counts in self._host_counts.values():
-            counts[0] += 1
-            counts[1] += counts[1] > 0
-
-    def _batches(self, active: list[Matrix]) -> list[list[Matrix]]:
-        """``active`` split into batches that can share kernels, each of at most
-        ``BATCH_ELEMENTS`` elements: same local shape, orientation, block layout, dtypes,
-        device and hyperparameters; one matrix each unless ``batched`` (``foreach``)."""
-        batches: dict[tuple, list[list[Matrix]]] = {}
-        for m in active:
-            param, grad = local(m.param), local(m.param.grad)
-            dtypes = (param.dtype, grad.dtype, m.state["momentum"].dtype, param.device)
-            key = (tuple(param.shape), m.layout.input_dim, *(s.stacks for s in m.layout.sides))
-            key += dtypes
-            chunks = batches.setdefault((*key, math_key(m.group, self._math_options)), [[]])
-            full = (len(chunks[-1]) + 1) * param.numel() > BATCH_ELEMENTS
-            if chunks[-1] and (full or not self.batched(param.device)):
-                chunks.append([])
-            chunks[-1].append(m)
-        return [chunk for chunks in batches.values() for chunk in chunks]
+        self.core.count_replay()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state; saved statistics were averaged when saved (see ``state_dict``).
@@ -552,8 +369,7 @@ class Dobb(MatrixOptimizer):
             for index, entry in state_dict["state"].items()
         }
         super().load_state_dict({**state_dict, "state": state})
-        self._host_counts.clear()  # capturable: read again from the loaded counters
-        self._basis_stacks.clear()
+        self.core.forget()  # capturable's host counts, the stacked bases
         for p in self.state:
             self.basis_failures.counter(local(p).device)
         self.statistics.mark_synced()
@@ -568,33 +384,6 @@ class Dobb(MatrixOptimizer):
         """
         self.synchronize_statistics()
         return super().state_dict()
-
-    def _refresh(self, due: list[tuple[Matrix, float]]) -> None:
-        """Recompute the bases of ``due`` ``(matrix, stats_steps)``, one batched solver call
-        per method, sharing and block size (``COLD_START`` on a matrix's first statistics;
-        rejected blocks counted in ``basis_failures``). A side's blocks are shared out over
-        the data ranks if they hold the same ``C`` (``Side.shared``: the input side, with
-        ``shard_refresh``), else computed where they live: an FSDP rank holds only its own
-        row blocks."""
-        by_method: dict[tuple[str, bool], list[tuple[dict, str, str]]] = {}
-        for m, stats_steps in due:
-            method = m.group["basis_method"]
-            method = COLD_START.get(method, method) if stats_steps == 1 else method
-            for side in m.layout.sides:
-                by_method.setdefault((method, side.shared), []).extend(
-                    (m.state, cov_key, basis_key) for cov_key, basis_key in side.keys
-                )
-        for (method, shared), keys in by_method.items():
-            if not keys:
-                continue
-            targets = [local(state[b]) for state, _, b in keys]
-            covs = [local(state[c]) for state, c, _ in keys]
-            run = self._run if shared else None
-            solver = dict(failures=self.basis_failures, capturable=self.capturable)
-            torch._foreach_copy_(targets, refresh_bases(covs, targets, method, run, **solver))
-        if due:  # refill the stacked copies where a captured steady step reads them
-            for bases, stacked in self._basis_stacks.values():
-                stacked.copy_(torch.stack(bases))
 
     @property
     def stats_groups(self) -> list:

@@ -18,10 +18,11 @@ The lifecycle of one training step, for every tracked matrix (input block ``b`` 
 
 ``DobbStatistics`` holds the hooks' accumulators and the bookkeeping; the ``C_b`` live in
 the optimizer's state. Its interface is narrow: the optimizer hands it the layers to hook
-with their layouts (``track``), and the matrices of a step as ``Matrix`` entries (parameter,
-state, group, layout: ``dobb.optim.dobb_layout``) to ``check_present``, ``fold``,
-``average`` and ``synchronize``; ``pending_inputs`` / ``discard`` serve the non-finite
-check. Every phase loops over a matrix's sides (input, row) alike.
+with their layouts (``track``) and its matrices before a checkpoint (``synchronize``); its
+core (``dobb.optim.dobb_core``) the matrices of a step, as ``Matrix`` entries (parameter,
+state, group, layout: ``dobb.optim.dobb_layout``), to ``check_present``, ``fold`` and
+``average``; ``pending_inputs`` / ``discard`` serve the non-finite check. Every phase loops
+over a matrix's sides (input, row) alike.
 """
 
 from collections.abc import Callable
