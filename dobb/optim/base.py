@@ -82,15 +82,22 @@ def local_tensors(entries: list[Entry]) -> tuple[list[Tensor], list[Tensor], lis
     return params, [local(p.grad) for p, _, _ in entries], [local_state(s) for _, s, _ in entries]
 
 
+def partition(entries: list[Entry], mine: list[bool]) -> tuple[list[Entry], list[Entry]]:
+    """A placement's claim: the entries flagged ``mine``, and the rest, each in order."""
+    return [e for e, m in zip(entries, mine) if m], [e for e, m in zip(entries, mine) if not m]
+
+
 class Core:
     """An algorithm's maths, which communicates nothing (a base with the defaults).
 
-    ``init_state`` and ``updates`` are every core's; the other three only a core whose
-    step consumes more than gradients (Dobb's activation statistics) overrides.
+    ``init_state`` and ``updates`` are every core's; the others only a core whose step
+    consumes more than gradients (Dobb's activation statistics, its refreshes and the
+    update that reads each matrix's layout) overrides.
     """
 
-    def init_state(self, param: Tensor, group: Group) -> dict[str, Any]:
-        """A matrix's state, placed as ``param`` (a DTensor's is a DTensor)."""
+    def init_state(self, param: Tensor, group: Group, name: str) -> dict[str, Any]:
+        """A matrix's state, placed as ``param`` (a DTensor's is a DTensor); ``name``: the
+        parameter's, equal on every rank (what seeds a matrix's own random draws)."""
         raise NotImplementedError
 
     def updates(self, params, grads, states, group: Group, *, batched: bool) -> None:
@@ -103,13 +110,17 @@ class Core:
         """``updates`` of ``entries`` on their local tensors (``Local``'s call)."""
         self.updates(*local_tensors(entries), group, batched=batched)
 
-    def begin(self, entries: list[Entry], live: Tensor | None) -> None:
-        """Before any placement steps, over every matrix with a gradient (``live``: the
-        capturable step's finite flag, else None)."""
+    def check(self, groups: list[Group]) -> None:
+        """Refuse the step (raise) while nothing has changed yet, after the non-finite
+        check: ``groups`` are the matrix groups."""
 
-    def inputs(self, groups: list[Group]) -> list[tuple[Tensor, Tensor]]:
+    def begin(self, entries: list[Entry], live: Tensor | None) -> None:
+        """The step's first phase, over every matrix with a gradient, before any update
+        (``live``: the capturable step's finite flag, else None)."""
+
+    def inputs(self) -> list[tuple[Tensor, Tensor]]:
         """The ``(param, tensor)`` pairs besides gradients the step consumes, which must be
-        finite; raises, before any state changes, if one it needs is missing."""
+        finite."""
         return []
 
     def discard(self) -> None:
@@ -119,14 +130,14 @@ class Core:
 class Local:
     """The placement of matrices no other rank shares, and the last of every optimizer's:
     it claims what the others left and runs ``core.local_step`` once per set of math
-    options (``math_key``); no communication.
+    options and device (``math_key``); no communication.
 
     A ``Placement`` (this class is the base with the defaults) holds what a step of the
     matrices it claims needs besides the core: their collectives, and any state of its own
     (``init_state``), which the driver merges into each matrix's.
     """
 
-    def init_state(self, param: Tensor, group: Group) -> dict[str, Any]:
+    def init_state(self, param: Tensor, group: Group, name: str) -> dict[str, Any]:
         """State beside the core's (none here)."""
         return {}
 
@@ -136,7 +147,8 @@ class Local:
 
     def step(self, entries: list[Entry], driver: "MatrixOptimizer") -> None:
         """One step of the claimed ``entries`` (with their gradients)."""
-        by_options = group_by(entries, lambda e: math_key(e[2], driver.math_options))
+        options = driver.math_options
+        by_options = group_by(entries, lambda e: (math_key(e[2], options), local(e[0]).device))
         for indices in by_options.values():
             mine = [entries[i] for i in indices]
             self.run(driver.core, mine, batched=driver.batched(local(mine[0][0]).device))
@@ -265,6 +277,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             self.core.discard()
             return loss
+        self.core.check(matrix_groups)  # may raise; nothing has been changed yet
         for group in self.param_groups:
             if group["algorithm"] in SCALAR_ALGORITHMS:
                 self._scalar_step(group)
@@ -285,10 +298,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     self.state[p].update(self._init_matrix_state(p, group))
 
     def _step_inputs(self, matrix_groups) -> list[tuple[Tensor, Tensor]]:
-        """(param, tensor) of every gradient and core input that must be finite; raises if
-        the core misses one (``Core.inputs``), before any state changes."""
+        """(param, tensor) of every gradient and core input (``Core.inputs``) that must be
+        finite."""
         tensors = [(p, local(p.grad)) for g in self.param_groups for p in g["params"]]
-        tensors = [(p, t) for p, t in tensors if t is not None] + self.core.inputs(matrix_groups)
+        tensors = [(p, t) for p, t in tensors if t is not None] + self.core.inputs()
         return [(p, t) for p, t in tensors if t.numel()]  # FSDP shards may be empty
 
     def _inputs_live(self, matrix_groups) -> Tensor:
@@ -380,9 +393,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _init_matrix_state(self, param: Tensor, group: Group) -> dict[str, Any]:
         """The core's state of a matrix, and each placement's beside it."""
-        state = self.core.init_state(param, group)
+        name = self.name_of(param)
+        state = self.core.init_state(param, group, name)
         for placement in self.placements:
-            state |= placement.init_state(param, group)
+            state |= placement.init_state(param, group, name)
         return state
 
     # ------------------------------------------------------------ checkpoints

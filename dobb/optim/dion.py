@@ -40,7 +40,6 @@ DeviceMesh of data axes for HSDP): Dion then runs the paper's compressed sync, a
 ``P`` and ``R`` instead of the gradients (how to set it up: docs/distributed.md).
 """
 
-import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -73,21 +72,19 @@ class DionCore(Core):
     out like ``W``) and the right factor ``Q`` (``(d_in, r)``, ``r = rank_of``; a DTensor's
     holds this rank's rows of ``Q`` for its columns, ``like_columns``).
 
-    ``seed``: the base seed; ``name_of``: a ``weakref.WeakMethod`` of the optimizer's
-    ``name_of`` (a strong reference would be a cycle, and the optimizer's state would be
-    freed only by the garbage collector), the matrix's name, which with ``seed`` seeds
-    ``Q_0``; ``placement_of(param)``: its ``MatrixPlacement``, None if whole.
+    ``seed``: the base seed, which with a matrix's name seeds its ``Q_0``;
+    ``placement_of(param)``: its ``MatrixPlacement``, None if whole.
     """
 
-    def __init__(self, seed: int, name_of, placement_of):
-        self.seed, self.name_of, self.placement_of = seed, name_of, placement_of
+    def __init__(self, seed: int, placement_of):
+        self.seed, self.placement_of = seed, placement_of
 
-    def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, param: Tensor, group: dict[str, Any], name: str) -> dict[str, Any]:
         """``Q_0 ~ N(0, 1)`` of the whole matrix, drawn on the CPU (any device agrees) from
         ``seed`` and the name (crc32 is stable, hash() not, so every replica draws alike);
         this rank's columns of it for a DTensor. ``M = 0``, ``step = 0``."""
         dtype, device = state_dtype(param), local(param).device
-        name_seed = zlib.crc32(f"{self.seed}/{self.name_of()(param)}".encode())
+        name_seed = zlib.crc32(f"{self.seed}/{name}".encode())
         d_in = param.shape[1]
         generator = torch.Generator().manual_seed(name_seed)
         Q = torch.randn(d_in, rank_of(param.shape, group), generator=generator)
@@ -211,7 +208,7 @@ class Dion(MatrixOptimizer):
         self.config = config = self.Config.from_arguments(locals())
         self.sharded = ShardedSteps(axis_groups(check_group("Dion", "sync_group", sync_group)))
         self.placements = (self.sharded, Local())
-        self.core = DionCore(seed, weakref.WeakMethod(self.name_of), self.sharded.placement_of)
+        self.core = DionCore(seed, self.sharded.placement_of)
         super().__init__(
             params, config.defaults(), nonfinite=config.nonfinite, foreach=config.foreach
         )
@@ -222,8 +219,6 @@ class Dion(MatrixOptimizer):
             return
         for p in group["params"]:
             self.sharded.placement_of(p)  # rejects Partial placements now rather than mid-step
-
-    rank_of = staticmethod(rank_of)  # public: the cost model (bench) reads it
 
     def state_dict(self) -> dict[str, Any]:
         """The state; under compressed sync the replicas' momenta are averaged first (a

@@ -203,7 +203,7 @@ class Dion2Core(NewtonSchulzCore):
 
     whole_rows = "Dion2 selects whole rows"
 
-    def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:
         return momentum_state(param)
 
     def options(self, params, group) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from torch import Tensor
 from dobb._dtensor import DTensor, local
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
 from dobb.distributed.reduce import all_reduce_
-from dobb.optim.base import Entry, Local
+from dobb.optim.base import Entry, Local, partition
 from dobb.optim.dion_core import (
     cholesky_orthonormalize,
     column_normalize,
@@ -213,12 +213,10 @@ class ShardedSteps(Local):
 
     def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
         """The matrices split over ranks (DTensors) or copied over ``sync_groups``."""
-        shared = [
-            self.placement_of(p) is not None or bool(self.data_groups(p)) for p, _, _ in entries
-        ]
-        return [e for e, s in zip(entries, shared) if s], [
-            e for e, s in zip(entries, shared) if not s
-        ]
+        return partition(
+            entries,
+            [self.placement_of(p) is not None or bool(self.data_groups(p)) for p, _, _ in entries],
+        )
 
     def run(self, core, entries: list[Entry], *, batched: bool) -> None:
         """``dion_step`` of ``entries`` (one set of math options); ``core`` (``DionCore``)

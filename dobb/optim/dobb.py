@@ -135,8 +135,7 @@ class Dobb(MatrixOptimizer):
     construction raises). ``state_dict()`` averages the statistics first (a collective).
 
     The step is ``self.core``'s (``DobbCore``), given at construction the config, the
-    statistics, ``_layout``, ``name_of``, the shared refresh's runner and
-    ``basis_failures``.
+    statistics, ``_layout``, the shared refresh's runner and ``basis_failures``.
     """
 
     algorithm = "dobb"
@@ -278,7 +277,7 @@ class Dobb(MatrixOptimizer):
         self._layouts: dict[tuple, MatrixLayout] = {}  # _layout's
         self.statistics = DobbStatistics(name_of=self.name_of, batched=self.batched)
         self.basis_failures = failures = BlockFailures()  # blocks whose new basis was rejected
-        self.core = DobbCore(config, self.statistics, self._layout, self.name_of, run, failures)
+        self.core = DobbCore(config, self.statistics, self._layout, run, failures)
         super().__init__(
             params, config.defaults(), nonfinite=nonfinite, foreach=foreach, capturable=capturable
         )

@@ -6,8 +6,9 @@ each phase batched (kernels per distinct shape, not per matrix):
 .. code-block:: text
 
     inputs       (in the driver's non-finite check, before anything changes) this step's
-                 statistics; RuntimeError if a matrix stepping with lr > 0 has none
-                 (unless missing_stats="identity")
+                 statistics, which must be finite
+    check        (then, still before anything changes) RuntimeError if a matrix stepping
+                 with lr > 0 has no statistics (unless missing_stats="identity")
     begin        (every matrix)  step <- step + 1;  fold this step's statistics into C_b
                  (``DobbStatistics.fold``);  due = the matrices with statistics whose
                  (step - 1) % basis_interval == 0;  average C_b over the data ranks (the due
@@ -24,8 +25,8 @@ load): no device sync.
 
 The core gets what it needs at construction, from the optimizer: its config, its
 ``DobbStatistics``, a matrix's layout (``layout(param, group)``, which the optimizer caches),
-its parameter names, the refresh's runner over the data ranks and the solver's
-``BlockFailures``.
+the refresh's runner over the data ranks and the solver's ``BlockFailures``; the driver
+passes each matrix's name to ``init_state`` (it seeds the ``"random"`` basis source).
 """
 
 from typing import Any
@@ -54,20 +55,20 @@ class DobbCore(Core):
 
     ``config``: the optimizer's ``Dobb.Config`` (``capturable``, ``missing_stats``,
     ``stats_sync``); ``statistics``: its ``DobbStatistics``; ``layout(param, group)``: a
-    matrix's ``MatrixLayout``; ``name_of(param)``: a parameter's name; ``run``: the shared
-    refresh's runner (``split_over_ranks`` over the innermost data axis, or None);
-    ``failures``: the ``BlockFailures`` counting blocks whose new basis was rejected.
+    matrix's ``MatrixLayout``; ``run``: the shared refresh's runner (``split_over_ranks``
+    over the innermost data axis, or None); ``failures``: the ``BlockFailures`` counting
+    blocks whose new basis was rejected.
     """
 
-    def __init__(self, config, statistics, layout, name_of, run, failures):
+    def __init__(self, config, statistics, layout, run, failures):
         """The optimizer's parts (the class docstring)."""
         self.config, self.statistics, self.layout = config, statistics, layout
-        self.name_of, self.run, self.failures = name_of, run, failures
+        self.run, self.failures = run, failures
         self._host_counts: dict[Tensor, list[int]] = {}  # capturable: [step, stats_steps]
         self._basis_stacks: dict[tuple, tuple[list[Tensor], Tensor]] = {}  # _stacked_bases
         self._live, self._counted = None, {}  # begin's: live, id(state) -> (matrix, step)
 
-    def init_state(self, param: Tensor, group: Group) -> dict[str, Any]:
+    def init_state(self, param: Tensor, group: Group, name: str) -> dict[str, Any]:
         """Counters, momentum, each side's ``C`` and bases (``Side.init_state``), and the
         Adam coefficients' ``V``."""
         dtype, device = state_dtype(param), local(param).device
@@ -77,20 +78,23 @@ class DobbCore(Core):
         self._host_counts[param] = [0, 0]
         self.failures.counter(device)  # made before any capture (see BlockFailures)
         for side in self.layout(param, group).sides:
-            state.update(side.init_state(param, self.name_of(param), dtype))
+            state.update(side.init_state(param, name, dtype))
         if group["coefficients"] == "adam":
             state["variance"] = torch.zeros_like(param, dtype=dtype)
         return state
 
-    def inputs(self, groups: list[Group]) -> list[tuple[Tensor, Tensor]]:
-        """This step's statistics (``DobbStatistics.pending_inputs``). ``RuntimeError``
-        first if a matrix stepping with ``lr > 0`` has none (unless
-        ``missing_stats="identity"``); a tensor ``lr`` (capturable) is not read: statistics
-        are needed."""
-        if self.config.missing_stats == "raise":
-            stepping = [g for g in groups if isinstance(g["lr"], Tensor) or g["lr"] != 0]
-            needed = [(p, g) for g in stepping for p in g["params"] if p.grad is not None]
-            self.statistics.check_present([(p, self.layout(p, g)) for p, g in needed])
+    def check(self, groups: list[Group]) -> None:
+        """``RuntimeError`` if a matrix stepping with ``lr > 0`` has no statistics for this
+        step (unless ``missing_stats="identity"``); a tensor ``lr`` (capturable) is not
+        read: statistics are needed."""
+        if self.config.missing_stats == "identity":
+            return
+        stepping = [g for g in groups if isinstance(g["lr"], Tensor) or g["lr"] != 0]
+        needed = [(p, g) for g in stepping for p in g["params"] if p.grad is not None]
+        self.statistics.check_present([(p, self.layout(p, g)) for p, g in needed])
+
+    def inputs(self) -> list[tuple[Tensor, Tensor]]:
+        """This step's statistics (``DobbStatistics.pending_inputs``)."""
         return self.statistics.pending_inputs()
 
     def discard(self) -> None:

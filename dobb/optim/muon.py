@@ -259,7 +259,7 @@ class MuonCore(NewtonSchulzCore):
     """Muon's core: ``muon_updates`` on unshared matrices; shared, the Nesterov direction
     ``N`` travels to the owner and ``O = NS5(N)`` back (``apply_updates`` then)."""
 
-    def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:
         return momentum_state(param)
 
     def updates(self, params, grads, states, group, *, batched: bool) -> None:

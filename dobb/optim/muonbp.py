@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dobb.optim.base import Entry, Local, local_tensors
+from dobb.optim.base import Entry, Local, local_tensors, partition
 from dobb.optim.config import COUNT, NON_NEGATIVE, SPLITS, inherit, option, optional
 from dobb.optim.muon import (
     NS_STEPS,
@@ -179,7 +179,7 @@ class BlockSteps(Local):
     update ``k`` (from 0) is full when ``k mod period == 0``.
     """
 
-    def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:
         return {"step": torch.tensor(0.0)}
 
     def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
@@ -190,11 +190,11 @@ class BlockSteps(Local):
         counters = [state["step"] for _, state, _ in entries]
         steps = torch.stack(counters).tolist()
         torch._foreach_add_(counters, 1)
-        full = [
-            group["period"] is not None and int(k) % group["period"] == 0
+        block = [
+            group["period"] is None or int(k) % group["period"] != 0
             for k, (_, _, group) in zip(steps, entries)
         ]
-        return [e for e, f in zip(entries, full) if not f], [e for e, f in zip(entries, full) if f]
+        return partition(entries, block)
 
     def run(self, core, entries: list[Entry], *, batched: bool) -> None:
         """``block_muon_updates`` of local pieces, each tiled by the group's blocks."""

@@ -99,7 +99,7 @@ class NorDion2Core(Dion2Core):
 
     sums = (2,)  # ||O||_F², ||Ô||_F²
 
-    def init_state(self, param: Tensor, group) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, group, name: str) -> dict[str, Tensor]:
         return row_moment_state(param)
 
     def updates(self, params, grads, states, group, *, batched: bool) -> None:

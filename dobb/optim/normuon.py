@@ -145,7 +145,7 @@ class NorMuonCore(MuonCore):
     sums = ()  # ||Ô||_F²
     whole_rows = "NorMuon normalizes whole rows"
 
-    def init_state(self, param: Tensor, group) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, group, name: str) -> dict[str, Tensor]:
         return row_moment_state(param)
 
     def updates(self, params, grads, states, group, *, batched: bool) -> None:

@@ -54,7 +54,7 @@ selection sizes change later (another ``fraction`` or ``row_blocks``) raises. Wi
 ``ns_dtype=torch.float32`` the result equals the single-device update up to float rounding
 of the matmuls (the distributed tests hold every optimizer to one device).
 
-Phases: a ``PieceSteps`` schedules each matrix by its own counter (MuonBP's ``step``, in
+Phases: MuonBP's ``BlockSteps`` schedules each matrix by its own counter (``step``, in
 the state, checkpointed), so the matrices of one exchange can fall out of phase (one had no
 gradient on some step); the core's step of those due then runs over an exchange of just
 them, planned once (a collective: every rank reaches it with the same matrices) and kept.
@@ -82,7 +82,16 @@ from dobb._dtensor import DTensor, local
 from dobb.distributed.exchange import OwnerExchange
 from dobb.distributed.groups import check_group, mesh_group, one_group
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
-from dobb.optim.base import Core, Entry, Group, Local, MatrixOptimizer, local_state, state_dtype
+from dobb.optim.base import (
+    Core,
+    Entry,
+    Group,
+    Local,
+    MatrixOptimizer,
+    local_state,
+    partition,
+    state_dtype,
+)
 from dobb.optim.batching import group_by, stack_apply
 from dobb.optim.config import OptimizerConfig, math_key, option
 
@@ -218,7 +227,7 @@ class OwnerExchanges(Local):
     def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
         """The matrices of an exchange; the rest are local."""
         shared = {p for _, params in self.exchanges for p in params}
-        return [e for e in entries if e[0] in shared], [e for e in entries if e[0] not in shared]
+        return partition(entries, [p in shared for p, _, _ in entries])
 
     def step(self, entries: list[Entry], driver: MatrixOptimizer) -> None:
         """Each exchange's step of its matrices among ``entries`` (the others of it took
