@@ -9,7 +9,7 @@ Megatron TP) and so what a rank holds; ``dion_rank`` is Dion's rank.
 import math
 from dataclasses import dataclass
 
-from dobb.optim.dion import Dion
+from dobb.optim.dion_core import rank_of
 from dobb.train.model import GPT_CONFIGS, gpt_config
 from dobb.train.parallel import ROW_PARALLEL
 
@@ -77,8 +77,8 @@ WIDTHS: dict[str, tuple[int, int]] = {
 
 
 def dion_rank(matrix: Matrix, rank_fraction: float) -> int:
-    """Dion's rank ``r`` for ``matrix`` at ``rank_fraction`` (``Dion.rank_of``)."""
-    return Dion.rank_of((matrix.d_out, matrix.d_in), {"rank": None, "rank_fraction": rank_fraction})
+    """Dion's rank ``r`` for ``matrix`` at ``rank_fraction`` (``dion_core.rank_of``)."""
+    return rank_of((matrix.d_out, matrix.d_in), {"rank": None, "rank_fraction": rank_fraction})
 
 
 def local_rows(rows: int, world: int) -> int:

@@ -14,8 +14,7 @@ from bench.model.costs.kernels import (
 from bench.model.hardware import Collective
 from bench.model.workload import ONE_DEVICE, Layout, Matrix, dion_rank
 from dobb.distributed.placement import matrix_placement
-from dobb.optim.dion import Dion
-from dobb.optim.dion_core import sketch_rows
+from dobb.optim.dion_core import rank_of, sketch_rows
 
 COMM_FORMULA = "per row axis (k r + 1 + r² + n r), per col axis (m r + 1 + r) fp32"
 
@@ -120,7 +119,7 @@ def comm_bytes(opt, matrices, layout: str, world: int, step: int) -> int:
     for p, group in matrices:
         placement = matrix_placement(p)
         m_local, n_local = len(placement.rows), len(placement.cols)
-        r = Dion.rank_of(p.shape, group)
+        r = rank_of(p.shape, group)
         k = sketch_rows(r)
         floats = len(placement.row_groups) * ((k * r + 1) + r * r + n_local * r)
         floats += len(placement.col_groups) * ((m_local * r + 1) + r)
