@@ -16,7 +16,9 @@ in a child process, so any commit can be measured by this tool.
   (``MatrixOptimizer``; none if it is not dobb's) that a subclass overrides, or that raise
   ``NotImplementedError`` or do nothing (a body of ``pass``, ``...``, or a return of an
   empty constant), with the subclasses overriding each. Dunder methods are torch.optim's
-  protocol, not hooks, and are left out.
+  protocol, not hooks, and are left out. With them, the driver's parts where the base's
+  module defines them (``Core``, ``Local``): each of their methods and the subclasses
+  (cores, placements) that override it.
 - **longest**: the longest class and function in ``dobb/``, in lines of the ``def`` or
   ``class`` (decorators not counted).
 - **code_lines**: the wheel's code lines, in total and per module, as ``.ci/code_lines.py``
@@ -101,11 +103,23 @@ def _introspect() -> dict:
         overriders = [c.__name__ for c in subs if name in vars(c)]
         if overriders or does_nothing(member):
             hooks[name] = overriders
+    # the driver's parts, where the base's module has them: every method of each, with the
+    # subclasses that override it
+    module = sys.modules[base.__module__] if own else None
+    parts = {}
+    for part in [getattr(module, n, None) for n in ("Core", "Local")]:
+        if not inspect.isclass(part):
+            continue
+        methods = [n for n, f in vars(part).items() if inspect.isfunction(f) and n[:2] != "__"]
+        parts[f"{part.__module__}.{part.__qualname__}"] = {
+            n: [c.__name__ for c in subclasses(part) if n in vars(c)] for n in methods
+        }
     return {
         "dobb": dobb.__file__,
         "base": f"{base.__module__}.{base.__qualname__}",
         "subclasses": [c.__name__ for c in subs],
         "hooks": hooks,
+        "parts": parts,
         "options": {c.__name__: [f.name for f in dataclasses.fields(c.Config)] for c in classes},
     }
 
@@ -227,7 +241,7 @@ def metrics(root: Path) -> dict:
     return {
         "root": str(root),
         "options": option_counts(root, found["options"]),
-        "hooks": {k: found[k] for k in ("base", "subclasses", "hooks")},
+        "hooks": {k: found[k] for k in ("base", "subclasses", "hooks", "parts")},
         "longest": longest(root),
         "code_lines": wheel_lines(root),
         "imports": imports(root),
@@ -246,6 +260,10 @@ def summary(m: dict) -> str:
     lines.append(f"hooks of {hooks['base']}: {len(hooks['hooks'])}")
     for name, overriders in hooks["hooks"].items():
         lines.append(f"  {name}: {', '.join(overriders) or '(no override)'}")
+    for part, methods in hooks["parts"].items():
+        lines.append(f"methods of {part}: {len(methods)}")
+        for name, overriders in methods.items():
+            lines.append(f"  {name}: {', '.join(overriders) or '(no override)'}")
     for kind in ("class", "function"):
         lines.append(f"longest {kind}: {top[kind]['name']} ({top[kind]['lines']} lines)")
     modules = m["code_lines"]["modules"]
