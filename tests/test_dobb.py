@@ -405,6 +405,16 @@ def test_missing_statistics_names_the_parameter():
     assert not opt.state  # nothing was touched
 
 
+def test_a_non_finite_step_without_statistics_is_skipped_not_refused():
+    """The non-finite check comes first: with ``nonfinite="skip"`` a NaN step is skipped
+    even when its statistics are missing, and leaves no state."""
+    model = mlp()
+    opt = dobb.Dobb([model[0].weight], lr=0.1, nonfinite="skip")
+    model[0].weight.grad = torch.full_like(model[0].weight, float("nan"))
+    opt.step()
+    assert opt.skipped_steps == 1 and not opt.state
+
+
 def test_track_errors():
     model = mlp()
     opt = dobb.Dobb([model[0].weight], lr=0.1)
