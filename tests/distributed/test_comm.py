@@ -1,5 +1,6 @@
 """CommRecorder counts exactly the collectives issued inside it; run_ranks fails loudly."""
 
+import os
 import time
 
 import pytest
@@ -9,6 +10,7 @@ from multirank import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from bench.tools import launch
 from bench.tools.comm_recorder import CommRecorder
 
 
@@ -148,6 +150,33 @@ def test_run_ranks_times_out_on_a_hung_rank():
     with pytest.raises(TimeoutError, match="did not finish within 10"):
         run_ranks(_hang_rank_0_at_a_barrier, 2, timeout=10)
     assert time.monotonic() - start < 20
+
+
+def _pid_draw_and_dtype(rank, world_size, dtype):
+    """This rank's process, a draw from torch's generator, and the default dtype; sets the
+    default dtype to ``dtype`` (a change the next call must not see)."""
+    found = (os.getpid(), torch.randn(3).tolist(), torch.get_default_dtype())
+    torch.set_default_dtype(dtype)
+    torch.randn(7)  # moves the generator on
+    return found
+
+
+def test_pooled_ranks_are_kept_and_each_call_starts_as_on_fresh_ranks():
+    """The pool's second call runs in the same processes, each rank's generator where it
+    started (a fresh process seeds it at random) and the default dtype float32, as on fresh
+    ranks; after a failed call, new ranks serve the next one."""
+    first = run_ranks(_pid_draw_and_dtype, 2, torch.float64)
+    second = run_ranks(_pid_draw_and_dtype, 2, torch.float64)
+    assert [r[0] for r in first] == [r[0] for r in second]  # the same processes
+    assert [r[1:] for r in first] == [r[1:] for r in second]
+    assert {r[2] for r in first} == {torch.float32}
+    fresh = launch.run_ranks(_pid_draw_and_dtype, 2, torch.float64)
+    assert {r[2] for r in fresh} == {torch.float32}
+    with pytest.raises(ValueError, match="boom on rank 1"):
+        run_ranks(_raise_on_rank_1, 2)
+    after = run_ranks(_pid_draw_and_dtype, 2, torch.float64)
+    assert not {r[0] for r in after} & {r[0] for r in first}  # a new pool
+    assert {r[2] for r in after} == {torch.float32}
 
 
 @pytest.mark.timeout(300)
