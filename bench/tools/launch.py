@@ -82,16 +82,21 @@ def run_ranks(fn, world_size, *args, timeout=120.0):
         return [_read(tmp, rank, "result") for rank in range(world_size)]
 
 
-def _rank_main(rank, fn, world_size, tmp, args):
+def _init_rank(rank, world_size, tmp):
+    """One thread, and the gloo group of ``world_size`` ranks met at ``tmp``'s file store."""
     torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+
+
+def _rank_main(rank, fn, world_size, tmp, args):
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{tmp}/store",
-            rank=rank,
-            world_size=world_size,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
+        _init_rank(rank, world_size, tmp)
         result = pickle.dumps(fn(rank, world_size, *args))
     except BaseException as e:
         _write(tmp, rank, "error", pickle.dumps((_pickled_or_none(e), traceback.format_exc())))
@@ -209,15 +214,8 @@ class RankPool:
 
 def _pool_rank_main(rank, world_size, tmp, conn):
     """A pool's rank: gloo once, then each call as a fresh rank would run it."""
-    torch.set_num_threads(1)
     seed = torch.initial_seed()  # what a fresh process's generator starts from
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world_size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    _init_rank(rank, world_size, tmp)
     while True:
         try:
             path, payload = conn.recv()
