@@ -154,36 +154,42 @@ class RankPool:
         self._procs, self._conns, self._tmp = [], [], None
 
     def run(self, fn, *args, timeout=120.0):
-        """``[fn(rank, world_size, *args) for each rank]``, as ``run_ranks`` computes it."""
+        """``[fn(rank, world_size, *args) for each rank]``, as ``run_ranks`` computes it.
+        Whatever ends a call early (a rank's error, a timeout, an interrupt such as
+        pytest-timeout's) ends the pool, so no later call can read this one's results."""
         if not self._procs:
             self._start()
         # the caller's sys.path, so that a rank finds a module imported after it started
         message = (list(sys.path), pickle.dumps((fn, args)))
-        for conn in self._conns:
-            conn.send(message)
+        try:
+            for conn in self._conns:
+                conn.send(message)
+            return self._results(fn.__name__, time.monotonic() + timeout, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _results(self, name, deadline, timeout):
+        """Each rank's result, in rank order, or the first rank's error."""
         results, pending = [None] * self.world_size, dict(enumerate(self._conns))
-        deadline = time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
             ready = wait([*pending.values(), *(p.sentinel for p in self._procs)], max(left, 0))
             if not ready:
-                self.close()
                 raise TimeoutError(
-                    f"{fn.__name__} on {self.world_size} ranks did not finish within {timeout} "
-                    f"s; ranks {sorted(pending)} were still running and have been killed"
+                    f"{name} on {self.world_size} ranks did not finish within {timeout} s; "
+                    f"ranks {sorted(pending)} were still running and have been killed"
                 )
             for rank, conn in list(pending.items()):
                 if conn in ready:
                     kind, *data = conn.recv()
                     if kind == "error":
-                        self.close()
                         raise _error(rank, *data)
                     results[rank] = pickle.loads(data[0])
                     del pending[rank]
             dead = [r for r, p in enumerate(self._procs) if r in pending and not p.is_alive()]
             if dead and not any(self._conns[r].poll() for r in dead):
                 code = self._procs[dead[0]].exitcode
-                self.close()
                 raise RuntimeError(f"rank {dead[0]} exited with code {code} mid-call")
         return results
 

@@ -179,6 +179,26 @@ def test_pooled_ranks_are_kept_and_each_call_starts_as_on_fresh_ranks():
     assert {r[2] for r in after} == {torch.float32}
 
 
+def test_an_interrupted_call_ends_the_pool(monkeypatch):
+    """A call that ends early for any reason (here the wait for results is interrupted)
+    ends the pool: the next call is served by new ranks, never the old call's results."""
+    pool = launch.RankPool(2)
+    try:
+        first = {pid for pid, *_ in pool.run(_pid_draw_and_dtype, torch.float32)}
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as patch:
+            patch.setattr(launch, "wait", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                pool.run(_pid_draw_and_dtype, torch.float32)
+        after = pool.run(_pid_draw_and_dtype, torch.float32)
+        assert not {pid for pid, *_ in after} & first
+    finally:
+        pool.close()
+
+
 @pytest.mark.timeout(300)
 def test_normuon_and_dion2_collectives_match_the_analytic_table():
     """Measured bytes inside ``opt.step()`` equal the formula of ``bench.results.comm`` on the
