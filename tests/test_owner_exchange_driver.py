@@ -1,6 +1,7 @@
-"""The owner-exchange driver's contract with its algorithms (Muon, MuonBP, NorMuon, Dion2,
-NorDion2): every collective is the driver's, an optimizer is its config plus a core (and
-MuonBP's block steps beside Muon's core), and no constructor skips another's."""
+"""The owner-exchange optimizers' contract (Muon, MuonBP, NorMuon, Dion2, NorDion2): every
+collective is the owner-exchange placement's (``dobb.optim.owner_groups``), an optimizer is
+its config plus a core (and MuonBP's block steps beside Muon's core), and no constructor
+skips another's. The driver's contract for every optimizer: ``tests/test_driver.py``."""
 
 import ast
 import inspect

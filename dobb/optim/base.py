@@ -9,15 +9,17 @@ that keeps state dtypes. An algorithm is the driver over two kinds of parts:
 - its ``core`` (``Core``): the maths on plain local tensors, ``init_state`` and
   ``updates`` over the matrices of one set of math options, stacked by shape when
   ``batched`` (a stack of one is the per-matrix form); a core communicates nothing.
-- its ``placements`` (``Placement``), in order: each claims the matrices it updates and
-  steps them, the last one (``Local``: ``core.updates``, no communication) all the rest.
-  The others hold every collective of a step: the owner exchange of Muon's family
-  (``dobb.optim.owner_groups``), Dion's sharded protocol (``dobb.optim.dion_sharded``),
-  MuonBP's block steps (``dobb.optim.muonbp``: a placement that claims by a schedule).
+- its ``placements`` (``Local`` and its subclasses), in order: each claims the matrices it
+  updates and steps them, the last one (``Local``: ``core.updates``, no communication)
+  all the rest. The others hold every collective of a step: the owner exchange of Muon's
+  family (``dobb.optim.owner_groups``), Dion's sharded protocol
+  (``dobb.optim.dion_sharded``); or steps of another kind (MuonBP's block steps,
+  ``dobb.optim.muonbp``: a placement that claims by a schedule).
 
-A step: the non-finite check; ``core.begin`` over every matrix with a gradient (Dobb's
-statistics and refreshes; raises before any state changes where it must); the placements
-claim and step their matrices; then AdamW/Lion on the other groups.
+A step: the non-finite check of the gradients and ``core.inputs``; ``core.check``, which
+may refuse the step while nothing has changed; AdamW/Lion on the other groups; then the
+matrices with a gradient, their state built lazily: ``core.begin`` over all of them
+(Dobb's statistics and refreshes), and the placements claim and step theirs.
 
 Two options every subclass takes, what they mean at more length:
 
