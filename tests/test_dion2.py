@@ -6,7 +6,8 @@ import pytest
 import torch
 from test_normuon import ns5_float64
 
-from dobb.optim.dion2 import Dion2, dion2_update, dion2_updates, row_scale, select_rows
+from dobb.optim.dion2 import Dion2, dion2_update, dion2_updates, select_rows
+from dobb.optim.dion_core import shape_scale
 from dobb.optim.muon import Muon
 
 
@@ -113,7 +114,7 @@ def test_dion2_updates_equal_dion2_update_per_matrix(ns_dtype, param_dtype):
     W = [torch.randn(s, generator=g, dtype=torch.float64).to(param_dtype) for s in BATCH_SHAPES]
     M = [torch.zeros(s, dtype=state_dtype) for s in BATCH_SHAPES]
     W2, M2 = [w.clone() for w in W], [m.clone() for m in M]
-    scales = [row_scale(s) for s in BATCH_SHAPES]
+    scales = [shape_scale(s) for s in BATCH_SHAPES]
     for _ in range(3):
         G = [torch.randn(s, generator=g, dtype=torch.float64).to(param_dtype) for s in BATCH_SHAPES]
         for w, grad, m, blocks, scale in zip(W, G, M, BATCH_BLOCKS, scales):

@@ -9,7 +9,7 @@ from test_dion2 import BATCH_BLOCKS, BATCH_SHAPES, block_sizes
 from test_muon import polar_express_float64
 from test_normuon import ns5_float64
 
-from dobb.optim.dion2 import row_scale
+from dobb.optim.dion_core import shape_scale
 from dobb.optim.nordion2 import NorDion2, nordion2_update, nordion2_updates
 
 ORTHOGONALIZE = {"quintic": ns5_float64, "polar_express": lambda G: polar_express_float64(G, 5)}
@@ -109,7 +109,7 @@ def test_nordion2_updates_equal_nordion2_update_per_matrix(ns_dtype, param_dtype
     M = [torch.zeros(s, dtype=state_dtype) for s in BATCH_SHAPES]
     V = [torch.zeros(s[0], 1, dtype=state_dtype) for s in BATCH_SHAPES]
     W2, M2, V2 = [w.clone() for w in W], [m.clone() for m in M], [v.clone() for v in V]
-    scales = [row_scale(s) for s in BATCH_SHAPES]
+    scales = [shape_scale(s) for s in BATCH_SHAPES]
     for _ in range(3):
         G = [torch.randn(s, generator=g, dtype=torch.float64).to(param_dtype) for s in BATCH_SHAPES]
         for w, grad, m, v, blocks, scale in zip(W, G, M, V, BATCH_BLOCKS, scales):

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from dobb.optim.batching import foreach_mul_, group_by, solo
 from dobb.optim.config import SPLITS, between, inherit, option
+from dobb.optim.dion_core import shape_scale
 from dobb.optim.muon import (
     NS_STEPS,
     NewtonSchulzConfig,
@@ -187,11 +188,6 @@ def dion2_updates(
     torch._foreach_copy_(targets, results)
 
 
-def row_scale(shape: tuple[int, int]) -> float:
-    """``sqrt(d_out / d_in)`` of the whole matrix: the Dion papers' factor (no ``max(1, .)``)."""
-    return math.sqrt(shape[0] / shape[1])
-
-
 def selection_blocks(rows: int, group: dict[str, Any]) -> list[int]:
     """Sizes of the selection blocks of a local piece with ``rows`` rows (``row_blocks``)."""
     return chunk_sizes(rows, group["row_blocks"])
@@ -214,7 +210,7 @@ class Dion2Core(NewtonSchulzCore):
             fraction=group["fraction"],
             ef_decay=group["ef_decay"],
             weight_decay=group["weight_decay"],
-            scales=[row_scale(p.shape) for p in params],
+            scales=[shape_scale(p.shape) for p in params],
             **ns_options(group),
         )
 
@@ -243,7 +239,7 @@ class Dion2Core(NewtonSchulzCore):
                 update,
                 lr=group["lr"],
                 weight_decay=group["weight_decay"],
-                scale=row_scale(shape),
+                scale=shape_scale(shape),
             )
 
 

@@ -62,7 +62,8 @@ def rank_of(shape: tuple[int, int], group: dict[str, Any]) -> int:
 
 
 def shape_scale(shape: tuple[int, int]) -> float:
-    """The paper's learning-rate factor ``sqrt(d_out / d_in)`` of the whole matrix."""
+    """The Dion papers' learning-rate factor ``sqrt(d_out / d_in)`` of the whole matrix (no
+    ``max(1, .)`` as in Muon; Dion2 and NorDion2 take it too)."""
     return math.sqrt(shape[0] / shape[1])
 
 
