@@ -192,6 +192,7 @@ class ShardedSteps(Local):
     def __init__(self, sync_groups: tuple):
         self.sync_groups = sync_groups
         self._placements: dict[Tensor, MatrixPlacement] = {}
+        self._data_groups: dict[Tensor, tuple] = {}
 
     def placement_of(self, param: Tensor) -> MatrixPlacement | None:
         """How ``param`` is split over ranks; None for a plain tensor (raises for a Partial
@@ -203,13 +204,16 @@ class ShardedSteps(Local):
         return self._placements[param]
 
     def data_groups(self, param: Tensor) -> tuple:
-        """The ``sync_groups`` along which ``param`` is copied (compressed sync)."""
-        placement = self.placement_of(param)
-        if placement is None:
-            return self.sync_groups
-        split = [dist.get_process_group_ranks(g) for g in placement.row_groups]
-        split += [dist.get_process_group_ranks(g) for g in placement.col_groups]
-        return tuple(g for g in self.sync_groups if dist.get_process_group_ranks(g) not in split)
+        """The ``sync_groups`` along which ``param`` is copied (compressed sync): those not
+        splitting it; derived once per parameter, as its placement."""
+        if param not in self._data_groups:
+            placement = self.placement_of(param)
+            splitting = () if placement is None else placement.row_groups + placement.col_groups
+            split = [dist.get_process_group_ranks(g) for g in splitting]
+            self._data_groups[param] = tuple(
+                g for g in self.sync_groups if dist.get_process_group_ranks(g) not in split
+            )
+        return self._data_groups[param]
 
     def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
         """The matrices split over ranks (DTensors) or copied over ``sync_groups``."""
