@@ -8,8 +8,7 @@ from torch import nn
 
 import dobb
 from dobb.blocks import block_stacks
-from dobb.optim.dobb import dobb_update
-from dobb.optim.dobb_update import _rotated_update, dobb_update_batched
+from dobb.optim.dobb_update import _rotated_update, dobb_update, dobb_update_batched
 
 D_IN, D_OUT, TOKENS = 12, 10, 24
 HYPER = dict(lr=0.05, momentum=0.9, weight_decay=0.1, update_scale=0.2, stats_beta=0.8)

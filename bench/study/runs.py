@@ -22,7 +22,7 @@ import yaml
 
 from bench import compare
 from bench.compare import OPTIMIZERS, OPTIONS
-from dobb.optim.dobb import update_alpha
+from dobb.optim.dobb_update import update_alpha
 from dobb.optim.registry import get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.model import gpt_config

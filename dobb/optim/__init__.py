@@ -3,7 +3,8 @@
 from dobb.optim.base import MatrixOptimizer, NonFiniteGradientError
 from dobb.optim.dion import Dion, dion_update
 from dobb.optim.dion2 import Dion2, dion2_update
-from dobb.optim.dobb import Dobb, dobb_update
+from dobb.optim.dobb import Dobb
+from dobb.optim.dobb_update import dobb_update
 from dobb.optim.muon import Muon, muon_update, newton_schulz
 from dobb.optim.muonbp import MuonBP, block_muon_update
 from dobb.optim.nordion2 import NorDion2, nordion2_update

@@ -84,10 +84,8 @@ from dobb.optim.config import (
 from dobb.optim.dobb_core import DobbCore
 from dobb.optim.dobb_layout import LEGACY_KEYS, Matrix, MatrixLayout, hooked, matrix_layout
 from dobb.optim.dobb_statistics import DobbStatistics
-from dobb.optim.dobb_update import COEFFICIENTS, dobb_update, update_alpha
+from dobb.optim.dobb_update import COEFFICIENTS
 from dobb.stats import layer_weights
-
-__all__ = ["Dobb", "dobb_update", "update_alpha"]  # the last two for dobb.optim and bench
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 UPDATE_SCALE = Rule(

@@ -26,8 +26,7 @@ from bench.tools.opcount import OpCounter
 from dobb.blocks import block_stacks
 from dobb.eigensolve import basis_solver, jacobi_basis
 from dobb.optim.dion_core import dion_update, sketch_rows
-from dobb.optim.dobb import dobb_update
-from dobb.optim.dobb_update import dobb_update_batched
+from dobb.optim.dobb_update import dobb_update, dobb_update_batched
 from dobb.optim.muon import newton_schulz
 from dobb.optim.muonbp import block_muon_update, block_tiles
 from dobb.optim.registry import OPTIMIZERS as REGISTRY
