@@ -113,6 +113,16 @@ def tuned(spec=None) -> list[Tuned]:
         Tuned("Dobb, one block", "dobb", {"num_blocks": 1}, shard_local=True, wide=True),
         Tuned("two-sided Dobb, one input block", "dobb2s", WHOLE, shard_local=True, wide=True),
         Tuned("one-sided SOAP (Dobb, Adam coefficients, one block)", "dobb", soap, True),
+        # variance adaptation in place of the sign at the recommended layout (arXiv 2510.25000
+        # finds it ahead of sign descent); one-sided, Adam coefficients wanted twice the sign's
+        # lr at width 128, so its grid is centred on twice two-sided Dobb's
+        Tuned(
+            "two-sided SOAP (two-sided Dobb, Adam coefficients, one input block)",
+            "dobb2s",
+            WHOLE | {"coefficients": "adam", "update_scale": 1.0},
+            True,
+            lr_scale=2.0,
+        ),
         Tuned("AdamW", "adamw", shard_local=True),
         *(rules if spec is not None and spec.tuning_scale_rules else []),
     ]
