@@ -1,272 +1,310 @@
-"""Dobb's core (``dobb.optim.base.Core``): its step of every matrix, which ``Dobb`` drives.
+"""Dobb's update on plain tensors (arXiv 2610.39412): the reference and the batched form.
 
-A step of the matrices with a gradient (the maths: ``dobb.optim.dobb.Dobb``'s docstring),
-each phase batched (kernels per distinct shape, not per matrix):
+The paper's update rotates only the input side; the variants (off by default) add row
+blocks ``R_r`` with their own bases ``P_r`` (from the output side's second moment) and a
+second moment of the coefficients instead of their sign (SOAP's idea, on Dobb's bases).
+For a matrix ``W`` of shape ``(rows, d_in)``, input blocks ``I_b`` with orthonormal bases
+``Q_b`` ``(s_b, s_b)`` and row blocks ``R_r`` with bases ``P_r`` ``(m_r, m_r)``:
 
 .. code-block:: text
 
-    inputs       (in the driver's non-finite check, before anything changes) this step's
-                 statistics, which must be finite
-    check        (then, still before anything changes) RuntimeError if a matrix stepping
-                 with lr > 0 has no statistics (unless missing_stats="identity")
-    begin        (every matrix)  step <- step + 1;  fold this step's statistics into C_b
-                 (``DobbStatistics.fold``);  due = the matrices with statistics whose
-                 (step - 1) % basis_interval == 0;  average C_b over the data ranks (the due
-                 ones, or all with stats_sync="step");  refresh the due bases Q_b, P_r
-    local_step   (one set of math options, ``Local``'s call)  the update
-                 U[R_r, I_b] = P_r D(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ  (``dobb.optim.dobb_update``)
-                 per batch of same local shape, layout, dtypes and device
+    M <- mu M + (1 - mu) G;   N = (1 - mu) G + mu M  (Nesterov)  or  N = M
+    C[R_r, I_b] = P_rᵀ N[R_r, I_b] Q_b                 (coefficients; P_r = I one-sided)
+    sign:   D = sign(C)
+    adam:   V <- beta2 V + (1 - beta2) (P_rᵀ G[R_r, I_b] Q_b)²   (kept in the eigenbasis)
+            D = C / (sqrt(V / (1 - beta2^t)) + eps)
+    U[R_r, I_b] = P_r D[R_r, I_b] Q_bᵀ
+    W <- W (1 - lr wd) - lr alpha U
 
-Dobb needs no placement but ``Local``: a row of the update depends only on that row of the
-momentum, so every shard updates alone; its only collectives (the average, the shared
-refresh) run in ``begin``, on every rank alike. The schedule reads the CPU counters
-(``tolist``), or if capturable host counts kept here (read from the device once after a
-load): no device sync.
-
-The core gets what it needs at construction, from the optimizer: its config, its
-``DobbStatistics``, a matrix's layout (``layout(param, group)``, which the optimizer caches),
-the refresh's runner over the data ranks and the solver's ``BlockFailures``; the driver
-passes each matrix's name to ``init_state`` (it seeds the ``"random"`` basis source).
+``dobb_update`` is one matrix (the reference, every variant written out tile by tile);
+``dobb_update_batched`` is ``n`` same-shape matrices in a fixed number of kernels
+(``Dobb(foreach=True)``, the default off the CPU); tests hold them together. A row block
+never straddles a row shard and an input block never straddles a column shard, so every
+product stays on the rank that holds the tile.
 """
 
-from typing import Any
+import math
 
 import torch
 from torch import Tensor
 
-from dobb._dtensor import local
-from dobb.eigensolve import refresh_bases
-from dobb.optim.base import COUNTERS, Core, Entry, Group, state_dtype
-from dobb.optim.batching import each
-from dobb.optim.dobb_layout import Matrix, Side
-from dobb.optim.dobb_update import dobb_update, dobb_update_batched, update_alpha
+from dobb.blocks import BlockStack
+from dobb.optim.batching import foreach_mul_
 
-# Warm-started solvers need a start: a matrix's first refresh runs batched Jacobi from the
-# identity with more sweeps (dobb.eigensolve.COLD_METHODS; no per-block eigh loop, no host
-# read), or eigh where "auto" means eigh (CPU), or CuPy's eigh (CUDA, CuPy installed).
-COLD_START = dict.fromkeys(("power_qr", "cholqr", "jacobi"), "jacobi_cold") | {"auto": "auto_cold"}
-# Largest batch of same-shape matrices updated together (elements of the stacked momentum);
-# bounds the batched step's temporary memory at a few copies of this many state elements.
-BATCH_ELEMENTS = 1 << 26
+COEFFICIENTS = ("sign", "adam")
 
 
-class DobbCore(Core):
-    """Dobb's state and step (the module docstring).
+def dobb_update(
+    param: Tensor,
+    grad: Tensor,
+    momentum: Tensor,
+    bases: list[Tensor],
+    stacks: tuple[BlockStack, ...],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    scale: float,
+    row_bases: list[Tensor] | None = None,
+    row_stacks: tuple[BlockStack, ...] = (),
+    variance: Tensor | None = None,
+    step: float | None = None,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    projection_dtype: torch.dtype | None = None,
+) -> None:
+    """One Dobb update of a ``(rows, d_in)`` matrix (a whole matrix or a row shard): the
+    reference, every variant written out on this one matrix's tiles, which the batched form
+    and every distributed path are held to.
 
-    ``config``: the optimizer's ``Dobb.Config`` (``capturable``, ``missing_stats``,
-    ``stats_sync``); ``statistics``: its ``DobbStatistics``; ``layout(param, group)``: a
-    matrix's ``MatrixLayout``; ``run``: the shared refresh's runner (``split_over_ranks``
-    over the innermost data axis, or None); ``failures``: the ``BlockFailures`` counting
-    blocks whose new basis was rejected.
+    ``bases[i]`` is ``(count, size, size)``: the orthonormal basis ``Q_b`` of each block in
+    ``stacks[i]``. The variants: ``row_bases[i]`` ``(count, m, m)``, the bases ``P_r`` of
+    ``row_stacks[i]`` (two-sided; one-sided: one row block of all rows, ``P = I``);
+    ``variance`` ``V``, laid out like ``param`` (Adam coefficients, ``beta2``, ``eps``;
+    ``step``, the matrix's step count, for the bias correction); ``projection_dtype`` (e.g.
+    bf16): the rotations' operands, the rest in the momentum's dtype. Tile by tile::
+
+        M <- mu M + (1 - mu) G;   N = (1 - mu) G + mu M  (Nesterov)  or  N = M
+        W <- W (1 - lr wd)
+        C_rb = P_rᵀ N_rb Q_b
+        sign: D_rb = sign(C_rb)
+        adam: V_rb <- beta2 V_rb + (1 - beta2) (P_rᵀ G_rb Q_b)²
+              D_rb = C_rb / (sqrt(V_rb) / sqrt(1 - beta2^t) + eps)
+        W_rb <- W_rb - lr alpha P_r D_rb Q_bᵀ
+
+    The rotations are products over this matrix's blocks (``_rotate_one``; no stacking
+    across matrices, no copy of a basis per tile). Updates ``param``, ``momentum`` and
+    ``variance`` in place.
     """
+    dtype = momentum.dtype
+    low = projection_dtype or dtype
+    grad = grad.to(dtype)
+    momentum.lerp_(grad, 1 - beta)  # M <- mu M + (1 - mu) G
+    direction = grad.lerp(momentum, beta) if nesterov else momentum  # N
+    param.mul_(1 - lr * weight_decay)
+    sides = ([b.to(low) for b in bases], stacks, [b.to(low) for b in row_bases or ()], row_stacks)
+    coefficients = _rotate_one(direction.to(low), *sides, into=True)  # C
+    if variance is None:
+        coefficients.sign_()  # D = sign(C)
+    else:  # V, then D = C / (sqrt(V / (1 - beta2^t)) + eps)
+        projected = _rotate_one(grad.to(low), *sides, into=True).to(dtype)
+        variance.lerp_(projected.square_(), 1 - beta2)
+        denominator = variance.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
+        coefficients = coefficients.to(dtype).div_(denominator).to(low)
+    update = _rotate_one(coefficients, *sides, into=False).to(dtype)  # P_r D_rb Q_bᵀ
+    param.add_(update, alpha=-lr * scale)
 
-    def __init__(self, config, statistics, layout, run, failures):
-        """The optimizer's parts (the class docstring)."""
-        self.config, self.statistics, self.layout = config, statistics, layout
-        self.run, self.failures = run, failures
-        self._host_counts: dict[Tensor, list[int]] = {}  # capturable: [step, stats_steps]
-        self._basis_stacks: dict[tuple, tuple[list[Tensor], Tensor]] = {}  # _stacked_bases
-        self._live, self._counted = None, {}  # begin's: live, id(state) -> (matrix, step)
 
-    def init_state(self, param: Tensor, group: Group, name: str) -> dict[str, Any]:
-        """Counters, momentum, each side's ``C`` and bases (``Side.init_state``), and the
-        Adam coefficients' ``V``."""
-        dtype, device = state_dtype(param), local(param).device
-        counter = device if self.config.capturable else "cpu"
-        state = {key: torch.zeros((), device=counter) for key in COUNTERS}  # step, stats_steps
-        state["momentum"] = torch.zeros_like(param, dtype=dtype)
-        self._host_counts[param] = [0, 0]
-        self.failures.counter(device)  # made before any capture (see BlockFailures)
-        for side in self.layout(param, group).sides:
-            state.update(side.init_state(param, name, dtype))
-        if group["coefficients"] == "adam":
-            state["variance"] = torch.zeros_like(param, dtype=dtype)
-        return state
+def _rotate_one(x, bases, stacks, row_bases, row_stacks, *, into: bool) -> Tensor:
+    """``P_rᵀ X_rb Q_b`` on every tile of one ``(rows, d_in)`` matrix ``x`` (``into``), or
+    ``P_r X_rb Q_bᵀ`` (back). The rows first, on whole row slabs ``x[R_r, :]`` ``(count, m,
+    d_in)``, then the columns, block by block ``(count, rows, s)``: ``rotate``'s products on
+    one matrix, so both round alike."""
+    if row_stacks:
+        rotated = torch.empty_like(x)
+        for p, rows in zip(row_bases, row_stacks, strict=True):
+            slab = x[rows.start : rows.stop].unflatten(0, (rows.count, rows.size))
+            rotated[rows.start : rows.stop] = ((p.mT if into else p) @ slab).flatten(0, 1)
+        x = rotated
+    out = torch.empty_like(x)
+    for q, cols in zip(bases, stacks, strict=True):
+        blocks = x[:, cols.start : cols.stop].unflatten(1, (cols.count, cols.size)).transpose(0, 1)
+        blocks = blocks @ (q if into else q.mT)
+        out[:, cols.start : cols.stop] = blocks.transpose(0, 1).flatten(1)
+    return out
 
-    def check(self, groups: list[Group]) -> None:
-        """``RuntimeError`` if a matrix stepping with ``lr > 0`` has no statistics for this
-        step (unless ``missing_stats="identity"``); a tensor ``lr`` (capturable) is not
-        read: statistics are needed."""
-        if self.config.missing_stats == "identity":
-            return
-        stepping = [g for g in groups if isinstance(g["lr"], Tensor) or g["lr"] != 0]
-        needed = [(p, g) for g in stepping for p in g["params"] if p.grad is not None]
-        self.statistics.check_present([(p, self.layout(p, g)) for p, g in needed])
 
-    def inputs(self) -> list[tuple[Tensor, Tensor]]:
-        """This step's statistics (``DobbStatistics.pending_inputs``)."""
-        return self.statistics.pending_inputs()
+def dobb_update_batched(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    bases: list[Tensor],
+    stacks: tuple[BlockStack, ...],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    scale: float,
+    row_bases: list[Tensor] | None = None,
+    row_stacks: tuple[BlockStack, ...] = (),
+    variances: list[Tensor] | None = None,
+    steps: list[float] | None = None,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    transposed: bool = False,
+    live: Tensor | None = None,
+    projection_dtype: torch.dtype | None = None,
+) -> None:
+    """``dobb_update`` for ``n`` matrices of one local shape, in a fixed number of kernels.
 
-    def discard(self) -> None:
-        self.statistics.discard()
-
-    def begin(self, entries: list[Entry], live: Tensor | None) -> None:
-        """Count the steps, fold the statistics, average and refresh where due (the module
-        docstring); ``local_step`` then updates with the steps counted here."""
-        active = [Matrix(p, s, g, self.layout(p, g)) for p, s, g in entries]
-        self._live, self._counted = live, {}
-        if not active:
-            return
-        steps, folded = self._count(active)
-        due = [
-            (int(step) - 1) % m.group["basis_interval"] == 0 and stats_steps > 0
-            for m, step, stats_steps in zip(active, steps, folded)
-        ]
-        every_step = self.config.stats_sync == "step"
-        self.statistics.average([m for m, d in zip(active, due) if d or every_step])
-        self._refresh([(m, stats_steps) for m, stats_steps, d in zip(active, folded, due) if d])
-        if live is not None:  # Adam coefficients' bias correction: the device counts
-            steps = [m.state["step"] for m in active]
-        self._counted = {id(m.state): (m, step) for m, step in zip(active, steps)}
-
-    def local_step(self, entries: list[Entry], group: Group, *, batched: bool) -> None:
-        """The update of ``entries`` (of one set of math options, ``group``'s), batch by
-        batch (``_batches``)."""
-        matrices = [self._counted[id(state)][0] for _, state, _ in entries]
-        for batch in self._batches(matrices, batched):
-            self._update(batch, [self._counted[id(m.state)][1] for m in batch], group)
-
-    def _count(self, active: list[Matrix]) -> tuple[list, list]:
-        """Advance the step counters and fold this step's statistics; returns each matrix's
-        ``step`` and ``stats_steps`` after them, read from the CPU counters, or (capturable)
-        counted on the host, with no read."""
-        counters, live = [m.state["step"] for m in active], self._live
-        torch._foreach_add_(counters, 1.0 if live is None else each(live, counters))
-        if live is None:
-            return torch.stack(counters).tolist(), self.statistics.fold(active)
-        for m in active:  # capturable's host counts, read from the device once after a load
-            if m.param not in self._host_counts:
-                self._host_counts[m.param] = [int(m.state[key]) for key in COUNTERS]
-        counts = [self._host_counts[m.param] for m in active]
-        steps = [c[0] + 1 for c in counts]
-        folded = self.statistics.fold(active, [c[1] for c in counts], live)
-        for c, step, stats_steps in zip(counts, steps, folded):
-            c[:] = step, stats_steps
-        return steps, folded
-
-    def _batches(self, matrices: list[Matrix], batched: bool) -> list[list[Matrix]]:
-        """``matrices`` (of one set of math options) split into batches that can share
-        kernels, each of at most ``BATCH_ELEMENTS`` elements: same local shape,
-        orientation, block layout, dtypes and device; one matrix each unless ``batched``."""
-        batches: dict[tuple, list[list[Matrix]]] = {}
-        for m in matrices:
-            param, grad = local(m.param), local(m.param.grad)
-            key = (tuple(param.shape), m.layout.input_dim, *(s.stacks for s in m.layout.sides))
-            key += (param.dtype, grad.dtype, m.state["momentum"].dtype, param.device)
-            chunks = batches.setdefault(key, [[]])
-            full = (len(chunks[-1]) + 1) * param.numel() > BATCH_ELEMENTS
-            if chunks[-1] and (full or not batched):
-                chunks.append([])
-            chunks[-1].append(m)
-        return [chunk for chunks in batches.values() for chunk in chunks]
-
-    def _update(self, batch: list[Matrix], steps: list, group: Group) -> None:
-        """Dobb's update of one batch (``_batches``), ``steps`` its matrices' step counts:
-        ``dobb_update`` on a lone matrix (the reference: no stacking copies), else
-        ``dobb_update_batched``; each side gives its bases and stacks (the row side none
-        one-sided)."""
-        p, state, _, layout = batch[0]
-        stacks, row_stacks = (s.stacks for s in layout.sides)
-        adam = group["coefficients"] == "adam"
-        hyper = dict(
-            lr=group["lr"],
-            beta=group["momentum"],
-            nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"],
-            scale=update_alpha(group["update_scale"], p.shape[layout.input_dim]),
-            beta2=group["coefficient_beta"],
-            row_stacks=row_stacks,
-            projection_dtype=getattr(torch, group["projection_dtype"] or "", None),
-        )
-        if len(batch) == 1 and self._live is None:
-            # (d_in, d_out) weights (Conv1D) are updated through their transpose
-            orient = (lambda t: t.mT) if layout.input_dim == 0 else (lambda t: t)
-            bases, row_bases = ([local(state[b]) for _, b in s.keys] for s in layout.sides)
-            dobb_update(
-                *(orient(local(t)) for t in (p, p.grad, state["momentum"])),
-                bases,
-                stacks,
-                row_bases=row_bases,
-                variance=orient(local(state["variance"])) if adam else None,
-                step=steps[0],
-                **hyper,
-            )
-            return
-        low = hyper["projection_dtype"] or state_dtype(p)
-        bases, row_bases = (self._stacked_bases(batch, side, low) for side in layout.sides)
-        dobb_update_batched(
-            [local(m.param) for m in batch],
-            [local(m.param.grad) for m in batch],
-            [local(m.state["momentum"]) for m in batch],
+    ``params``, ``grads`` and ``momenta`` (and ``variances``) hold ``n`` tensors of one
+    shape: ``(rows, d_in)``, or ``(d_in, rows)`` with ``transposed=True`` (GPT-2's
+    ``Conv1D``). ``bases[i]`` is ``(n, count, size, size)``: the bases of ``stacks[i]`` for
+    every matrix (``row_bases[i]`` likewise for ``row_stacks[i]``); ``steps`` are the
+    matrices' step counts (floats, or device tensors). The paper's update is
+    ``dobb_update``'s arithmetic, op for op, on ``(n, ...)`` stacks; the variants run on
+    tiles (``rotate``). Updates in place. ``live`` (capturable; ``lr`` may be a 0-d tensor):
+    where it is 0 (non-finite inputs) nothing changes, with no host read.
+    ``projection_dtype`` (e.g. bf16): the rotations' operands, the rest in the state's.
+    """
+    if live is not None:  # a skipped step: G := M keeps M (and U is zeroed in ``_apply``)
+        grads = [torch.where(live.bool(), g, m.to(g.dtype)) for g, m in zip(grads, momenta)]
+    if row_stacks or variances is not None:
+        _rotated_update(
+            params,
+            grads,
+            momenta,
             bases,
             stacks,
-            row_bases=row_bases or None,
-            variances=[local(m.state["variance"]) for m in batch] if adam else None,
-            steps=steps,
-            transposed=layout.input_dim == 0,
-            live=self._live,
-            **hyper,
+            row_bases,
+            row_stacks,
+            variances,
+            steps,
+            lr=lr,
+            beta=beta,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            scale=scale,
+            beta2=beta2,
+            eps=eps,
+            transposed=transposed,
+            live=live,
+            low=projection_dtype,
         )
+        return
+    dtype = momenta[0].dtype
+    low = projection_dtype or dtype
+    if grads[0].dtype != dtype:  # e.g. bf16 gradients, fp32 momentum
+        grads = torch.stack(grads).to(dtype).unbind(0)
+    # M <- mu M + (1 - mu) G
+    torch._foreach_lerp_(momenta, grads, 1 - beta)
+    # N = (1 - mu) G + mu M  (Nesterov),  else  N = M
+    direction = torch.stack(torch._foreach_lerp(grads, momenta, beta) if nesterov else momenta)
+    direction = direction.mT if transposed else direction  # (n, rows, d_in)
+    update = _signed_blocks(direction, bases, stacks, low)
+    _apply(params, update.mT if transposed else update, lr, weight_decay, scale, live)
 
-    def _stacked_bases(self, batch: list[Matrix], side: Side, dtype) -> list[Tensor]:
-        """``batch``'s bases of each stack of ``side``, stacked ``(n, count, s, s)`` in
-        ``dtype`` (the projections') once and kept between steps: bases change only in
-        ``_refresh``, which refills these copies in place (a captured steady step reads them
-        where the capture found them), and on a load, which drops them (``forget``;
-        memory: a copy of the bases)."""
-        out = []
-        for _, key in side.keys:
-            cache_key = (key, dtype, *(id(m.state) for m in batch))
-            if cache_key not in self._basis_stacks:
-                bases = [local(m.state[key]) for m in batch]
-                self._basis_stacks[cache_key] = (bases, torch.stack(bases).to(dtype))
-            out.append(self._basis_stacks[cache_key][1])
-        return out
 
-    def _refresh(self, due: list[tuple[Matrix, float]]) -> None:
-        """Recompute the bases of ``due`` ``(matrix, stats_steps)``, one batched solver call
-        per method, sharing and block size (``COLD_START`` on a matrix's first statistics;
-        rejected blocks counted in ``failures``). A side's blocks are shared out over the
-        data ranks if they hold the same ``C`` (``Side.shared``: the input side, with
-        ``shard_refresh``), else computed where they live: an FSDP rank holds only its own
-        row blocks."""
-        by_method: dict[tuple[str, bool], list[tuple[dict, str, str]]] = {}
-        for m, stats_steps in due:
-            method = m.group["basis_method"]
-            method = COLD_START.get(method, method) if stats_steps == 1 else method
-            for side in m.layout.sides:
-                by_method.setdefault((method, side.shared), []).extend(
-                    (m.state, cov_key, basis_key) for cov_key, basis_key in side.keys
-                )
-        for (method, shared), keys in by_method.items():
-            if not keys:
-                continue
-            targets = [local(state[b]) for state, _, b in keys]
-            covs = [local(state[c]) for state, c, _ in keys]
-            run = self.run if shared else None
-            solver = dict(failures=self.failures, capturable=self.config.capturable)
-            torch._foreach_copy_(targets, refresh_bases(covs, targets, method, run, **solver))
-        if due:  # refill the stacked copies where a captured steady step reads them
-            for bases, stacked in self._basis_stacks.values():
-                stacked.copy_(torch.stack(bases))
+def _signed_blocks(direction: Tensor, bases: list[Tensor], stacks, low: torch.dtype) -> Tensor:
+    """``U_b = sign(N_b Q_b) Q_bᵀ`` for every block of ``direction`` ``N`` ``(n, rows,
+    d_in)``, laid out like it: per stack one ``bmm`` pair over all ``n count`` blocks, the
+    operands in ``low``."""
+    n, rows, d_in = direction.shape
+    update = direction.new_empty(n, rows, d_in)
+    for basis, s in zip(bases, stacks, strict=True):
+        blocks = direction[..., s.start : s.stop].unflatten(2, (s.count, s.size)).transpose(1, 2)
+        if low != direction.dtype:  # convert while laying out: one pass
+            blocks = blocks.new_empty(blocks.shape, dtype=low).copy_(blocks)
+        blocks = blocks.reshape(n * s.count, rows, s.size)  # (n count, rows, size)
+        basis = basis.reshape(n * s.count, s.size, s.size).to(low)
+        # U_b = sign(N_b Q_b) Q_bᵀ
+        block_update = torch.bmm(torch.bmm(blocks, basis).sign_(), basis.mT)
+        target = update[..., s.start : s.stop].unflatten(2, (s.count, s.size))
+        target.copy_(block_update.unflatten(0, (n, s.count)).transpose(1, 2))
+    return update
 
-    def refresh_due(self, groups: list[Group]) -> bool:
-        """Capturable: whether the next step of ``groups`` may refresh a basis (host counts
-        only); when due it also reports the solver's failures (``BlockFailures.report``)."""
-        steps = {p: counts[0] for p, counts in self._host_counts.items()}  # absent: 0 steps
-        due = any(steps.get(p, 0) % g["basis_interval"] == 0 for g in groups for p in g["params"])
-        if due:
-            self.failures.report()
-        return due
 
-    def count_replay(self) -> None:
-        """Capturable: count a replayed step (a CUDA graph replay runs no Python)."""
-        for counts in self._host_counts.values():
-            counts[0] += 1
-            counts[1] += counts[1] > 0
+def _apply(params, update: Tensor, lr, weight_decay: float, scale: float, live=None) -> None:
+    """W <- W (1 - lr wd) - lr alpha U for each slice of ``update``; ``lr`` a float or a
+    0-d tensor; where ``live`` is 0 (capturable: a skipped step) W stays."""
+    if weight_decay:
+        factor = 1 - lr * weight_decay
+        foreach_mul_(params, factor if live is None else torch.where(live.bool(), factor, 1.0))
+    if live is not None:
+        update.mul_(live)
+    if isinstance(lr, Tensor):
+        torch._foreach_add_(params, update.mul_(-lr * scale).unbind(0))
+    else:
+        torch._foreach_add_(params, update.unbind(0), alpha=-lr * scale)
 
-    def forget(self) -> None:
-        """Drop the host counts (read again from the counters) and the stacked bases (made
-        again from the bases): after a load, the state holds other tensors."""
-        self._host_counts.clear()
-        self._basis_stacks.clear()
+
+def rotate(
+    x: Tensor,
+    col_bases: list[Tensor],
+    col_stacks: tuple[BlockStack, ...],
+    row_bases: list[Tensor] | None = None,
+    row_stacks: tuple[BlockStack, ...] = (),
+    *,
+    into: bool = True,
+) -> Tensor:
+    """``P_rᵀ x Q_b`` on every tile (``into``), or ``P_r x Q_bᵀ`` (back), laid out like ``x``.
+
+    ``x`` is ``(n, d_out, d_in)``; ``col_bases[j]`` is ``(n, count, s, s)`` for
+    ``col_stacks[j]`` and ``row_bases[i]`` ``(n, count, m, m)`` for ``row_stacks[i]``. The
+    rows are rotated on whole row slabs first (``P_rᵀ x[R_r, :]``), then the columns block
+    by block: the same product, with no basis copied per tile.
+    """
+    if row_stacks:
+        rotated = torch.empty_like(x)
+        for p, rows in zip(row_bases, row_stacks, strict=True):
+            slab = x[:, rows.start : rows.stop].unflatten(1, (rows.count, rows.size))
+            rotated[:, rows.start : rows.stop] = ((p.mT if into else p) @ slab).flatten(1, 2)
+        x = rotated
+    out = torch.empty_like(x)
+    for q, cols in zip(col_bases, col_stacks, strict=True):
+        tiles = x[..., cols.start : cols.stop].unflatten(-1, (cols.count, cols.size))
+        tiles = tiles.transpose(1, 2) @ (q if into else q.mT)  # (n, count, d_out, s)
+        out[..., cols.start : cols.stop] = tiles.transpose(1, 2).flatten(2)
+    return out
+
+
+def _rotated_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    col_bases: list[Tensor],
+    col_stacks: tuple[BlockStack, ...],
+    row_bases: list[Tensor] | None = None,
+    row_stacks: tuple[BlockStack, ...] = (),
+    variances: list[Tensor] | None = None,
+    steps: list[float] | None = None,
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    scale: float,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    transposed: bool = False,
+    live: Tensor | None = None,
+    low: torch.dtype | None = None,
+) -> None:
+    """The variants' update (row bases and/or Adam coefficients) for ``n`` matrices, on
+    tiles: ``rotate`` into the bases, the coefficients, ``rotate`` back (in ``low``)."""
+    dtype = momenta[0].dtype
+    low = low or dtype
+    if grads[0].dtype != dtype:
+        grads = [g.to(dtype) for g in grads]
+    torch._foreach_lerp_(momenta, grads, 1 - beta)  # M <- mu M + (1 - mu) G
+    direction = torch._foreach_lerp(grads, momenta, beta) if nesterov else momenta
+    orient = (lambda t: t.mT) if transposed else (lambda t: t)  # noqa: E731
+    row_bases = [b.to(low) for b in row_bases] if row_bases else None
+    bases = ([b.to(low) for b in col_bases], col_stacks, row_bases, row_stacks)
+    coefficients = rotate(orient(torch.stack(direction)).to(low), *bases)
+    if variances is None:
+        coefficients.sign_()
+    else:
+        projected = rotate(orient(torch.stack(grads)).to(low), *bases).to(dtype)
+        variance = torch.stack([orient(v) for v in variances])
+        variance.lerp_(projected.square_(), (1 - beta2) * (1 if live is None else live))
+        torch._foreach_copy_([orient(v) for v in variances], list(variance.unbind(0)))
+        denominator = variance.sqrt()  # / sqrt(1 - beta2^t), t: device or host counts
+        if isinstance(steps[0], Tensor):  # capturable
+            denominator.div_((1 - beta2 ** torch.stack(steps).to(dtype)).sqrt()[:, None, None])
+        else:  # one scalar per matrix: nothing copied to the device
+            corrections = [math.sqrt(1 - beta2**t) for t in steps]
+            torch._foreach_div_(list(denominator.unbind(0)), corrections)
+        denominator.add_(eps)
+        coefficients = coefficients.to(dtype).div_(denominator).to(low)
+    update = orient(rotate(coefficients, *bases, into=False)).to(dtype)
+    _apply(params, update, lr, weight_decay, scale, live)
+
+
+def update_alpha(update_scale: float | str, d_in: int) -> float:
+    """``alpha`` of ``update_scale`` for a matrix with (global) input width ``d_in``."""
+    if update_scale == "muon":
+        return 1.0 / math.sqrt(d_in)
+    return {"adamw": 0.2, "lion": 1.0}.get(update_scale, update_scale)
