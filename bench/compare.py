@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.optimizers import COMPARED, LAB, tuned_lrs
 from bench.tools.markdown import markdown_table
-from dobb.optim.registry import get_entry
+from dobb.registry import get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
 
@@ -328,7 +328,7 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
         markdown_table(["optimizer", "lr", "scalar lr", "options", "source"], lr_rows),
         "",
         "Study values are the best of `python -m bench study`'s grids on a smaller GPT "
-        "(4 layers, width 128); registry starting values (`dobb/optim/registry.py`) are untuned. "
+        "(4 layers, width 128); registry starting values (`dobb/registry.py`) are untuned. "
         "`python -m bench compare --lr-sweep` sweeps at this budget.",
         "",
         "## Results",

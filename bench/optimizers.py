@@ -1,6 +1,6 @@
 """The lab's table of optimizers: what the benchmarks and reports know of each one.
 
-The library's registry (``dobb.optim.registry``) says how to build an optimizer; this table
+The library's registry (``dobb.registry``) says how to build an optimizer; this table
 says how the lab runs and reports it: the label reports use, the settings the comparisons
 run it with, its cost model, which tables carry it, and its periodic work. Every subset and
 per-optimizer setting of the lab is derived from here; adding an optimizer means one class,
@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from bench.model.costs import adamw, dion, dion2, dobb, muon, muonbp, nordion2, normuon
-from dobb.optim.registry import OptimizerEntry, get_entry
+from dobb.registry import OptimizerEntry, get_entry
 
 # Two-sided Dobb's row blocks per matrix in the call-time runs: the rows one rank holds under
 # FSDP over 32 ranks (the paper's call-time setting: GPT-2 XL on 32 GPUs), emulated on one.

@@ -510,7 +510,7 @@ def refresh_bases(
     ``covs[i]`` and ``bases[i]`` are ``(n_i, s_i, s_i)``; stacks of equal size (across all
     layers) are concatenated so that the solver of ``method`` (one of ``BASIS_METHODS``) runs
     once per distinct block size. ``run(fn, cov, basis)`` evaluates ``fn`` on the concatenated
-    stacks (default: directly; Dobb can pass ``dobb.distributed.sharding.split_over_ranks`` to
+    stacks (default: directly; Dobb can pass ``dobb.optim.dobb_steps.split_over_ranks`` to
     share the work between ranks). ``failures`` and ``capturable`` go to ``basis_solver``.
     """
     run = run or (lambda fn, *stacks: fn(*stacks))

@@ -1,10 +1,18 @@
-"""Input-activation statistics: per-block second moments gathered by forward pre-hooks.
+"""Dobb's statistics: per-block second moments of a layer's inputs, gathered by hooks.
 
 For a layer ``y = x Wᵀ`` with ``W`` of shape ``(d_out, d_in)``, every forward pass in
 training mode adds ``A_b += X_bᵀ X_b`` (``(s_b, s_b)``) for each input block ``b`` of
 ``s_b`` columns (``X`` is the input flattened to ``(N, d_in)``, ``X_b`` its ``(N, s_b)``
-slice) and ``n += N``. At the optimizer step the token average ``S_b = A_b / n`` is taken
-and the accumulators reset.
+slice) and ``n += N``. At the optimizer step the token average ``S_b = A_b / n`` is folded
+into the optimizer's ``C_b`` (``dobb.optim.dobb_steps``) and the accumulators reset.
+``DobbStatistics`` holds one optimizer's hooks and sums, and is the step's ``inputs`` to the
+driver (``dobb.optim.base``): what must be finite, what a step without them does, what a
+skipped step drops.
+
+Blocks: ``d_in`` is split into ``B`` contiguous, near-equal blocks (``block_stacks``): the
+first ``d_in % B`` blocks have ``ceil(d_in / B)`` columns, the rest ``floor(d_in / B)``.
+Blocks of one size form a *stack* (``BlockStack``), so every per-block quantity is a
+batched ``(count, size, size)`` tensor and a matrix has at most two stacks.
 
 Cost: layers that share a ``GramCache`` and are fed the same input tensor (``q``, ``k``,
 ``v``) compute its products once. Under bf16/fp16 autocast on an accelerator the products
@@ -22,9 +30,33 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
-from dobb._dtensor import DTensor
-from dobb.blocks import BlockStack
+from dobb._dtensor import DTensor, local
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    """``count`` consecutive blocks of ``size`` columns starting at column ``start``."""
+
+    start: int
+    size: int
+    count: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.size * self.count
+
+
+def block_stacks(d_in: int, num_blocks: int) -> tuple[BlockStack, ...]:
+    """Near-equal contiguous blocks of ``range(d_in)``; ``num_blocks > d_in`` gives size 1."""
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    num_blocks = min(num_blocks, d_in)
+    size, big = divmod(d_in, num_blocks)
+    stacks = [BlockStack(0, size + 1, big)] if big else []
+    stacks.append(BlockStack(big * (size + 1), size, num_blocks - big))
+    return tuple(s for s in stacks if s.count)
 
 
 @dataclass(frozen=True)
@@ -397,3 +429,113 @@ def output_gradient_hook(stats: BlockStatistics):
             output.register_hook(stats.observe)
 
     return hook
+
+
+# A hooked side's source: what a missing one is called, its hook, where the hook goes.
+HOOKS = {
+    "activations": ("activation", statistics_hook, "register_forward_pre_hook"),
+    "outputs": ("output-gradient", output_gradient_hook, "register_forward_hook"),
+}
+
+
+class DobbStatistics:
+    """The hooks of one ``Dobb`` optimizer and the sums they gather between steps (the
+    ``C_b`` themselves live in the optimizer's state).
+
+    Its interface is narrow: the optimizer hands it the layers to hook with their layouts
+    (``track``); the driver asks it for the step's inputs (``pending``, ``check``,
+    ``discard``); Dobb's placement reads each hooked side's sums (``sums``) to fold them.
+    ``name_of`` names a parameter in errors; ``layouts(param, config)`` is a matrix's
+    layout (``dobb.optim.dobb.Layouts``).
+    """
+
+    def __init__(self, *, name_of, layouts):
+        self.name_of, self.layouts = name_of, layouts
+        self._stats: dict[Tensor, dict[str, BlockStatistics]] = {}  # param -> side -> sums
+        self._gram_cache = GramCache()  # layers fed one input tensor (q, k, v) share X_bᵀ X_b
+        self._hooks: list[RemovableHandle] = []
+
+    def track(self, layers: list[tuple[nn.Module, Tensor, object]]) -> list[RemovableHandle]:
+        """Hook each ``(module, weight, layout)`` on every side of ``layout`` whose moments
+        come from hooks: the input activations' blocks (a forward pre-hook), the output
+        gradients' (a forward hook). Returns the handles (``untrack`` removes all).
+        Statistics buffers follow the activations' device, so the model may move later.
+        """
+        handles = []
+        for module, weight, layout in layers:
+            if weight in self._stats:
+                raise ValueError(f"{self.name_of(weight)} is already tracked")
+            dtype = torch.promote_types(weight.dtype, torch.float32)  # the state's dtype
+            hooked = {}
+            for side in layout.sides:
+                if not side.hooked:
+                    continue
+                cache = self._gram_cache if side.source == "activations" else None
+                stats = BlockStatistics(side.stacks, dtype, local(weight).device, cache)
+                hooked[side.name] = stats
+                _, hook, register = HOOKS[side.source]
+                handles.append(getattr(module, register)(hook(stats)))
+            if hooked:
+                self._stats[weight] = hooked
+        self._hooks += handles
+        if not handles:
+            raise ValueError(
+                "track() found no layer whose weight is in a Dobb group; known layer types: "
+                f"{[t.__name__ for t in tracked_layers()]}"
+            )
+        return handles
+
+    def untrack(self) -> None:
+        """Remove every hook ``track`` added and drop the pending statistics."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._stats.clear()
+        self._gram_cache.clear()
+
+    def sums(self, param: Tensor, side) -> BlockStatistics | None:
+        """The hooks' sums of ``side`` of ``param`` (None: never tracked)."""
+        return self._stats.get(param, {}).get(side.name)
+
+    def clear_cache(self) -> None:
+        """Forget the Gram products of this step's inputs (once they are folded)."""
+        self._gram_cache.clear()
+
+    def _hooked(self) -> list[tuple[Tensor, BlockStatistics]]:
+        """``(param, BlockStatistics)`` of every hook: input sides, then row sides."""
+        names = ("input", "row")
+        return [(p, s[name]) for name in names for p, s in self._stats.items() if name in s]
+
+    def pending(self) -> list[tuple[Tensor, Tensor]]:
+        """``(param, sum)`` of every accumulator holding this step's tokens (to check that
+        they are finite before anything changes)."""
+        return [(p, t) for p, s in self._hooked() if s.seen for t in s.sums]
+
+    def discard(self) -> None:
+        """Drop this step's accumulated statistics (a skipped or failed step)."""
+        for _, stats in self._hooked():
+            stats.reset()
+
+    def check(self, matrices: list) -> None:
+        """``RuntimeError`` before any state changes if one of ``matrices`` (the Dobb
+        matrices with a gradient, ``dobb.optim.parts.Matrix``) stepping with ``lr > 0``
+        lacks a hooked side's statistics for this step (unless ``missing_stats=
+        "identity"``); a tensor ``lr`` (capturable) is not read: statistics are needed."""
+        if not matrices or matrices[0].config.missing_stats == "identity":
+            return
+        for m in matrices:
+            if not isinstance(m.config.lr, Tensor) and m.config.lr == 0:
+                continue
+            hooked = self._stats.get(m.param, {})
+            missing = [
+                HOOKS[side.source][0]
+                for side in self.layouts(m.param, m.config).sides
+                if side.hooked and (side.name not in hooked or not hooked[side.name].seen)
+            ]
+            if missing:
+                raise RuntimeError(
+                    f"{m.name} has no {missing[0]} statistics for this step. "
+                    "Call opt.track(model) before the forward pass (it hooks nn.Linear "
+                    "layers) and backward through the layer, route the parameter to "
+                    "algorithm='adamw', or construct Dobb with missing_stats='identity'."
+                )

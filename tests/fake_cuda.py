@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from bench.tools.opcount import OpCounter
-from dobb.optim.registry import build_optimizer
+from dobb.registry import build_optimizer
 
 aten = torch.ops.aten
 SCALAR_READ = aten._local_scalar_dense.default

@@ -11,7 +11,7 @@ nothing, so on CPU every counted read is one that would also stall a GPU.
 import torch
 
 from bench.tools.opcount import OpCounter
-from dobb.optim.registry import build_optimizer
+from dobb.registry import build_optimizer
 from dobb.train.model import GPT, gpt_config
 
 

@@ -3,7 +3,7 @@
 ``SMALL_INPUTS[name]``: valid constructor overrides, small enough for CPU tests;
 ``ERROR_INPUTS[name]``: invalid overrides and the error each must raise (with a message
 regex); ``FOREACH``: the two paths every entry has, which a test chooses per case
-(``over_foreach``). Tests run over ``dobb.optim.registry.OPTIMIZERS`` and look their inputs
+(``over_foreach``). Tests run over ``dobb.registry.OPTIMIZERS`` and look their inputs
 up here; ``test_every_entry_has_inputs`` keeps the two in step.
 """
 

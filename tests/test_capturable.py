@@ -10,7 +10,7 @@ import torch
 from opcount import count_step, tiny_gpt
 
 import dobb.eigensolve
-from dobb.optim.registry import build_optimizer
+from dobb.registry import build_optimizer
 
 TOKENS = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
 # (options, exact, steps): with Lion on the scalars the bits agree; bias corrections from
@@ -180,12 +180,12 @@ def test_compiled_steady_and_refresh_steps_match_the_eager_ones():
         opts[0].step()
         compiled()
         if len(due) == 1:  # step 2 stacked the bases for the steady step
-            stacks = list(opts[1].core._basis_stacks.values())
+            stacks = list(opts[1].steps._basis_stacks.values())
     assert due == [False, False, True, False, False, True, False]
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b)
     # the steady step's stacked bases were refilled in place (a CUDA graph reads them there)
-    assert len(stacks) > 0 and list(opts[1].core._basis_stacks.values()) == stacks
+    assert len(stacks) > 0 and list(opts[1].steps._basis_stacks.values()) == stacks
     for bases, stacked in stacks:
         assert torch.equal(stacked, torch.stack(bases))
     # steady and refresh, each traced with static host counts and then dynamic ones: a

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bench.tools.config_docs import DOCS, ROOT, render
-from dobb.optim.registry import OPTIMIZERS, build_optimizer
+from dobb.registry import OPTIMIZERS, build_optimizer
 
 CLASSES = sorted({e.cls for e in OPTIMIZERS.values() if hasattr(e.cls, "Config")}, key=str)
 

@@ -172,7 +172,7 @@ def test_zero_momentum_gives_no_nan(orthogonalize):
     ],
 )
 def test_rank_from_rank_fraction(shape, rank_fraction, rank, expected):
-    assert rank_of(shape, {"rank_fraction": rank_fraction, "rank": rank}) == expected
+    assert rank_of(shape, rank_fraction, rank) == expected
     p = torch.nn.Parameter(torch.zeros(shape))
     opt = Dion([p], rank_fraction=rank_fraction, rank=rank)
     p.grad = torch.ones(shape)
@@ -333,7 +333,7 @@ def test_optimizer_batches_same_shape_matrices_and_shares_their_sketch():
         for p, grad in zip(params, grads):
             p.grad = grad.clone()
         if step == 1:  # Q_0 as the optimizer draws it
-            Q = [opt._init_matrix_state(p, opt.param_groups[0])["Q"] for p in params]
+            Q = [opt.core.init_state(p, opt.config, opt.name_of(p))["Q"] for p in params]
         opt.step()
         for i, s in enumerate(shapes):
             seed = opt.core.sketch_seed(s, 3, step)

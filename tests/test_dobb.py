@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 import dobb
-import dobb.optim.dobb_core as dobb_core
-from dobb.blocks import block_stacks, eigenbasis, power_qr_basis
-from dobb.optim.dobb_core import DobbCore
-from dobb.optim.dobb_update import dobb_update, dobb_update_batched
+import dobb.optim.dobb_steps as dobb_steps
+from dobb.eigensolve import eigenbasis, power_qr_basis
+from dobb.optim.dobb_core import dobb_update, dobb_update_batched
+from dobb.optim.dobb_steps import DobbSteps
+from dobb.stats import block_stacks
 
 
 def mlp(dtype=torch.float32, d_in=12, hidden=20, d_out=6, seed=0):
@@ -566,16 +567,16 @@ def test_batches_split_by_shape_hyperparameters_and_size(monkeypatch):
     opt = dobb.Dobb(groups, lr=0.1, num_blocks=2, missing_stats="identity", foreach=True)
     for layer in layers:
         layer.weight.grad = torch.ones_like(layer.weight)
-    sizes, batches = [], DobbCore._batches
+    sizes, batches = [], DobbSteps._batches
 
-    def recorded(core, *args):  # a step's batches, of every set of math options
-        return [sizes.append(len(b)) or b for b in batches(core, *args)]
+    def recorded(steps, *args):  # a step's batches, of every set of math options
+        return [sizes.append(len(b)) or b for b in batches(steps, *args)]
 
-    monkeypatch.setattr(DobbCore, "_batches", recorded)
+    monkeypatch.setattr(DobbSteps, "_batches", recorded)
     opt.step()
     assert sorted(sizes) == [1, 1, 2]
     sizes.clear()
-    monkeypatch.setattr(dobb_core, "BATCH_ELEMENTS", 64)  # one 8 x 8 matrix per batch
+    monkeypatch.setattr(dobb_steps, "BATCH_ELEMENTS", 64)  # one 8 x 8 matrix per batch
     opt.step()
     assert sorted(sizes) == [1, 1, 1, 1]
 
@@ -594,20 +595,23 @@ def test_public_accessors_name_blocks_and_groups():
     [{}, {"block_size": 3}, {"two_sided": True}, {"two_sided": True, "row_blocks": None}],
 )
 def test_a_layout_reads_only_the_options_it_is_cached_by(options):
-    """``Dobb._layout`` caches a matrix's layout by ``LAYOUT_OPTIONS``: ``matrix_layout``
-    must read no other option, or a group changing it would keep a stale layout."""
-    from dobb.optim.dobb import LAYOUT_OPTIONS
-    from dobb.optim.dobb_layout import matrix_layout
+    """``Dobb.layouts`` caches a matrix's layout by the options marked ``layout``:
+    ``matrix_layout`` must read no other option, or a group changing it would keep a stale
+    layout."""
+    from dobb.optim.dobb import matrix_layout
 
     read = set()
 
-    class Recording(dict):
-        def __getitem__(self, key):
-            read.add(key)
-            return super().__getitem__(key)
+    class Recording:
+        def __init__(self, config):
+            self.config = config
+
+        def __getattr__(self, name):
+            read.add(name)
+            return getattr(self.config, name)
 
     layer = nn.Linear(12, 10, bias=False)
     opt = dobb.Dobb(layer.parameters(), lr=0.1, num_blocks=2, **options)
-    group = Recording(opt.param_groups[0])
-    matrix_layout(layer.weight, 1, group, (), "weight")
-    assert read and read <= set(LAYOUT_OPTIONS), read - set(LAYOUT_OPTIONS)
+    matrix_layout(layer.weight, 1, Recording(opt.config), (), "weight")
+    layout_options = set(dobb.Dobb.Config.layout_options())
+    assert read and read <= layout_options, read - layout_options

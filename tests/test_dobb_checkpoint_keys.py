@@ -1,4 +1,4 @@
-"""Dobb's state keys name a side and a stack index (``dobb.optim.dobb_layout``), and a
+"""Dobb's state keys name a side and a stack index (``dobb.optim.dobb_core``), and a
 checkpoint written in the keys before them (``cov``, ``cov_tail``, ``row_basis``, ...:
 ``tests/data/dobb_legacy_checkpoint.pt``, by that commit's code) loads and continues as
 the run that wrote it did."""
@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dobb.optim.dobb_checkpoint import LegacyKeysLoadPlanner, convert_legacy_checkpoint
-from dobb.optim.dobb_layout import LEGACY_KEYS, OLD_NAMES
+from dobb.optim.dobb import LegacyKeysLoadPlanner, convert_legacy_checkpoint
+from dobb.optim.dobb_core import LEGACY_KEYS, OLD_NAMES
 
 SPEC = importlib.util.spec_from_file_location(
     "dobb_legacy_checkpoint", Path(__file__).parent / "data" / "dobb_legacy_checkpoint.py"

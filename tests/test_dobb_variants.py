@@ -7,8 +7,8 @@ from test_dobb import TransposedLinear
 from torch import nn
 
 import dobb
-from dobb.blocks import block_stacks
-from dobb.optim.dobb_update import _rotated_update, dobb_update, dobb_update_batched
+from dobb.optim.dobb_core import _rotated_update, dobb_update, dobb_update_batched
+from dobb.stats import block_stacks
 
 D_IN, D_OUT, TOKENS = 12, 10, 24
 HYPER = dict(lr=0.05, momentum=0.9, weight_decay=0.1, update_scale=0.2, stats_beta=0.8)
@@ -131,9 +131,9 @@ def test_one_sided_adam_is_two_sided_with_identity_rows():
     w = torch.randn(4, D_IN, 8, dtype=torch.float64, generator=gen)
     grads = torch.randn(4, D_IN, 8, dtype=torch.float64, generator=gen)
     q = torch.linalg.qr(torch.randn(4, 2, 4, 4, dtype=torch.float64, generator=gen)).Q
-    stacks = dobb.blocks.block_stacks(8, 2)
+    stacks = dobb.stats.block_stacks(8, 2)
     eye = torch.eye(D_IN, dtype=torch.float64).expand(4, 1, D_IN, D_IN)
-    rows = dobb.blocks.block_stacks(D_IN, 1)
+    rows = dobb.stats.block_stacks(D_IN, 1)
     results = []
     for row_bases, row_stacks in ((None, ()), ([eye], rows)):
         params, momenta, v = w.clone(), torch.zeros_like(w), torch.zeros_like(w)
@@ -154,7 +154,7 @@ def test_one_sided_sign_equals_the_paper_update(transposed):
     shape = (3, 10, D_OUT) if transposed else (3, D_OUT, 10)
     w, g = (torch.randn(shape, dtype=torch.float64, generator=gen) for _ in range(2))
     m = torch.randn(shape, dtype=torch.float64, generator=gen)
-    stacks = dobb.blocks.block_stacks(10, 3)  # 4, 3, 3: two stacks
+    stacks = dobb.stats.block_stacks(10, 3)  # 4, 3, 3: two stacks
     bases = [
         torch.linalg.qr(torch.randn(3, s.count, s.size, s.size, dtype=torch.float64,
                                     generator=gen)).Q

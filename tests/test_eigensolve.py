@@ -296,7 +296,7 @@ def test_solvers_run_in_fp32_with_ieee_matmuls_whatever_the_caller_chose():
 
 
 def _refresh_split_over_ranks(rank, world_size):
-    from dobb.distributed.sharding import split_over_ranks
+    from dobb.optim.dobb_steps import split_over_ranks
 
     cov, basis, _ = refresh_problem(n=3, s=20, device="cpu")  # rank 1: 1 block + 1 zero pad
     results = {}

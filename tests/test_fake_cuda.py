@@ -3,7 +3,7 @@
 ``tests/fake_cuda.py`` runs a step on ``FakeTensorMode`` CUDA tensors (a device mismatch
 raises ``FakeTensorDeviceMismatchError``, an op without a fake kernel raises) with real CPU
 twins behind them, so each host read returns what the CPU step reads and is counted where
-a GPU would wait. For each optimizer of ``dobb.optim.registry``: construction, four steps
+a GPU would wait. For each optimizer of ``dobb.registry``: construction, four steps
 with its periodic work (Dobb: a cold refresh at step 1, a warm one at step 3; MuonBP: full
 steps at 1 and 3), a ``state_dict`` round trip into a fresh optimizer and a step after it.
 Every state tensor must be on the device (step counters on the host unless capturable),
@@ -23,8 +23,8 @@ from fake_cuda import FakeCuda, prepare_step, run_steps, twin
 
 from bench.tools.opcount import OpCounter
 from dobb.eigensolve import resolve_method
-from dobb.optim.base import COUNTERS
-from dobb.optim.registry import OPTIMIZERS, build_optimizer
+from dobb.optim.parts import COUNTERS
+from dobb.registry import OPTIMIZERS, build_optimizer
 
 STEPS = 4
 CUDA = torch.device("cuda")

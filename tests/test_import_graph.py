@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
     ["dobb._dtensor"],
-    ["dobb.eigensolve", "dobb.blocks", "dobb.stats", "dobb.groups"],
+    ["dobb.eigensolve", "dobb.stats", "dobb.groups"],
     ["dobb.distributed"],
-    ["dobb.optim"],
+    ["dobb.optim", "dobb.registry"],
     ["dobb.train", "dobb.integrations"],
     ["dobb.cli", "dobb.__main__", "dobb"],
 ]

@@ -11,7 +11,7 @@ from dobb.optim import muonbp as muonbp_module
 from dobb.optim import nordion2 as nordion2_module
 from dobb.optim import normuon as normuon_module
 from dobb.optim.muon import POLAR_EXPRESS, Muon, lr_scale, newton_schulz
-from dobb.optim.registry import build_optimizer
+from dobb.registry import build_optimizer
 
 SHAPES = [(64, 32), (32, 64)]  # tall (transposed inside NS) and wide
 

@@ -9,7 +9,7 @@ import dobb.optim.muon as muon_module
 import dobb.optim.muonbp as muonbp_module
 from dobb.optim.muon import Muon, lr_scale, nesterov_direction, newton_schulz
 from dobb.optim.muonbp import MuonBP, block_tiles, chunk_sizes
-from dobb.optim.registry import build_optimizer
+from dobb.registry import build_optimizer
 
 SHAPES = [(12, 8), (8, 12)]  # tall and wide
 HP = dict(lr=0.05, momentum=0.9, weight_decay=0.1)

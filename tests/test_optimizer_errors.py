@@ -16,7 +16,7 @@ from test_shared_behaviour import (
 )
 
 from dobb.optim.base import NonFiniteGradientError
-from dobb.optim.registry import OPTIMIZERS, build_optimizer
+from dobb.registry import OPTIMIZERS, build_optimizer
 
 
 def failed_then_clean(name, scalar, poison):

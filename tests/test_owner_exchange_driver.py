@@ -12,8 +12,9 @@ from multirank import run_ranks
 
 import dobb
 from dobb.optim import dion2, muon, muonbp, nordion2, normuon, owner_groups
-from dobb.optim.owner_groups import ExchangeCore, OwnerExchangeOptimizer
-from dobb.optim.registry import build_optimizer
+from dobb.optim.muon import OwnerExchangeOptimizer
+from dobb.optim.owner_groups import ExchangeCore
+from dobb.registry import build_optimizer
 
 ALGORITHMS = (muon, muonbp, normuon, dion2, nordion2)
 

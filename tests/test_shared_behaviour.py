@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from dobb.groups import param_groups
 from dobb.optim.base import NonFiniteGradientError
 from dobb.optim.dobb import Dobb
-from dobb.optim.registry import OPTIMIZERS, build_optimizer
+from dobb.registry import OPTIMIZERS, build_optimizer
 
 VOCAB = 16
 MATRIX_NAMES = [name for name, entry in OPTIMIZERS.items() if entry.is_matrix]

@@ -11,8 +11,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from dobb.blocks import BlockStack, block_stacks
-from dobb.stats import BlockStatistics, GramCache, block_grams, gram_dtype, statistics_hook
+from dobb.stats import (
+    BlockStack,
+    BlockStatistics,
+    GramCache,
+    block_grams,
+    block_stacks,
+    gram_dtype,
+    statistics_hook,
+)
 
 WIDTH = 30
 STACKS = block_stacks(WIDTH, 4)  # ragged: 2 blocks of 8, 2 of 7 (two stacks)

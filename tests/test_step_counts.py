@@ -14,9 +14,9 @@ import torch
 from opcount import count_step, count_steps, tiny_gpt
 
 from bench.tools.opcount import OpCounter
-from dobb.blocks import block_stacks
 from dobb.eigensolve import refresh_bases, resolve_method
-from dobb.optim.registry import build_optimizer
+from dobb.registry import build_optimizer
+from dobb.stats import block_stacks
 from dobb.train.model import GPT, gpt_config
 
 BATCHED = ["dobb", "dobb2s", "muon", "muonbp", "blockmuon", "dion", "normuon", "dion2", "nordion2"]

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from dobb.optim.dobb import Dobb
-from dobb.optim.registry import OPTIMIZERS, build_optimizer, get_entry
+from dobb.registry import OPTIMIZERS, build_optimizer, get_entry
 from dobb.train.model import GPT, gpt_config
 
 SHAPES = {  # (layers, width, heads, sequence, batch) of the small GPT

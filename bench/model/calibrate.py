@@ -32,10 +32,9 @@ from bench.optimizers import CALL_SETTINGS
 from bench.results.calltime import device_name, optimizer_overrides, write_json
 from bench.results.linear_stack import LinearStack, Progress, forward_backward
 from bench.tools.timing import timed
-from dobb.blocks import block_stacks
-from dobb.optim.base import batched_by_default
-from dobb.optim.registry import build_optimizer, get_entry
-from dobb.stats import BlockStatistics, statistics_hook
+from dobb.optim.config import batched_by_default
+from dobb.registry import build_optimizer, get_entry
+from dobb.stats import BlockStatistics, block_stacks, statistics_hook
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, min_total: float = 0.2, min_reps=3):

@@ -61,7 +61,7 @@ from bench.model.workload import ONE_DEVICE, Layout, Matrix, hidden_matrices, la
 from bench.optimizers import CALL_SETTINGS, cost_model, in_table
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import AUTO_CUDA
-from dobb.optim.registry import get_entry
+from dobb.registry import get_entry
 
 CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
 # the optimizers the benchmarks model and time (BlockMuon: MuonBP's block step, a variant

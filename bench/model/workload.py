@@ -78,7 +78,7 @@ WIDTHS: dict[str, tuple[int, int]] = {
 
 def dion_rank(matrix: Matrix, rank_fraction: float) -> int:
     """Dion's rank ``r`` for ``matrix`` at ``rank_fraction`` (``dion_core.rank_of``)."""
-    return rank_of((matrix.d_out, matrix.d_in), {"rank": None, "rank_fraction": rank_fraction})
+    return rank_of((matrix.d_out, matrix.d_in), rank_fraction)
 
 
 def local_rows(rows: int, world: int) -> int:

@@ -60,9 +60,9 @@ from bench.results.linear_stack import LinearStack, Progress, autocast_context, 
 from bench.tools.markdown import markdown_table
 from bench.tools.matmul_dtype import fastest_ns_dtype
 from bench.tools.timing import spread, timed
-from dobb.optim.base import batched_by_default
+from dobb.optim.config import batched_by_default
 from dobb.optim.dobb import Dobb
-from dobb.optim.registry import build_optimizer, get_entry
+from dobb.registry import build_optimizer, get_entry
 
 
 def default_basis_method() -> str:

@@ -32,7 +32,7 @@ from bench.optimizers import CALL_SETTINGS, lab_entry
 from bench.results.calltime import device_name, time_optimizers
 from bench.results.linear_stack import LinearStack, forward_backward
 from bench.tools.matmul_dtype import fastest_ns_dtype
-from dobb.optim.registry import get_entry
+from dobb.registry import get_entry
 from dobb.train.parallel import ROW_PARALLEL
 
 LAYOUT_AXES = {

@@ -44,7 +44,7 @@ import torch
 
 from bench.optimizers import cost_model, in_table, lab_entry
 from bench.tools.markdown import markdown_table
-from dobb.optim.registry import get_entry
+from dobb.registry import get_entry
 
 LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")
 OPTIMIZERS = in_table("comm")
@@ -57,7 +57,7 @@ SETTINGS = ("rank_fraction", "basis_interval", "period")  # the report quotes th
 def measure(rank: int, world: int, config: str, layouts, optimizers) -> list[dict]:
     """On every rank: per (layout, optimizer, step) the events and the analytic bytes."""
     from bench.tools.comm_recorder import CommRecorder
-    from dobb.optim.registry import build_optimizer
+    from dobb.registry import build_optimizer
     from dobb.train.model import GPT, gpt_config
     from dobb.train.parallel import parallelize
 

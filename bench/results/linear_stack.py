@@ -9,8 +9,7 @@ from torch import Tensor, nn
 
 from bench.model.workload import Matrix
 from bench.tools.timing import spread, timed
-from dobb.blocks import block_stacks
-from dobb.stats import BlockStatistics, GramCache, statistics_hook
+from dobb.stats import BlockStatistics, GramCache, block_stacks, statistics_hook
 
 Progress = Callable[[str], None]
 

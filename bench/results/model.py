@@ -22,8 +22,8 @@ from bench.model.hardware import H100, H200, Hardware, Network, captured
 from bench.model.workload import WIDTHS, Layout, hidden_matrices, transformer_matrices
 from bench.optimizers import CALL_SETTINGS
 from bench.tools.markdown import markdown_table
-from dobb.blocks import block_stacks
 from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
+from dobb.stats import block_stacks
 
 XL_WORLD = 32  # GPUs of the paper's GPT-2 XL run (FSDP)
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)

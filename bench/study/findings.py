@@ -10,7 +10,7 @@ from bench.study.gap_report import gap_findings
 from bench.study.runs import base_alpha, is_one_column
 from bench.study.stats import NOISE_FACTOR
 from bench.study.tuning_report import tuning_findings
-from dobb.optim.registry import get_entry
+from dobb.registry import get_entry
 
 SAME_LR_ONLY = 1e-4  # a numeric update_scale's loss difference below this: it only moves the lr
 

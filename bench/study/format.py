@@ -6,7 +6,7 @@ from typing import Any
 from bench.compare import OPTIONS
 from bench.study.stats import NOISE_FACTOR
 from bench.tools.markdown import markdown_table
-from dobb.optim.registry import get_entry
+from dobb.registry import get_entry
 
 NOISE = f"{NOISE_FACTOR:g} x"  # "2 x": the noise threshold's factor in prose
 _WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")

@@ -22,8 +22,8 @@ import yaml
 
 from bench import compare
 from bench.compare import OPTIMIZERS, OPTIONS
-from dobb.optim.dobb_update import update_alpha
-from dobb.optim.registry import get_entry
+from dobb.optim.dobb_core import update_alpha
+from dobb.registry import get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.model import gpt_config
 
@@ -407,7 +407,7 @@ def is_one_column(row: dict[str, Any], width: int) -> bool:
 def defaults(name: str) -> dict[str, Any]:
     """The options of optimizer `name` in (a): class defaults, registry, `OPTIONS`."""
     entry = get_entry(name)
-    params = inspect.signature(entry.cls.__init__).parameters.values()
+    params = inspect.signature(entry.cls).parameters.values()
     options = {p.name: p.default for p in params if p.default is not p.empty}
     return options | entry.hyperparameters | OPTIONS[name]
 

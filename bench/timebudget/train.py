@@ -16,7 +16,7 @@ import torch
 from bench.compare import OPTIONS
 from bench.results.calltime import device_name, write_json
 from bench.tools.timing import synchronize
-from dobb.optim.registry import build_optimizer, get_entry
+from dobb.registry import build_optimizer, get_entry
 from dobb.train.data import TokenStream
 from dobb.train.model import GPT, gpt_config
 

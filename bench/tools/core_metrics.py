@@ -65,7 +65,7 @@ def _introspect() -> dict:
 
     for info in pkgutil.walk_packages(dobb.optim.__path__, "dobb.optim."):
         importlib.import_module(info.name)
-    from dobb.optim.registry import OPTIMIZERS
+    from dobb.registry import OPTIMIZERS
 
     classes = {e.cls for e in OPTIMIZERS.values()}
     classes = {c for c in classes if dataclasses.is_dataclass(getattr(c, "Config", None))}

@@ -26,8 +26,8 @@ from torchtitan.distributed.utils import get_spmd_backend
 
 from dobb._dtensor import DTensor
 from dobb.groups import DEFAULT_EXCLUDE, param_groups
-from dobb.optim.registry import get_entry, without_algorithm
 from dobb.optim.scalar import SCALAR_ALGORITHMS
+from dobb.registry import get_entry, without_algorithm
 from dobb.stats import layer_weights
 
 TESTED_VERSION = "0.3.0"

@@ -1,25 +1,45 @@
-"""The driver every matrix optimizer in dobb runs on, and the two things it drives.
+"""The driver every matrix optimizer in dobb runs on, and the parts it drives.
 
 A ``MatrixOptimizer`` owns what is the same for every algorithm: parameter groups routed by
 an ``algorithm`` key (the subclass's own name for hidden matrices, ``"adamw"`` or
 ``"lion"`` for everything else), group validation, the non-finite-gradient check that runs
 before any state is touched, ``step(closure)``, the lazy state, and a ``load_state_dict``
-that keeps state dtypes. An algorithm is the driver over two kinds of parts:
+that keeps state dtypes. At each step it reads every matrix group's options into one typed
+config (the optimizer's ``Config``, ``dobb.optim.config``) and hands the parts that config,
+never the group dict. An algorithm is the driver over these parts, each with a short
+interface:
 
-- its ``core`` (``Core``): the maths on plain local tensors, ``init_state`` and
-  ``updates`` over the matrices of one set of math options, stacked by shape when
-  ``batched`` (a stack of one is the per-matrix form); a core communicates nothing.
-- its ``placements`` (``Local`` and its subclasses), in order: each claims the matrices it
-  updates and steps them, the last one (``Local``: ``core.updates``, no communication)
-  all the rest. The others hold every collective of a step: the owner exchange of Muon's
-  family (``dobb.optim.owner_groups``), Dion's sharded protocol
-  (``dobb.optim.dion_sharded``); or steps of another kind (MuonBP's block steps,
-  ``dobb.optim.muonbp``: a placement that claims by a schedule).
+- its ``core``: the maths on plain local tensors. It communicates nothing, keeps nothing
+  from one call to the next and sees no DTensor but the parameter it makes a state for:
 
-A step: the non-finite check of the gradients and ``core.inputs``; ``core.check``, which
-may refuse the step while nothing has changed; AdamW/Lion on the other groups; then the
-matrices with a gradient, their state built lazily: ``core.begin`` over all of them
-(Dobb's statistics and refreshes), and the placements claim and step theirs.
+  - ``init_state(param, config, name)``: a matrix's state, placed as ``param`` (``name``,
+    equal on every rank, seeds a matrix's own random draws);
+  - ``updates(batch, config)``: the update, in place, of a ``Batch`` of matrices of one set
+    of math options, stacked by shape where ``config.batched(device)``.
+
+- its ``placements``, in order (``self.placements``): each ``claim``\\ s the matrices it
+  steps from those the ones before it left, then ``step``\\ s them with the core. Every
+  collective of a step lives in a placement: the owner exchange of Muon's family
+  (``dobb.optim.owner_groups``), Dion's sharded protocol (``dobb.optim.dion_sharded``),
+  Dobb's statistics average and shared refresh (``dobb.optim.dobb_steps``). ``Local``,
+  last for most optimizers, takes the rest and calls ``core.updates`` once per set of math
+  options and device, with no communication. A placement may keep state of its own beside
+  the core's (``init_state``: MuonBP's period counter). It receives the matrices, the core
+  and the ``Step`` (every matrix parameter's config, the capturable step's finite flag),
+  never the optimizer.
+
+- its ``inputs`` (None for all but Dobb, whose activation statistics arrive through hooks
+  between steps): ``pending()``, the ``(param, tensor)`` pairs the step consumes besides
+  gradients; ``check(matrices)``, which refuses the step (raises); ``discard()``, which
+  drops the step's inputs. These three stay on the driver's side because only the driver
+  orders them before anything changes: the non-finite check must see the statistics with
+  the gradients, and a refused or skipped step must leave every state, the scalar groups'
+  included, as it was.
+
+A step, in order: the non-finite check of the gradients and ``inputs.pending()`` (skip or
+raise: ``inputs.discard()``); ``inputs.check``; AdamW/Lion on the other groups; then the
+matrices with a gradient, their state built lazily, are claimed by each placement in turn
+and stepped.
 
 Two options every subclass takes, what they mean at more length:
 
@@ -42,8 +62,9 @@ import torch
 from torch import Tensor
 
 from dobb._dtensor import local
-from dobb.optim.batching import each, group_by
-from dobb.optim.config import OptimizerConfig, math_key
+from dobb.optim.batching import each
+from dobb.optim.config import OptimizerConfig
+from dobb.optim.parts import COUNTERS, Core, Group, Local, Matrix, Placement, Step
 from dobb.optim.scalar import (
     SCALAR_ALGORITHMS,
     SCALAR_DEFAULTS,
@@ -54,147 +75,57 @@ from dobb.optim.scalar import (
 from dobb.optim.state_init import is_state_init_step
 
 GROUP_KEYS = {"params", "algorithm", "param_names", "initial_lr"}
-COUNTERS = ("step", "stats_steps")  # CPU scalars (read for free), device ones if capturable
-Group = dict[str, Any]
-Entry = tuple[Tensor, dict[str, Any], Group]  # a matrix with a gradient: (param, state, group)
-
-
-def state_dtype(param: Tensor) -> torch.dtype:
-    """fp32, or the parameter's dtype where that is wider (fp64 params keep fp64 state)."""
-    return torch.promote_types(param.dtype, torch.float32)
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient (or activation statistic) held NaN or Inf; no state was changed."""
 
 
-def batched_by_default(device: torch.device | str) -> bool:
-    """What ``foreach=None`` means on ``device``: batched everywhere but on the CPU."""
-    return torch.device(device).type != "cpu"
-
-
-def local_state(state: dict[str, Any]) -> dict[str, Any]:
-    """A state dict with the rank-local tensor of each DTensor."""
-    return {key: local(value) for key, value in state.items()}
-
-
-def local_tensors(entries: list[Entry]) -> tuple[list[Tensor], list[Tensor], list[dict]]:
-    """The rank-local pieces of the params, gradients and states of ``entries``."""
-    params = [local(p) for p, _, _ in entries]
-    return params, [local(p.grad) for p, _, _ in entries], [local_state(s) for _, s, _ in entries]
-
-
-def partition(entries: list[Entry], mine: list[bool]) -> tuple[list[Entry], list[Entry]]:
-    """A placement's claim: the entries flagged ``mine``, and the rest, each in order."""
-    return [e for e, m in zip(entries, mine) if m], [e for e, m in zip(entries, mine) if not m]
-
-
-class Core:
-    """An algorithm's maths, which communicates nothing (a base with the defaults).
-
-    ``init_state`` and ``updates`` are every core's; the others only a core whose step
-    consumes more than gradients (Dobb's activation statistics, its refreshes and the
-    update that reads each matrix's layout) overrides.
-    """
-
-    def init_state(self, param: Tensor, group: Group, name: str) -> dict[str, Any]:
-        """A matrix's state, placed as ``param`` (a DTensor's is a DTensor); ``name``: the
-        parameter's, equal on every rank (what seeds a matrix's own random draws)."""
-        raise NotImplementedError
-
-    def updates(self, params, grads, states, group: Group, *, batched: bool) -> None:
-        """The whole update, in place, of matrices no other rank shares: lists of plain
-        local tensors (``states``: state dicts of local tensors) of one set of math options
-        (``group``: their options), stacked by shape where ``batched``."""
-        raise NotImplementedError
-
-    def local_step(self, entries: list[Entry], group: Group, *, batched: bool) -> None:
-        """``updates`` of ``entries`` on their local tensors (``Local``'s call)."""
-        self.updates(*local_tensors(entries), group, batched=batched)
-
-    def check(self, groups: list[Group]) -> None:
-        """Refuse the step (raise) while nothing has changed yet, after the non-finite
-        check: ``groups`` are the matrix groups."""
-
-    def begin(self, entries: list[Entry], live: Tensor | None) -> None:
-        """The step's first phase, over every matrix with a gradient, before any update
-        (``live``: the capturable step's finite flag, else None)."""
-
-    def inputs(self) -> list[tuple[Tensor, Tensor]]:
-        """The ``(param, tensor)`` pairs besides gradients the step consumes, which must be
-        finite."""
-        return []
-
-    def discard(self) -> None:
-        """Drop this step's inputs (a skipped or failed step)."""
-
-
-class Local:
-    """The placement of matrices no other rank shares, and the last of every optimizer's:
-    it claims what the others left and runs ``core.local_step`` once per set of math
-    options and device (``math_key``); no communication.
-
-    A ``Placement`` (this class is the base with the defaults) holds what a step of the
-    matrices it claims needs besides the core: their collectives, and any state of its own
-    (``init_state``), which the driver merges into each matrix's.
-    """
-
-    def init_state(self, param: Tensor, group: Group, name: str) -> dict[str, Any]:
-        """State beside the core's (none here)."""
-        return {}
-
-    def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
-        """``entries`` split into the ones this placement steps and the rest."""
-        return entries, []
-
-    def step(self, entries: list[Entry], driver: "MatrixOptimizer") -> None:
-        """One step of the claimed ``entries`` (with their gradients)."""
-        options = driver.math_options
-        by_options = group_by(entries, lambda e: (math_key(e[2], options), local(e[0]).device))
-        for indices in by_options.values():
-            mine = [entries[i] for i in indices]
-            self.run(driver.core, mine, batched=driver.batched(local(mine[0][0]).device))
-
-    def run(self, core: Core, entries: list[Entry], *, batched: bool) -> None:
-        """The step of matrices of one set of math options."""
-        core.local_step(entries, entries[0][2], batched=batched)
-
-
 class MatrixOptimizer(torch.optim.Optimizer):
-    """The driver: routing, validation, the step loop and the lazy state, over a ``core``
-    and its ``placements`` (the module docstring).
+    """The driver: routing, validation, the step loop and the lazy state, over a ``core``,
+    its ``placements`` and its ``inputs`` (the module docstring).
 
-    Subclasses set ``algorithm`` (their group name), ``core`` and, where some matrices are
-    shared with other ranks, placements before ``Local``: ``self.placements``.
-
-    Options: the subclass's ``Config`` (``dobb.optim.config``), set as ``self.config``
-    before this constructor runs, which validates every group against it.
+    Subclasses set ``algorithm`` (their group name), ``Config``, ``core`` and, where some
+    matrices are shared with other ranks or a step consumes more than gradients,
+    ``placements`` and ``inputs``, and construct with ``super().__init__(params, config)``;
+    their constructor's signature is ``Config``'s (``OptimizerConfig.signature``).
     """
 
     algorithm: str
     Config: type[OptimizerConfig]  # the options: each subclass nests its own
     config: OptimizerConfig  # this optimizer's values of them
     core: Core
-    placements: tuple[Local, ...] = (Local(),)
+    placements: tuple[Placement, ...] = (Local(),)
+    inputs = None  # what a step consumes besides gradients (Dobb's statistics)
 
-    def __init__(
-        self, params, defaults, *, nonfinite: str = "raise", foreach=None, capturable=False
-    ):
-        """``defaults``: ``self.config.defaults()``; the three options as in the config."""
-        self.nonfinite, self.foreach, self.capturable = nonfinite, foreach, capturable
-        self.math_options = self.config.math_options()  # the batching key's (math_key)
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "Config" in vars(cls):  # the constructor takes exactly the config's fields
+            cls.__signature__ = cls.Config.signature()
+            # its marked options, read now: a compiled step cannot read a dataclass's fields
+            cls.Config.math_options(), cls.Config.layout_options()
+
+    def __init__(self, params, config: OptimizerConfig):
+        """``config``: this optimizer's options (``Config.from_options``)."""
+        self.config = config
+        self.nonfinite, self.foreach = config.nonfinite, config.foreach
+        self.capturable = getattr(config, "capturable", False)
         self.skipped_steps: int | Tensor = 0
         self._live: Tensor | None = None  # capturable: 1.0 if this step's inputs are finite
         self._names: dict[Tensor, str] = {}
-        super().__init__(params, {"algorithm": self.algorithm, **defaults})
+        super().__init__(params, {"algorithm": self.algorithm, **config.defaults()})
 
     # ----------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validate a group before ``torch.optim`` fills in the defaults."""
         algorithm = param_group.get("algorithm", self.algorithm)
-        allowed = self._allowed_algorithms()
+        allowed = (self.algorithm, *SCALAR_ALGORITHMS)
         if algorithm not in allowed:
-            raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {allowed}")
+            raise ValueError(
+                f"unknown algorithm {algorithm!r} in a parameter group of "
+                f"{type(self).__name__}; expected one of {allowed} (dobb.param_groups(model, "
+                f"algorithm={self.algorithm!r}) routes a model's matrices to it)"
+            )
         if algorithm in SCALAR_ALGORITHMS:
             for key, value in SCALAR_DEFAULTS[algorithm].items():
                 param_group.setdefault(key, value)
@@ -217,9 +148,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for j, (p, name) in enumerate(zip(group["params"], names, strict=True)):
             self._names[p] = name or f"param_groups[{index}]['params'][{j}] {tuple(p.shape)}"
         self._validate_group(group)
-
-    def _allowed_algorithms(self) -> tuple[str, ...]:
-        return (self.algorithm, *SCALAR_ALGORITHMS)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Check a group's options: a matrix group's by ``self.config.for_group`` (its
@@ -245,10 +173,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     "algorithm='adamw' (dobb.param_groups does this for a model)"
                 )
 
+    def _matrix_groups(self) -> list[Group]:
+        """The groups of this optimizer's algorithm (not the AdamW/Lion ones)."""
+        return [g for g in self.param_groups if g["algorithm"] == self.algorithm]
+
+    def configs(self) -> list[tuple[Group, OptimizerConfig]]:
+        """Each matrix group with its options read into a config, once (this step's)."""
+        return [(g, self.config.with_group(g)) for g in self._matrix_groups()]
+
     def batched(self, device: torch.device) -> bool:
-        """Whether same-shape matrices on ``device`` share kernels: ``foreach``, or by
-        default (None) everywhere but on the CPU, as ``torch.optim`` decides."""
-        return self.foreach if self.foreach is not None else batched_by_default(device)
+        """Whether same-shape matrices on ``device`` share kernels (``Config.batched``)."""
+        return self.config.batched(device)
 
     def name_of(self, param: Tensor) -> str:
         """The parameter's name if groups were built from named parameters, else its index."""
@@ -262,8 +197,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        matrix_groups = [g for g in self.param_groups if g["algorithm"] == self.algorithm]
-        replaced = [p for g in matrix_groups for p in g["params"] if p not in self._names]
+        configs = self.configs()
+        replaced = [p for g, _ in configs for p in g["params"] if p not in self._names]
         if replaced:
             raise RuntimeError(
                 f"{len(replaced)} parameter(s) of shape {tuple(replaced[0].shape)} were put into "
@@ -274,43 +209,78 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._init_state()  # DCP's state initialisation: no counter or schedule moves
             return loss
         if self.capturable:
-            self._live = self._inputs_live(matrix_groups)
-        elif not self._inputs_finite(matrix_groups):
+            self._live = self._inputs_live()
+        elif not self._inputs_finite():
             self.skipped_steps += 1
-            self.core.discard()
+            self._discard()
             return loss
-        self.core.check(matrix_groups)  # may raise; nothing has been changed yet
+        matrices = [
+            Matrix(p, None, config, self.name_of(p))
+            for g, config in configs
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        if self.inputs is not None:
+            self.inputs.check(matrices)  # may raise; nothing has been changed yet
         for group in self.param_groups:
             if group["algorithm"] in SCALAR_ALGORITHMS:
                 self._scalar_step(group)
-        if matrix_groups:
-            self._matrix_step(matrix_groups)
+        if configs:
+            matrices = [m._replace(state=self._state_of(m)) for m in matrices]
+            step = Step({p: config for g, config in configs for p in g["params"]}, self._live)
+            self._matrix_step(matrices, step)
         return loss
+
+    def _state_of(self, matrix: Matrix) -> dict[str, Any]:
+        """``matrix``'s state, made on its first step (the core's and each placement's)."""
+        state = self.state[matrix.param]
+        if not state:
+            param, config, name = matrix.param, matrix.config, matrix.name
+            state.update(self.core.init_state(param, config, name))
+            for placement in self.placements:
+                state.update(placement.init_state(param, config, name))
+        return state
+
+    def _matrix_step(self, matrices: list[Matrix], step: Step) -> None:
+        """Each placement claims its matrices from those the ones before it left, then each
+        steps them (in this order: a placement's collectives run in it on every rank)."""
+        claimed = []
+        for placement in self.placements:
+            mine, matrices = placement.claim(matrices)
+            claimed.append((placement, mine))
+        for placement, mine in claimed:
+            placement.step(mine, self.core, step)
 
     def _init_state(self) -> None:
         """The lazy state of every parameter with a gradient, as its first step builds it."""
+        configs = dict((id(g), c) for g, c in self.configs())
         for group in self.param_groups:
-            scalar = group["algorithm"] in SCALAR_ALGORITHMS
             for p in group["params"]:
                 if p.grad is None or self.state[p]:
                     continue
-                if scalar:
+                if group["algorithm"] in SCALAR_ALGORITHMS:
                     self.state[p].update(init_scalar_state(p, group["algorithm"], self.capturable))
                 else:
-                    self.state[p].update(self._init_matrix_state(p, group))
+                    self._state_of(Matrix(p, None, configs[id(group)], self.name_of(p)))
 
-    def _step_inputs(self, matrix_groups) -> list[tuple[Tensor, Tensor]]:
-        """(param, tensor) of every gradient and core input (``Core.inputs``) that must be
-        finite."""
+    def _discard(self) -> None:
+        """Drop the step's inputs (a skipped or refused step)."""
+        if self.inputs is not None:
+            self.inputs.discard()
+
+    def _step_inputs(self) -> list[tuple[Tensor, Tensor]]:
+        """(param, tensor) of every gradient and step input (``inputs.pending()``) that must
+        be finite."""
         tensors = [(p, local(p.grad)) for g in self.param_groups for p in g["params"]]
-        tensors = [(p, t) for p, t in tensors if t is not None] + self.core.inputs()
+        tensors = [(p, t) for p, t in tensors if t is not None]
+        tensors += self.inputs.pending() if self.inputs is not None else []
         return [(p, t) for p, t in tensors if t.numel()]  # FSDP shards may be empty
 
-    def _inputs_live(self, matrix_groups) -> Tensor:
+    def _inputs_live(self) -> Tensor:
         """Capturable: 1.0 (on the device) if every step input is finite, else 0.0, and the
         device counter ``skipped_steps`` moves; no host read. Exact: ``0 x`` is 0 where
         ``x`` is finite and NaN where not, so its norm cannot overflow."""
-        tensors = [t for _, t in self._step_inputs(matrix_groups)]
+        tensors = [t for _, t in self._step_inputs()]
         device = tensors[0].device if tensors else torch.device("cpu")
         if not isinstance(self.skipped_steps, Tensor):
             self.skipped_steps = torch.zeros((), device=device)
@@ -321,9 +291,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self.skipped_steps.add_(live.logical_not())
         return live.float()
 
-    def _inputs_finite(self, matrix_groups) -> bool:
-        """True if every gradient (and subclass input) is finite; raise or report otherwise."""
-        tensors = self._step_inputs(matrix_groups)
+    def _inputs_finite(self) -> bool:
+        """True if every gradient (and step input) is finite; raise or report otherwise."""
+        tensors = self._step_inputs()
         if not tensors:
             return True
         # Fast path: a NaN/Inf makes the 2-norm non-finite (one fused pass over all tensors).
@@ -338,7 +308,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if self.nonfinite == "skip":
             return False
         # the failed batch's inputs are dropped, so the next clean batch steps normally
-        self.core.discard()
+        self._discard()
         raise NonFiniteGradientError(
             f"non-finite values (NaN or Inf) in the gradient or statistics of {bad}; no state "
             "was changed. Lower the learning rate, clip gradients, or construct the optimizer "
@@ -368,38 +338,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
             adamw_updates(params, grads, *moments, steps, eps=group["eps"], **hp, live=live)
         else:
             lion_updates(params, grads, exp_avgs, **hp, live=live)
-
-    def _matrices_with_grad(self, groups: list[dict[str, Any]]):
-        """``(param, state, group)`` for every matrix with a gradient; state built lazily."""
-        for group in groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(self._init_matrix_state(p, group))
-                yield p, state, group
-
-    def _matrix_step(self, groups: list[Group]) -> None:
-        """Every matrix of ``groups`` with a gradient: ``core.begin`` over all of them, then
-        each placement claims its matrices from those the ones before it left, and steps
-        them (in this order: a placement's collectives run in it on every rank)."""
-        entries = list(self._matrices_with_grad(groups))
-        self.core.begin(entries, self._live)
-        claimed = []
-        for placement in self.placements:
-            mine, entries = placement.claim(entries)
-            claimed.append((placement, mine))
-        for placement, mine in claimed:
-            placement.step(mine, self)
-
-    def _init_matrix_state(self, param: Tensor, group: Group) -> dict[str, Any]:
-        """The core's state of a matrix, and each placement's beside it."""
-        name = self.name_of(param)
-        state = self.core.init_state(param, group, name)
-        for placement in self.placements:
-            state |= placement.init_state(param, group, name)
-        return state
 
     # ------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

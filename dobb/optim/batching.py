@@ -14,7 +14,7 @@ own and return ``(n, *shape')``. A group of one is passed unstacked (``shape``, 
 ``(1, *shape)``). Results of a stack are views of its output.
 """
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -86,3 +86,22 @@ def foreach_mul_(tensors: list[Tensor], factor: float | Tensor) -> None:
     for t in tensors:
         if t.dtype in (torch.bfloat16, torch.float16):
             t.mul_(factor)
+
+
+def chunk_sizes(size: int, splits: int | Sequence[int]) -> list[int]:
+    """Sizes of ``size`` indices split like ``torch.chunk`` into ``splits[0]`` parts, each
+    part into ``splits[1]`` parts, and so on (outer split first); empty parts are kept. An
+    integer is one split. MuonBP's tiles and Dion2's selection blocks emulate shards so.
+
+    As FSDP2's ``Shard`` (18 over 4: 5/5/5/3); nested: ``_StridedShard`` (18: 5/4/5/4).
+    """
+    sizes = [size]
+    for parts in (splits,) if isinstance(splits, int) else splits:
+        sizes = [piece for n in sizes for piece in _chunk(n, parts)]
+    return sizes
+
+
+def _chunk(n: int, parts: int) -> list[int]:
+    # torch.chunk: parts of ceil(n / parts) each, the last ones short or empty
+    step = -(-n // parts)
+    return [min(step, max(0, n - i * step)) for i in range(parts)]

@@ -1,24 +1,34 @@
 """One config per optimizer: a frozen dataclass whose fields are the constructor's options.
 
 Each matrix optimizer nests a ``Config`` (``Dobb.Config``, ``Muon.Config``, ...): a field per
-option, carrying its default, the rule its values must follow and two marks, written once:
+option, carrying its default, the rule its values must follow and its marks, written once:
 
 - ``math``: the option changes the update. Matrices whose groups differ in a marked option
-  never share a kernel: the batching key is ``math_key(group, Config.math_options())``,
-  derived from the marks, so an option cannot be left out of it.
+  never share a kernel: the batching key is ``config.math_key()``, derived from the marks,
+  so an option cannot be left out of it.
 - ``group``: the option may differ between parameter groups (it goes into torch.optim's
   ``defaults``); unmarked options belong to the optimizer (``nonfinite``, process groups).
+- ``layout``: the option shapes a matrix's layout (Dobb's blocks), which is derived from
+  the options so marked and kept out of the checkpoint.
 
 A field's docstring (the string under it) says its unit and meaning; the option tables of
 ``docs/algorithm.md`` and ``docs/baselines.md`` are rendered from them
-(``python -m bench.tools.config_docs``). Constructing a config validates it, so every group
-is checked by building the optimizer's config with the group's values (``for_group``).
+(``python -m bench.tools.config_docs``), and so is the constructor's signature
+(``signature``): ``Dobb(params, lr, *, momentum=..., ...)`` takes exactly the fields.
+Constructing a config validates it: every group is checked by building the optimizer's
+config with the group's values (``for_group``); at each step the driver reads a group's
+options into a config once (``with_group``, unchecked: a scheduler's ``lr`` may be a tensor),
+which the core and the placements read as attributes, never by string keys.
 """
 
+import copy
 import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+import torch
 
 LABELS = {"lr": "learning rate"}  # how an error message names an option, where not its name
 
@@ -73,10 +83,19 @@ SPLITS = Rule(
 )
 
 
-def option(default: Any, rule: Rule | None = None, *, math: bool = False, group: bool = True):
+def option(
+    default: Any,
+    rule: Rule | None = None,
+    *,
+    math: bool = False,
+    group: bool = True,
+    layout: bool = False,
+):
     """A config field: ``default``, the ``rule`` its values follow (None: any), whether it
-    changes the update (``math``) and whether a parameter group may set it (``group``)."""
-    return field(default=default, metadata={"rule": rule, "math": math, "group": group})
+    changes the update (``math``), whether a parameter group may set it (``group``) and
+    whether it shapes a matrix's layout (``layout``)."""
+    marks = {"rule": rule, "math": math, "group": group, "layout": layout}
+    return field(default=default, metadata=marks)
 
 
 def inherit(config: type, name: str, default: Any):
@@ -116,18 +135,46 @@ class OptimizerConfig:
     @classmethod
     def group_options(cls) -> tuple[str, ...]:
         """The options a parameter group may set (torch.optim's ``defaults``)."""
-        return tuple(f.name for f in fields(cls) if f.metadata.get("group", True))
+        return _marked(cls, "group")
 
     @classmethod
     def math_options(cls) -> tuple[str, ...]:
         """The group options that change the update: the batching key's."""
-        marks = {f.name: f.metadata.get("math") for f in fields(cls)}
-        return tuple(name for name in cls.group_options() if marks[name])
+        return _marked(cls, "math")
 
     @classmethod
-    def from_arguments(cls, arguments: dict[str, Any]):
-        """The config of a constructor's ``locals()`` (every field by its name)."""
-        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+    def layout_options(cls) -> tuple[str, ...]:
+        """The options a matrix's layout is made from (marked ``layout``)."""
+        return _marked(cls, "layout")
+
+    @classmethod
+    def from_options(cls, owner: str, lr: Any, options: dict[str, Any]):
+        """The config of a constructor's ``lr`` (None: the default) and keyword ``options``;
+        ``TypeError`` naming an unknown option and the known ones (as Python would name it,
+        with the list a signature does not give)."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(
+                f"{owner} got an unexpected keyword argument {unknown[0]!r}; its options: "
+                f"{', '.join(names)}"
+            )
+        return cls(**options) if lr is None else cls(lr=lr, **options)
+
+    @classmethod
+    def signature(cls) -> inspect.Signature:
+        """The constructor's signature: ``params``, ``lr``, then every other option
+        keyword-only, each with its default (what ``inspect.signature`` and the docs show)."""
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        defaults = {f.name: f.default for f in fields(cls)}
+        return inspect.Signature(
+            [
+                inspect.Parameter("params", positional),
+                inspect.Parameter("lr", positional, default=defaults.pop("lr")),
+                *(inspect.Parameter(n, keyword, default=d) for n, d in defaults.items()),
+            ]
+        )
 
     def defaults(self) -> dict[str, Any]:
         """torch.optim's ``defaults``: the values of the group options."""
@@ -137,11 +184,43 @@ class OptimizerConfig:
         """This config with ``group``'s values of the group options (validated)."""
         return dataclasses.replace(self, **{k: group[k] for k in self.group_options()})
 
+    def with_group(self, group: dict[str, Any]):
+        """This config with ``group``'s values of the group options, not validated again: the
+        step's reading of a group that ``for_group`` checked when it was added (its ``lr``
+        since moved by a scheduler, or a 0-d tensor in a capturable step)."""
+        config = copy.copy(self)
+        for name in self.group_options():
+            object.__setattr__(config, name, group[name])
+        return config
 
-def math_key(group: dict[str, Any], names: tuple[str, ...]) -> tuple:
-    """``group``'s values of the math options ``names`` (``Config.math_options()``),
-    hashable (a list as a tuple): matrices whose keys differ never share a kernel."""
-    return tuple(_hashable(group[name]) for name in names)
+    def math_key(self) -> tuple:
+        """The values of the math options, hashable (a list as a tuple): matrices whose
+        keys differ never share a kernel."""
+        return tuple(_hashable(getattr(self, name)) for name in self.math_options())
+
+    def batched(self, device: torch.device) -> bool:
+        """Whether same-shape matrices on ``device`` share kernels: ``foreach``, or by
+        default (None) everywhere but on the CPU, as ``torch.optim`` decides."""
+        return self.foreach if self.foreach is not None else batched_by_default(device)
+
+
+def batched_by_default(device: torch.device | str) -> bool:
+    """What ``foreach=None`` means on ``device``: batched everywhere but on the CPU."""
+    return torch.device(device).type != "cpu"
+
+
+_MARKED: dict[tuple[type, str], tuple[str, ...]] = {}
+
+
+def _marked(cls: type, mark: str) -> tuple[str, ...]:
+    """The names of ``cls``'s fields with ``mark`` (the math and layout options among the
+    group options), found once per class: a compiled step (``torch.compile``) reads them
+    from here, as it cannot read a dataclass's fields."""
+    if (cls, mark) not in _MARKED:
+        group = [f for f in fields(cls) if f.metadata.get("group", True)]
+        marked = group if mark == "group" else [f for f in group if f.metadata.get(mark)]
+        _MARKED[(cls, mark)] = tuple(f.name for f in marked)
+    return _MARKED[(cls, mark)]
 
 
 def _hashable(value: Any) -> Any:

@@ -51,17 +51,17 @@ from dobb._dtensor import local
 from dobb.distributed.groups import axis_groups, check_group
 from dobb.distributed.placement import like_columns
 from dobb.distributed.reduce import all_reduce_
-from dobb.optim.base import Core, Local, MatrixOptimizer, state_dtype
+from dobb.optim.base import MatrixOptimizer
 from dobb.optim.config import COUNT, OptimizerConfig, between, inherit, one_of, option, optional
 from dobb.optim.dion_core import (
     ORTHOGONALIZE_METHODS,
-    dion_options,
     dion_update,
     dion_updates,
     rank_of,
     shape_scale,
 )
 from dobb.optim.dion_sharded import ShardedSteps
+from dobb.optim.parts import Core, Local, state_dtype
 
 
 class DionCore(Core):
@@ -79,7 +79,7 @@ class DionCore(Core):
     def __init__(self, seed: int, placement_of):
         self.seed, self.placement_of = seed, placement_of
 
-    def init_state(self, param: Tensor, group: dict[str, Any], name: str) -> dict[str, Any]:
+    def init_state(self, param: Tensor, config, name: str) -> dict[str, Any]:
         """``Q_0 ~ N(0, 1)`` of the whole matrix, drawn on the CPU (any device agrees) from
         ``seed`` and the name (crc32 is stable, hash() not, so every replica draws alike);
         this rank's columns of it for a DTensor. ``M = 0``, ``step = 0``."""
@@ -87,7 +87,8 @@ class DionCore(Core):
         name_seed = zlib.crc32(f"{self.seed}/{name}".encode())
         d_in = param.shape[1]
         generator = torch.Generator().manual_seed(name_seed)
-        Q = torch.randn(d_in, rank_of(param.shape, group), generator=generator)
+        rank = rank_of(param.shape, config.rank_fraction, config.rank)
+        Q = torch.randn(d_in, rank, generator=generator)
         placement = self.placement_of(param)
         if placement is not None:  # this rank's columns of the one Q_0 of the whole matrix
             Q = Q[placement.cols]
@@ -116,17 +117,23 @@ class DionCore(Core):
             for shape, state, step in zip(shapes, states, torch.stack(steps).tolist())
         ]
 
-    def updates(self, params, grads, states, group, *, batched: bool) -> None:
+    def updates(self, batch, config) -> None:
         """``step_seeds``, then ``dion_updates`` or (not ``batched``) ``dion_update`` of each
         whole ``(d_out, d_in)`` matrix, with the lr factor ``sqrt(d_out / d_in)``."""
+        params, grads, states = batch
         seeds = self.step_seeds(states, [p.shape for p in params])
         momenta, Qs = [state["momentum"] for state in states], [state["Q"] for state in states]
         scales = [shape_scale(p.shape) for p in params]
-        hp = dion_options(group)
-        if batched:
+        hp = dict(
+            lr=config.lr,
+            mu=config.mu,
+            weight_decay=config.weight_decay,
+            orthogonalize=config.orthogonalize,
+        )
+        if config.batched(params[0].device):
             dion_updates(params, grads, momenta, Qs, scales=scales, sketch_seeds=seeds, **hp)
             return
-        sketched = hp["orthogonalize"] == "cholesky_qr"  # the only use of a generator
+        sketched = config.orthogonalize == "cholesky_qr"  # the only use of a generator
         for p, grad, momentum, Q, scale, seed in zip(params, grads, momenta, Qs, scales, seeds):
             generator = torch.Generator(p.device).manual_seed(seed) if sketched else None
             dion_update(p, grad, momentum, Q, scale=scale, generator=generator, **hp)
@@ -190,28 +197,14 @@ class Dion(MatrixOptimizer):
         """None (gradients averaged), or the replicas whose gradients are left unaveraged:
         Dion then averages ``P`` and ``R`` (``docs/distributed.md``)."""
 
-    def __init__(
-        self,
-        params,
-        lr: float = Config.lr,
-        mu: float = Config.mu,
-        weight_decay: float = Config.weight_decay,
-        rank_fraction: float = Config.rank_fraction,
-        rank: int | None = Config.rank,
-        *,
-        orthogonalize: str = Config.orthogonalize,
-        seed: int = Config.seed,
-        sync_group=Config.sync_group,
-        nonfinite: str = Config.nonfinite,
-        foreach: bool | None = Config.foreach,
-    ):
-        self.config = config = self.Config.from_arguments(locals())
-        self.sharded = ShardedSteps(axis_groups(check_group("Dion", "sync_group", sync_group)))
-        self.placements = (self.sharded, Local())
-        self.core = DionCore(seed, self.sharded.placement_of)
-        super().__init__(
-            params, config.defaults(), nonfinite=config.nonfinite, foreach=config.foreach
+    def __init__(self, params, lr=None, **options):
+        self.config = config = self.Config.from_options("Dion", lr, options)
+        self.sharded = ShardedSteps(
+            axis_groups(check_group("Dion", "sync_group", config.sync_group))
         )
+        self.placements = (self.sharded, Local())
+        self.core = DionCore(config.seed, self.sharded.placement_of)
+        super().__init__(params, config)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)

@@ -29,24 +29,22 @@ plans it).
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from dobb.optim.batching import foreach_mul_, group_by, solo
+from dobb.optim.batching import chunk_sizes, foreach_mul_, group_by, solo
 from dobb.optim.config import SPLITS, between, inherit, option
 from dobb.optim.dion_core import shape_scale
 from dobb.optim.muon import (
     NS_STEPS,
     NewtonSchulzConfig,
-    NewtonSchulzCore,
+    OwnerExchangeOptimizer,
     momentum_state,
     newton_schulz,
-    ns_options,
+    orthogonalize,
 )
-from dobb.optim.muonbp import chunk_sizes
-from dobb.optim.owner_groups import OwnerExchangeOptimizer
+from dobb.optim.owner_groups import ExchangeCore
 
 
 def selected_count(rows: int, fraction: float) -> int:
@@ -188,57 +186,73 @@ def dion2_updates(
     torch._foreach_copy_(targets, results)
 
 
-def selection_blocks(rows: int, group: dict[str, Any]) -> list[int]:
+def selection_blocks(rows: int, row_blocks) -> list[int]:
     """Sizes of the selection blocks of a local piece with ``rows`` rows (``row_blocks``)."""
-    return chunk_sizes(rows, group["row_blocks"])
+    return chunk_sizes(rows, row_blocks)
 
 
-class Dion2Core(NewtonSchulzCore):
+class Dion2Core(ExchangeCore):
     """Dion2's core: ``dion2_updates`` on unshared matrices; shared, each rank selects among
     its own rows and only those travel (``M_S``, ``k x n``), ``O`` comes back for them."""
 
     whole_rows = "Dion2 selects whole rows"
 
-    def init_state(self, param: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, config, name: str) -> dict[str, Tensor]:
         return momentum_state(param)
 
-    def options(self, params, group) -> dict[str, Any]:
-        """``dion2_updates``' options for the whole local matrices ``params``."""
-        return dict(
-            blocks=[selection_blocks(p.shape[0], group) for p in params],
-            lr=group["lr"],
-            fraction=group["fraction"],
-            ef_decay=group["ef_decay"],
-            weight_decay=group["weight_decay"],
+    def updates(self, batch, config, **normalization) -> None:
+        """``dion2_updates`` of ``batch`` (``normalization``: NorDion2's, on the selected
+        rows)."""
+        params, grads, states = batch
+        dion2_updates(
+            params,
+            grads,
+            [state["momentum"] for state in states],
+            [selection_blocks(p.shape[0], config.row_blocks) for p in params],
+            lr=config.lr,
+            fraction=config.fraction,
+            ef_decay=config.ef_decay,
+            weight_decay=config.weight_decay,
             scales=[shape_scale(p.shape) for p in params],
-            **ns_options(group),
+            ns_steps=config.ns_steps,
+            ns_dtype=config.ns_dtype,
+            ns_coefficients=config.ns_coefficients,
+            batched=config.batched(params[0].device),
+            **normalization,
         )
 
-    def updates(self, params, grads, states, group, *, batched: bool) -> None:
-        momenta = [state["momentum"] for state in states]
-        dion2_updates(params, grads, momenta, **self.options(params, group), batched=batched)
-
-    def directions(self, grads, states, group) -> tuple[list[Tensor], list]:
+    def directions(self, grads, states, config) -> tuple[list[Tensor], list]:
         """The selected rows ``M_S`` of each piece, and their indices (for ``apply``)."""
-        options = dict(fraction=group["fraction"], ef_decay=group["ef_decay"])
         found = [
-            dion2_direction(g, s["momentum"], selection_blocks(len(g), group), **options)
+            dion2_direction(
+                g,
+                s["momentum"],
+                selection_blocks(len(g), config.row_blocks),
+                fraction=config.fraction,
+                ef_decay=config.ef_decay,
+            )
             for g, s in zip(grads, states)
         ]
         return [selected for _, selected in found], [rows for rows, _ in found]
 
-    def exchanged_rows(self, rows: int, group) -> int:
-        return sum(selected_count(b, group["fraction"]) for b in selection_blocks(rows, group))
+    orthogonalize = staticmethod(orthogonalize)
 
-    def apply(self, params, updates, shapes, rows, group, sums) -> None:
+    def result_dtype(self, config) -> torch.dtype:
+        return config.ns_dtype
+
+    def exchanged_rows(self, rows: int, config) -> int:
+        blocks = selection_blocks(rows, config.row_blocks)
+        return sum(selected_count(b, config.fraction) for b in blocks)
+
+    def apply(self, params, updates, shapes, rows, config, sums) -> None:
         """``W_S <- W_S - lr s O`` of each piece from its rows of ``O``."""
         for param, update, shape, selected in zip(params, updates, shapes, rows):
             apply_rows(
                 param,
                 selected,
                 update,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
+                lr=config.lr,
+                weight_decay=config.weight_decay,
                 scale=shape_scale(shape),
             )
 
@@ -274,7 +288,6 @@ class Dion2(OwnerExchangeOptimizer):
 
     algorithm = "dion2"
     core = Dion2Core()
-    blocks = staticmethod(selection_blocks)  # the cost model's name for it
 
     @dataclass(frozen=True)
     class Config(NewtonSchulzConfig):
@@ -292,21 +305,3 @@ class Dion2(OwnerExchangeOptimizer):
         row_blocks: int | tuple[int, ...] = option(1, SPLITS, math=True)
         """Selection blocks of each local piece, cut as ``chunk_sizes`` (a tuple: nested
         splits); on one device ``row_blocks=4`` selects as FSDP over 4 ranks does."""
-
-    def __init__(
-        self,
-        params,
-        lr: float = Config.lr,
-        fraction: float = Config.fraction,
-        ef_decay: float = Config.ef_decay,
-        weight_decay: float = Config.weight_decay,
-        ns_steps: int = Config.ns_steps,
-        *,
-        ns_dtype: torch.dtype = Config.ns_dtype,
-        ns_coefficients: str = Config.ns_coefficients,
-        row_blocks: int | tuple[int, ...] = Config.row_blocks,
-        replica_group=Config.replica_group,
-        nonfinite: str = Config.nonfinite,
-        foreach: bool | None = Config.foreach,
-    ):
-        super().__init__(params, self.Config.from_arguments(locals()))

@@ -20,8 +20,8 @@ line runs once per stack of same-shape matrices, so a step costs O(shapes) kerne
 O(matrices). Both are pure: nothing here communicates. Matrices split over ranks run the
 same steps in ``dobb.optim.dion_sharded.dion_step``, which completes the sums over split
 dims with all-reduces between them. The optimizer's core (``dobb.optim.dion.DionCore``)
-runs these on whole matrices; ``rank_of``, ``shape_scale`` and ``dion_options`` are what
-it and the sharded placement read from a matrix's shape and group.
+runs these on whole matrices; ``rank_of`` and ``shape_scale`` are what it and the sharded
+placement read from a matrix's shape.
 
 Matrices agreeing on shape, rank, dtypes, device, scale and sketch seed form one
 ``(b, m, n)`` stack, and each line of Algorithm 1 runs once per stack (bmm, batched
@@ -37,7 +37,6 @@ the error feedback and the update vanish, and ``Q`` is selected by ``where``.
 """
 
 import math
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,25 +51,19 @@ SKETCH_OVERSAMPLE = 1.25
 SKETCH_ROW_MULTIPLE = 128
 
 
-def rank_of(shape: tuple[int, int], group: dict[str, Any]) -> int:
+def rank_of(shape: tuple[int, int], rank_fraction: float, rank: int | None = None) -> int:
     """``r`` for a ``(d_out, d_in)`` matrix: ``rank``, else ``ceil(rank_fraction min)``,
     capped at ``min(d_out, d_in)``."""
     smaller = min(shape)
     # round first so that float error cannot bump the rank (0.07 * 100 = 7.000000000000001)
-    rank = group["rank"] or math.ceil(round(group["rank_fraction"] * smaller, 9))
-    return min(rank, smaller)
+    r = rank or math.ceil(round(rank_fraction * smaller, 9))
+    return min(r, smaller)
 
 
 def shape_scale(shape: tuple[int, int]) -> float:
     """The Dion papers' learning-rate factor ``sqrt(d_out / d_in)`` of the whole matrix (no
     ``max(1, .)`` as in Muon; Dion2 and NorDion2 take it too)."""
     return math.sqrt(shape[0] / shape[1])
-
-
-def dion_options(group: dict[str, Any]) -> dict[str, Any]:
-    """A group's options as ``dion_update``, ``dion_updates`` and ``dion_step`` take them."""
-    keys = ("lr", "mu", "weight_decay", "orthogonalize")
-    return {key: group[key] for key in keys}
 
 
 def dion_update(

@@ -52,17 +52,17 @@ from torch import Tensor
 from dobb._dtensor import DTensor, local
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
 from dobb.distributed.reduce import all_reduce_
-from dobb.optim.base import Entry, Local, partition
+from dobb.optim.batching import group_by
 from dobb.optim.dion_core import (
     cholesky_orthonormalize,
     column_normalize,
-    dion_options,
     error_feedback,
     orthonormalize,
     precondition,
     shape_scale,
     sketch,
 )
+from dobb.optim.parts import Matrix, Placement, Step, partition
 
 
 @dataclass
@@ -179,7 +179,7 @@ def _sketch_rows(x: DionMatrix, P: Tensor) -> Tensor:
     return S[:, x.placement.rows.to(P.device)]
 
 
-class ShardedSteps(Local):
+class ShardedSteps(Placement):
     """Dion's placement of matrices split over ranks or under compressed sync: ``dion_step``
     once per set of math options, its all-reduces complete the sums over split dims and
     average ``P`` and ``R`` over ``sync_groups`` (``dobb.distributed.groups.axis_groups``
@@ -215,31 +215,40 @@ class ShardedSteps(Local):
             )
         return self._data_groups[param]
 
-    def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+    def claim(self, matrices: list[Matrix]) -> tuple[list[Matrix], list[Matrix]]:
         """The matrices split over ranks (DTensors) or copied over ``sync_groups``."""
         return partition(
-            entries,
-            [self.placement_of(p) is not None or bool(self.data_groups(p)) for p, _, _ in entries],
+            matrices,
+            [
+                self.placement_of(m.param) is not None or bool(self.data_groups(m.param))
+                for m in matrices
+            ],
         )
 
-    def run(self, core, entries: list[Entry], *, batched: bool) -> None:
-        """``dion_step`` of ``entries`` (one set of math options); ``core`` (``DionCore``)
-        advances their step counters and gives their sketch seeds. ``batched`` plays no
-        part: ``dion_step`` batches its collectives, each matrix's maths runs on its own."""
-        seeds = core.step_seeds(
-            [state for _, state, _ in entries], [p.shape for p, _, _ in entries]
-        )
-        matrices = [
-            DionMatrix(
-                local(p),
-                local(p.grad),
-                local(state["momentum"]),
-                local(state["Q"]),
-                scale=shape_scale(p.shape),  # the whole matrix's
-                generator=torch.Generator(local(p).device).manual_seed(seed),
-                placement=self.placement_of(p),
-                data_groups=self.data_groups(p),
+    def step(self, matrices: list[Matrix], core, step: Step) -> None:
+        """``dion_step`` of ``matrices`` per set of math options; ``core`` (``DionCore``)
+        advances their step counters and gives their sketch seeds. ``dion_step`` batches its
+        collectives; each matrix's maths runs on its own."""
+        for indices in group_by(matrices, lambda m: m.config.math_key()).values():
+            mine = [matrices[i] for i in indices]
+            seeds = core.step_seeds([m.state for m in mine], [m.param.shape for m in mine])
+            config = mine[0].config
+            dion_step(
+                [
+                    DionMatrix(
+                        local(m.param),
+                        local(m.param.grad),
+                        local(m.state["momentum"]),
+                        local(m.state["Q"]),
+                        scale=shape_scale(m.param.shape),  # the whole matrix's
+                        generator=torch.Generator(local(m.param).device).manual_seed(seed),
+                        placement=self.placement_of(m.param),
+                        data_groups=self.data_groups(m.param),
+                    )
+                    for m, seed in zip(mine, seeds)
+                ],
+                lr=config.lr,
+                mu=config.mu,
+                weight_decay=config.weight_decay,
+                orthogonalize=config.orthogonalize,
             )
-            for (p, state, _), seed in zip(entries, seeds)
-        ]
-        dion_step(matrices, **dion_options(entries[0][2]))

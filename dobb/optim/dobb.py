@@ -5,11 +5,14 @@ a block-diagonal approximation of the input-activation second moment ``E[xᵀx]`
 is projected into each block's eigenbasis, normalized by an elementwise sign and rotated
 back. A row of the update depends only on the same row of the momentum, so row-sharded
 (FSDP, column-parallel TP) matrices are updated with no communication. The maths per
-matrix is in the class docstring. ``Dobb`` is the driver (``dobb.optim.base``) over its
-core, ``dobb.optim.dobb_core.DobbCore``, which holds the step (counters, fold, average,
-refresh, update) and runs under ``Local``, Dobb's only placement; the optimizer keeps the
-options, the layouts (``_layout``), the hooks (``track``) and the checkpoints. The update
-on plain tensors is ``dobb.optim.dobb_update``, the statistics ``dobb.optim.dobb_statistics``.
+matrix is in the class docstring.
+
+Dobb's code is four modules: this one (the options, the class, each matrix's layout, old
+checkpoints), its core ``dobb.optim.dobb_core`` (the state and the maths on plain tensors),
+its placement ``dobb.optim.dobb_steps`` (the step's order, its collectives, the batches)
+and ``dobb.stats`` (the hooks and their statistics), beside the solvers of
+``dobb.eigensolve``. ``Dobb`` is the driver (``dobb.optim.base``) over ``DobbCore``, with
+``DobbSteps`` as its only placement and its ``DobbStatistics`` as the step's ``inputs``.
 Some options at more length than the class docstring gives them:
 
 Sharding: DTensor parameters are updated on their local shard. Row shards (FSDP
@@ -50,24 +53,51 @@ missing_stats: ``"raise"`` (default) if a Dobb matrix has no statistics at a ste
     Signum). A zero-``lr`` step never needs statistics (DCP issues one to build optimizer
     state).
 
-two_sided: also rotate the output side (``dobb.optim.dobb_update``): row blocks ``R_r``
+two_sided: also rotate the output side (``dobb.optim.dobb_core``): row blocks ``R_r``
     with eigenbases ``P_r`` of their own second moment, and
     ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``. Off by default (the paper's
     update). Needs no communication in ``step()`` in any layout: a row block lies in one
     row shard, and its moments come from ``row_stats``.
+
+A matrix's layout (``MatrixLayout``) is derived, never checkpointed: from the parameter
+(shape, DTensor placements), its layer (the orientation: ``(d_in, d_out)`` weights such as
+GPT-2's ``Conv1D`` have their input features along dim 0, learnt when ``track`` hooks the
+layer) and its group's options marked ``layout`` (``Layouts``, once per parameter,
+orientation and options). Both sides are one kind of thing (``Side``): blocks of this
+rank's indices along one parameter dim, a source of second moments ``C``, the process
+groups ``C`` is averaged over, and per stack of same-size blocks a ``(count, s, s)`` ``C``
+and basis in the optimizer's state. Fold, average, refresh and update loop over a
+matrix's sides.
+
+Old checkpoints: a DCP checkpoint holding Dobb's state in the keys written up to commit
+d368fca (``cov``, ``cov_tail``, ``row_basis``, ...: ``dobb_core.LEGACY_KEYS``) loads through
+``LegacyKeysLoadPlanner``, or, for loaders that take no planner (torchtitan's
+``CheckpointManager``), once converted by ``convert_legacy_checkpoint(old_dir, new_dir)``.
+``Dobb.load_state_dict`` renames such keys itself.
 """
 
+import tempfile
+import zlib
 from dataclasses import dataclass
-from functools import partial
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.utils.hooks import RemovableHandle
 
 from dobb._dtensor import DTensor, local
-from dobb.blocks import BlockStack
-from dobb.distributed.groups import axis_groups, check_group
-from dobb.distributed.sharding import split_over_ranks
+from dobb.distributed.groups import (
+    STATS_GROUP_FIX,
+    axis_groups,
+    check_group,
+    check_stats_group,
+    shared_axis,
+)
+from dobb.distributed.placement import matrix_placement
 from dobb.eigensolve import BASIS_METHODS, CAPTURABLE_METHODS, BlockFailures
 from dobb.optim.base import MatrixOptimizer
 from dobb.optim.config import (
@@ -81,11 +111,18 @@ from dobb.optim.config import (
     option,
     optional,
 )
-from dobb.optim.dobb_core import DobbCore
-from dobb.optim.dobb_layout import LEGACY_KEYS, Matrix, MatrixLayout, hooked, matrix_layout
-from dobb.optim.dobb_statistics import DobbStatistics
-from dobb.optim.dobb_update import COEFFICIENTS
-from dobb.stats import layer_weights
+from dobb.optim.dobb_core import (
+    COEFFICIENTS,
+    INPUT,
+    LEGACY_KEYS,
+    OLD_NAMES,
+    ROW,
+    DobbCore,
+    side_keys,
+)
+from dobb.optim.dobb_steps import DobbSteps, block_state_like, param_block_stacks
+from dobb.optim.parts import Matrix, state_dtype
+from dobb.stats import BlockStack, DobbStatistics, block_stacks, layer_weights
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 UPDATE_SCALE = Rule(
@@ -98,15 +135,149 @@ PROJECTION_DTYPES = (None, "float32", "bfloat16", "float16")  # the rotations' m
 # Where two-sided Dobb's output-side moments come from: the output gradient of a backward
 # hook (K-FAC's factor; local in every layout) or the local rows' G Gᵀ (Shampoo's).
 ROW_STATS = ("gradients", "outputs")
-# The group options a matrix's layout is made from (Dobb._layout).
-LAYOUT_OPTIONS = (
-    "num_blocks",
-    "block_size",
-    "two_sided",
-    "row_blocks",
-    "row_stats",
-    "basis_source",
-)
+# Where a side's moments come from: the layer's hooks (``dobb.stats``), this step's
+# gradient, or nowhere (a fixed basis: "random", "identity").
+HOOKED = ("activations", "outputs")
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a matrix: the blocks of this rank's indices along parameter dim ``dim``.
+
+    ``name``: ``"input"`` (blocks ``I_b`` of the input features, bases ``Q_b``) or ``"row"``
+    (blocks ``R_r`` of the output features, bases ``P_r``; no stacks when one-sided:
+    ``P = I``). ``stacks``: the blocks, by size. ``source``: where ``C`` comes from
+    (``"activations"``, ``"outputs"``: the layer's hooks; ``"gradients"``; ``"random"``,
+    ``"identity"``: none). ``groups``: the process groups ``C`` is averaged over (one per
+    mesh axis; empty: none). ``shared``: every data rank holds the same ``C``, so a refresh
+    is shared out over them (``shard_refresh``).
+    """
+
+    name: str
+    dim: int
+    stacks: tuple[BlockStack, ...]
+    source: str
+    groups: tuple = ()
+    shared: bool = False
+
+    @property
+    def keys(self) -> list[tuple[str, str]]:
+        """``(C key, basis key)`` of each stack, in the optimizer's state."""
+        return side_keys(self.name, len(self.stacks))
+
+    @property
+    def hooked(self) -> bool:
+        """It has blocks here and its moments come from hooks on the layer."""
+        return bool(self.stacks) and self.source in HOOKED
+
+    def init_state(self, param: Tensor, name: str) -> dict[str, Tensor]:
+        """Its state: per stack ``C`` (zeros) and the bases (the identity, or for
+        ``"random"`` a fixed random orthogonal one per block, seeded by the matrix's
+        ``name`` and the stack's key as named before, ``OLD_NAMES``), laid out like
+        ``param``'s ``dim`` (``block_state_like``)."""
+        dtype, device, state = state_dtype(param), local(param).device, {}
+        for (cov_key, basis_key), s in zip(self.keys, self.stacks):
+            cov = torch.zeros(s.count, s.size, s.size, dtype=dtype, device=device)
+            basis = torch.eye(s.size, dtype=dtype, device=device).repeat(s.count, 1, 1)
+            if self.source == "random":
+                seed = torch.Generator().manual_seed(
+                    zlib.crc32(f"{name}/{OLD_NAMES[cov_key]}".encode())
+                )
+                noise = torch.randn(s.count, s.size, s.size, generator=seed)
+                basis = torch.linalg.qr(noise.to(dtype)).Q.to(device)
+            state[cov_key] = block_state_like(cov, param, self.dim)
+            state[basis_key] = block_state_like(basis, param, self.dim)
+        return state
+
+    def covs(self, state: dict) -> list[Tensor]:
+        """Its ``C`` per stack, local tensors."""
+        return [local(state[cov]) for cov, _ in self.keys]
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """A Dobb matrix's orientation (``input_dim``: the parameter dim of its input features,
+    ``width`` of them in the whole matrix) and its two sides; the row side has no stacks
+    one-sided. Matrices of one local shape and layout can be updated in one batch."""
+
+    input_dim: int
+    width: int
+    input: Side
+    row: Side
+
+    @property
+    def sides(self) -> tuple[Side, Side]:
+        return self.input, self.row
+
+
+def sources(config) -> dict[str, str]:
+    """Where each side's moments come from, by the options."""
+    return {INPUT: config.basis_source, ROW: config.row_stats if config.two_sided else "identity"}
+
+
+def hooked(config) -> bool:
+    """Whether some side's moments come from hooks on the layer (``Dobb.track``)."""
+    return any(source in HOOKED for source in sources(config).values())
+
+
+def matrix_layout(param: Tensor, input_dim: int, config, data_groups: tuple, name: str):
+    """The ``MatrixLayout`` of ``param`` (named ``name``), a Dobb matrix whose input features
+    lie along ``input_dim``, with ``config``'s options and ``data_groups`` the ranks that see
+    other tokens.
+
+    Input blocks: ``num_blocks``, or ``ceil(d_in / block_size)``, those of this rank's
+    columns; a data rank that holds other columns raises (``check_stats_group``), as does
+    a column shard that splits a block. Row blocks (two-sided): ``row_blocks`` over the
+    rows, or one block of this rank's rows (None); their ``C`` is averaged over the data
+    ranks (``row_stats="outputs"``, which refuses rows split over them) or over the ranks
+    holding the other columns of the same rows (``"gradients"``).
+    """
+    width = param.shape[input_dim]
+    blocks = config.num_blocks if config.block_size is None else -(-width // config.block_size)
+    check_stats_group(data_groups, param, input_dim, name)
+    source = sources(config)
+    cols = param_block_stacks(param, input_dim, blocks, name)
+    columns = Side(INPUT, input_dim, cols, source[INPUT], tuple(data_groups), shared=True)
+    dim = 1 - input_dim
+    if not config.two_sided:
+        return MatrixLayout(input_dim, width, columns, Side(ROW, dim, (), source[ROW]))
+    placement = matrix_placement(param)
+    if source[ROW] == "outputs" and shared_axis(data_groups, placement.groups_splitting(dim)):
+        raise NotImplementedError(
+            f"{name}: row_stats='outputs' keeps each rank's row blocks, averaged over "
+            "stats_group, but this matrix's rows are split over ranks of stats_group: FSDP's "
+            f"data ranks (use row_stats='gradients') or a tensor-parallel axis ({STATS_GROUP_FIX})"
+        )
+    if config.row_blocks is None:  # one block of the rows this rank holds
+        start, stop = placement.span(dim)
+        rows = block_stacks(stop - start, 1) if stop > start else ()
+    else:
+        rows = param_block_stacks(param, dim, config.row_blocks, name, rows=True)
+    over = data_groups if source[ROW] == "outputs" else placement.groups_splitting(input_dim)
+    return MatrixLayout(input_dim, width, columns, Side(ROW, dim, rows, source[ROW], tuple(over)))
+
+
+class Layouts:
+    """Each Dobb matrix's layout (``matrix_layout``), made once per parameter, orientation
+    and layout options (DTensor offsets are slow to recompute every step) rather than kept
+    in the checkpointed state. ``orient`` records a weight's orientation (``Dobb.track``:
+    its layer says it; dim 1 until then)."""
+
+    def __init__(self, data_groups: tuple, name_of):
+        self.data_groups, self.name_of = data_groups, name_of
+        self._input_dims: dict[Tensor, int] = {}
+        self._layouts: dict[tuple, MatrixLayout] = {}
+
+    def orient(self, param: Tensor, input_dim: int) -> None:
+        self._input_dims[param] = input_dim
+
+    def __call__(self, param: Tensor, config) -> MatrixLayout:
+        dim = self._input_dims.get(param, 1)
+        key = (id(param), dim, *(getattr(config, o) for o in config.layout_options()))
+        if key not in self._layouts:
+            name = self.name_of(param)
+            self._layouts[key] = matrix_layout(param, dim, config, self.data_groups, name)
+        return self._layouts[key]
 
 
 class Dobb(MatrixOptimizer):
@@ -132,11 +303,14 @@ class Dobb(MatrixOptimizer):
     Sharding: each shard updates alone; column shards must hold whole blocks (else
     construction raises). ``state_dict()`` averages the statistics first (a collective).
 
-    The step is ``self.core``'s (``DobbCore``), given at construction the config, the
-    statistics, ``_layout``, the shared refresh's runner and ``basis_failures``.
+    Parts (``dobb.optim.base``): ``core`` a ``DobbCore``; ``placements`` ``(steps,)``, a
+    ``DobbSteps`` (the step's order and its collectives); ``inputs`` its
+    ``statistics`` (``DobbStatistics``: the hooks' sums); ``layouts`` each matrix's
+    ``MatrixLayout``; ``basis_failures`` the blocks whose new basis was rejected.
     """
 
     algorithm = "dobb"
+    core = DobbCore()
     # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
     data_parallel_option = "stats_group"
 
@@ -151,7 +325,7 @@ class Dobb(MatrixOptimizer):
         """``mu``, the momentum's EMA factor."""
         nesterov: bool = option(True, BOOL, math=True)
         """Nesterov momentum (the direction ``(1 - mu) G + mu M``), else ``M``."""
-        num_blocks: int = option(16, COUNT, math=True)
+        num_blocks: int = option(16, COUNT, math=True, layout=True)
         """``B``, input blocks per matrix, of near-equal size; ``B >= d_in`` gives block
         size 1, i.e. Signum."""
         stats_beta: float = option(0.95, UNIT, math=True)
@@ -163,17 +337,17 @@ class Dobb(MatrixOptimizer):
         (``1/sqrt(d_in)``, the RMS of Muon's spectrally scaled update; in STUDY.md (f) it
         keeps one-block Dobb's tuned lr from width 128 to 256, where 0.2 halves it, at the
         same loss)."""
-        block_size: int | None = option(None, optional(COUNT), math=True)
+        block_size: int | None = option(None, optional(COUNT), math=True, layout=True)
         """Blocks of at most this many columns (``B = ceil(d_in / block_size)`` per
         matrix) instead of ``num_blocks`` (the paper's 100 and 400)."""
-        two_sided: bool = option(False, BOOL, math=True)
+        two_sided: bool = option(False, BOOL, math=True, layout=True)
         """Also rotate the output side, by row blocks ``R_r`` that each lie inside one row
         shard: ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``."""
-        row_blocks: int | None = option(None, optional(COUNT), math=True)
+        row_blocks: int | None = option(None, optional(COUNT), math=True, layout=True)
         """Two-sided Dobb's row blocks per matrix; None: one per rank's rows (the whole
         matrix in one process); an integer must tile every rank's rows, else construction
         raises."""
-        row_stats: str = option("gradients", one_of(*ROW_STATS), math=True)
+        row_stats: str = option("gradients", one_of(*ROW_STATS), math=True, layout=True)
         """Two-sided Dobb's row moments: ``"gradients"``, ``G_r G_rᵀ / d_in`` of the rank's
         rows (Shampoo's left factor; no communication under DDP, FSDP, HSDP and
         column-parallel TP, a refresh-step average over the TP ranks under row-parallel
@@ -197,7 +371,7 @@ class Dobb(MatrixOptimizer):
         iteration, Cholesky-QR / Householder), ``"cupy"`` (CuPy's batched ``eigh``, if
         installed). A batched solver's non-orthonormal or non-finite block keeps its
         previous basis, counted in ``basis_failures``."""
-        basis_source: str = option("activations", one_of(*BASIS_SOURCES), math=True)
+        basis_source: str = option("activations", one_of(*BASIS_SOURCES), math=True, layout=True)
         """Dobb's bases; controls for ablations: ``"gradients"`` (eigenbases of the blocks
         of ``E[Gᵀ G]``, unsharded matrices only), ``"random"`` (a fixed random orthogonal
         basis per block), ``"identity"`` (Signum)."""
@@ -237,79 +411,30 @@ class Dobb(MatrixOptimizer):
                     f"capturable=True use one of {CAPTURABLE_METHODS} ('auto' is 'cholqr' there)"
                 )
 
-    def __init__(
-        self,
-        params,
-        lr: float = Config.lr,
-        momentum: float = Config.momentum,
-        nesterov: bool = Config.nesterov,
-        weight_decay: float = Config.weight_decay,
-        num_blocks: int = Config.num_blocks,
-        stats_beta: float = Config.stats_beta,
-        basis_interval: int = Config.basis_interval,
-        update_scale: float | str = Config.update_scale,
-        *,
-        block_size: int | None = Config.block_size,
-        two_sided: bool = Config.two_sided,
-        row_blocks: int | None = Config.row_blocks,
-        row_stats: str = Config.row_stats,
-        coefficients: str = Config.coefficients,
-        coefficient_beta: float = Config.coefficient_beta,
-        projection_dtype: str | None = Config.projection_dtype,
-        basis_method: str = Config.basis_method,
-        basis_source: str = Config.basis_source,
-        missing_stats: str = Config.missing_stats,
-        stats_group=Config.stats_group,
-        stats_sync: str = Config.stats_sync,
-        shard_refresh: bool = Config.shard_refresh,
-        nonfinite: str = Config.nonfinite,
-        foreach: bool | None = Config.foreach,
-        capturable: bool = Config.capturable,
-    ):
-        self.config = config = self.Config.from_arguments(locals())
-        self._data_parallel_groups = axis_groups(check_group("Dobb", "stats_group", stats_group))
-        # Refresh work is split over the innermost data axis (its ranks hold identical C_b).
-        split = shard_refresh and self._data_parallel_groups
-        run = partial(split_over_ranks, group=self._data_parallel_groups[-1]) if split else None
-        self._input_dims: dict[Tensor, int] = {}  # 0 for (d_in, d_out) weights; set by track
-        self._layouts: dict[tuple, MatrixLayout] = {}  # _layout's
-        self.statistics = DobbStatistics(name_of=self.name_of, batched=self.batched)
-        self.basis_failures = failures = BlockFailures()  # blocks whose new basis was rejected
-        self.core = DobbCore(config, self.statistics, self._layout, run, failures)
-        super().__init__(
-            params, config.defaults(), nonfinite=nonfinite, foreach=foreach, capturable=capturable
-        )
+    def __init__(self, params, lr=None, **options):
+        config = self.Config.from_options("Dobb", lr, options)
+        data_groups = axis_groups(check_group("Dobb", "stats_group", config.stats_group))
+        self.layouts = Layouts(data_groups, self.name_of)
+        self.statistics = self.inputs = DobbStatistics(name_of=self.name_of, layouts=self.layouts)
+        self.basis_failures = BlockFailures()  # blocks whose new basis was rejected
+        # refresh work is split over the innermost data axis (its ranks hold identical C_b)
+        split = data_groups[-1] if config.shard_refresh and data_groups else None
+        self.steps = DobbSteps(self.statistics, self.layouts, split, self.basis_failures)
+        self.placements = (self.steps,)
+        self._data_parallel_groups = data_groups
+        super().__init__(params, config)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
         if group["algorithm"] != self.algorithm:
             return
-        if group["basis_source"] == "gradients" and any(
+        config = self.config.for_group(group)
+        if config.basis_source == "gradients" and any(
             isinstance(p, DTensor) for p in group["params"]
         ):
             raise NotImplementedError("basis_source='gradients' supports unsharded matrices only")
         for p in group["params"]:
-            self._layout(p, group)
-
-    def _layout(self, param: Tensor, group: dict[str, Any]) -> MatrixLayout:
-        """``param``'s layout (``dobb.optim.dobb_layout.matrix_layout``): its orientation
-        (``track`` sets it; dim 1 until then) and each side's blocks and groups.
-
-        Derived from shape, placements and the group's options, so made once per
-        orientation and options (at construction, and at ``track()`` for ``(d_in, d_out)``
-        weights) rather than kept in the checkpointed state (DTensor offsets are slow to
-        recompute every step).
-        """
-        dim = self._input_dims.get(param, 1)
-        key = (id(param), dim, *(group[option] for option in LAYOUT_OPTIONS))
-        if key not in self._layouts:
-            groups, name = self._data_parallel_groups, self.name_of(param)
-            self._layouts[key] = matrix_layout(param, dim, group, groups, name)
-        return self._layouts[key]
-
-    def _groups(self) -> list[dict[str, Any]]:
-        """The Dobb parameter groups (not the AdamW/Lion ones)."""
-        return [g for g in self.param_groups if g["algorithm"] == self.algorithm]
+            self.layouts(p, config)
 
     def track(self, model: nn.Module) -> list[RemovableHandle]:
         """Hook every layer of ``model`` whose weight is in a Dobb group whose statistics
@@ -319,28 +444,34 @@ class Dobb(MatrixOptimizer):
         The layer says the weight's orientation: a ``(d_in, d_out)`` weight (``Conv1D``)
         has its input blocks along dim 0. See ``DobbStatistics.track``.
         """
-        groups = {p: g for g in self._groups() for p in g["params"]}
+        configs = {p: c for g, c in self.configs() for p in g["params"]}
         layers = []
         for module, weight, spec in layer_weights(model):
-            group = groups.get(weight)
-            if group is not None and hooked(group):
-                self._input_dims[weight] = spec.input_dim
-                layers.append((module, weight, self._layout(weight, group)))
+            config = configs.get(weight)
+            if config is not None and hooked(config):
+                self.layouts.orient(weight, spec.input_dim)
+                layers.append((module, weight, self.layouts(weight, config)))
         return self.statistics.track(layers)
 
     def untrack(self) -> None:
         """Remove every hook ``track`` added and drop the pending statistics."""
         self.statistics.untrack()
 
+    def _held(self) -> list[tuple[Matrix, MatrixLayout]]:
+        """``(matrix, layout)`` of every matrix with state."""
+        return [
+            (Matrix(p, self.state[p], c, self.name_of(p)), self.layouts(p, c))
+            for g, c in self.configs()
+            for p in g["params"]
+            if p in self.state
+        ]
+
     def synchronize_statistics(self) -> None:
         """Average every ``C_b`` folded since its last average (a collective under DP).
 
         Exact at any time, the EMA being linear. Every data-parallel rank must call it.
         """
-        held = [(p, g) for g in self._groups() for p in g["params"] if p in self.state]
-        self.statistics.synchronize(
-            [Matrix(p, self.state[p], g, self._layout(p, g)) for p, g in held]
-        )
+        self.steps.synchronize(self._held())
 
     def refresh_due(self) -> bool:
         """Capturable: whether the next ``step()`` may refresh a basis (replay the refresh
@@ -348,12 +479,12 @@ class Dobb(MatrixOptimizer):
         device read. When due it also reports the solver's failures (``basis_failures``,
         counted on the device by the previous refreshes) whose non-blocking copy has
         reached the host."""
-        return self.core.refresh_due(self._groups())
+        return self.steps.refresh_due([(g["params"], c) for g, c in self.configs()])
 
     def count_replay(self) -> None:
         """Capturable: count a replayed step, steady or refresh (a CUDA graph replay runs
         no Python)."""
-        self.core.count_replay()
+        self.steps.count_replay()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state; saved statistics were averaged when saved (see ``state_dict``).
@@ -366,10 +497,9 @@ class Dobb(MatrixOptimizer):
             for index, entry in state_dict["state"].items()
         }
         super().load_state_dict({**state_dict, "state": state})
-        self.core.forget()  # capturable's host counts, the stacked bases
+        self.steps.forget()  # capturable's host counts, the stacked bases, the unsynced
         for p in self.state:
             self.basis_failures.counter(local(p).device)
-        self.statistics.mark_synced()
 
     def state_dict(self) -> dict[str, Any]:
         """The state, statistics averaged first so that every rank saves the same ``C_b``.
@@ -389,7 +519,59 @@ class Dobb(MatrixOptimizer):
 
     def local_blocks(self, param: Tensor) -> tuple[BlockStack, ...]:
         """The blocks of this rank's input columns of ``param`` (a matrix of a Dobb group)."""
-        groups = [g for g in self._groups() if any(q is param for q in g["params"])]
-        if not groups:
+        configs = [c for g, c in self.configs() if any(q is param for q in g["params"])]
+        if not configs:
             raise ValueError(f"{self.name_of(param)} is not in a Dobb parameter group")
-        return self._layout(param, groups[0]).input.stacks
+        return self.layouts(param, configs[0]).input.stacks
+
+
+class LegacyKeysLoadPlanner(DefaultLoadPlanner):
+    """DCP's ``DefaultLoadPlanner``, but an entry ``<path>.<key>`` of Dobb's state that the
+    checkpoint lacks is read, in place, from ``<path>.<old name of key>`` where the
+    checkpoint has that (``OLD_NAMES``: ``input_cov_0`` from ``cov``, ``row_basis_1`` from
+    ``row_basis_tail``, ...). A checkpoint in today's keys loads as with the default.
+
+    DCP reads each entry of the state dict it is given (today's keys) by that entry's name,
+    so ``Dobb.load_state_dict`` never sees an old checkpoint's keys::
+
+        dcp.load(state, checkpoint_id=path, planner=LegacyKeysLoadPlanner())
+    """
+
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        for key in [k for k in self.state_dict if k not in saved]:
+            path, _, name = key.rpartition(".")
+            old = f"{path}.{OLD_NAMES.get(name)}"
+            if name in OLD_NAMES and old in saved:
+                self.state_dict[old] = self.state_dict.pop(key)
+                if key in self.mappings:  # its place in the nested dict (flatten_state_dict)
+                    self.mappings[old] = self.mappings.pop(key)
+        return super().create_local_plan()
+
+
+def convert_legacy_checkpoint(old: str | Path, new: str | Path) -> int:
+    """Write the DCP checkpoint ``old`` to ``new`` with every Dobb matrix state's old keys
+    renamed (``LEGACY_KEYS``), for loaders that take no planner; returns how many entries
+    were renamed. A Dobb matrix state is a dict holding ``momentum`` and ``stats_steps``;
+    nothing else is touched. In one process, holding the whole checkpoint in memory; DCP
+    reshards the copy on load as any other."""
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(old, whole)
+        state = torch.load(whole, weights_only=False)
+        renamed = _rename_legacy_keys(state)
+        torch.save(state, whole)
+        torch_save_to_dcp(whole, new)
+    return renamed
+
+
+def _rename_legacy_keys(tree: Any) -> int:
+    """Rename the old keys of every Dobb matrix state in the nested dict ``tree``."""
+    if not isinstance(tree, dict):
+        return 0
+    if {"momentum", "stats_steps"} <= tree.keys():
+        old = [key for key in tree if key in LEGACY_KEYS]
+        for key in old:
+            tree[LEGACY_KEYS[key]] = tree.pop(key)
+        return len(old)
+    return sum(_rename_legacy_keys(value) for value in tree.values())

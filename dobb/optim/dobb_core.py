@@ -1,4 +1,4 @@
-"""Dobb's update on plain tensors (arXiv 2610.39412): the reference and the batched form.
+"""Dobb's core (arXiv 2610.39412): its state and its maths on plain tensors, pure.
 
 The paper's update rotates only the input side; the variants (off by default) add row
 blocks ``R_r`` with their own bases ``P_r`` (from the output side's second moment) and a
@@ -8,6 +8,8 @@ For a matrix ``W`` of shape ``(rows, d_in)``, input blocks ``I_b`` with orthonor
 
 .. code-block:: text
 
+    C_b <- S_b (first)  else  C_b <- beta C_b + (1 - beta) S_b      (``fold``)
+    Q_b <- eigenvectors(C_b), every k steps               (``refresh_due``; dobb.eigensolve)
     M <- mu M + (1 - mu) G;   N = (1 - mu) G + mu M  (Nesterov)  or  N = M
     C[R_r, I_b] = P_rᵀ N[R_r, I_b] Q_b                 (coefficients; P_r = I one-sided)
     sign:   D = sign(C)
@@ -16,22 +18,144 @@ For a matrix ``W`` of shape ``(rows, d_in)``, input blocks ``I_b`` with orthonor
     U[R_r, I_b] = P_r D[R_r, I_b] Q_bᵀ
     W <- W (1 - lr wd) - lr alpha U
 
-``dobb_update`` is one matrix (the reference, every variant written out tile by tile);
-``dobb_update_batched`` is ``n`` same-shape matrices in a fixed number of kernels
-(``Dobb(foreach=True)``, the default off the CPU); tests hold them together. A row block
-never straddles a row shard and an input block never straddles a column shard, so every
-product stays on the rank that holds the tile.
+``DobbCore`` is the core the driver calls (``dobb.optim.parts.Core``): ``init_state`` (the
+counters, the momentum, ``V``) and ``updates`` of a ``DobbBatch``, matrices of one layout,
+with their bases stacked. ``dobb_update`` is one matrix (the reference, every variant
+written out tile by tile); ``dobb_update_batched`` is ``n`` same-shape matrices in a fixed
+number of kernels (``Dobb(foreach=True)``, the default off the CPU); tests hold them
+together. ``fold`` and ``gradient_moments`` are the statistics' maths, ``refresh_due`` the
+schedule. Nothing here communicates or keeps anything between calls: the step around them
+(counting, the average over data ranks, the refresh, the batches) is Dobb's placement,
+``dobb.optim.dobb_steps``. A row block never straddles a row shard and an input block
+never straddles a column shard, so every product stays on the rank that holds the tile.
+
+State keys: stack ``i`` of side ``s`` keeps ``C`` under ``"{s}_cov_{i}"`` and its basis under
+``"{s}_basis_{i}"`` (``input_cov_0``, ``row_basis_1``; ``side_keys``), ``i`` in
+``dobb.stats.block_stacks``' order (the longer blocks first). By stack index, not block
+size, for two reasons. The keys are then one to one with those written before
+(``LEGACY_KEYS``: ``cov``, ``cov_tail``, ..., which ``Dobb.load_state_dict`` renames and
+``dobb.optim.dobb.LegacyKeysLoadPlanner`` reads through DCP). And a name holds no shape,
+which is the tensor's to say: where the block size depends on the world size (two-sided
+``row_blocks=None``: one block of each rank's rows), a resume onto another world size finds
+the same key with another shape, which DCP refuses in one line naming both shapes, rather
+than a key that is missing.
 """
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from dobb.blocks import BlockStack
-from dobb.optim.batching import foreach_mul_
+from dobb._dtensor import local
+from dobb.optim.batching import foreach_mul_, group_by, solo
+from dobb.optim.parts import COUNTERS, Core, state_dtype
+from dobb.stats import BlockStack
 
 COEFFICIENTS = ("sign", "adam")
+INPUT, ROW = "input", "row"  # the sides' names, the prefix of their state keys
+# State keys up to commit d368fca: a side's prefix, "_tail" on its second stack's keys.
+LEGACY_KEYS = {
+    f"{prefix}{kind}{tail}": f"{side}_{kind}_{i}"
+    for side, prefix in ((INPUT, ""), (ROW, "row_"))
+    for kind in ("cov", "basis")
+    for i, tail in enumerate(("", "_tail"))
+}
+OLD_NAMES = {new: old for old, new in LEGACY_KEYS.items()}
+
+
+def side_keys(side: str, stacks: int) -> list[tuple[str, str]]:
+    """``(C key, basis key)`` of each of a side's ``stacks``, in the optimizer's state."""
+    return [(f"{side}_cov_{i}", f"{side}_basis_{i}") for i in range(stacks)]
+
+
+def rotation_dtype(config, param: Tensor) -> torch.dtype:
+    """The dtype of the rotations' operands: ``projection_dtype``, else the state's."""
+    return getattr(torch, config.projection_dtype or "", None) or state_dtype(param)
+
+
+def refresh_due(step: int, interval: int) -> bool:
+    """Whether a matrix's ``step``-th step (from 1) refreshes its bases, every ``interval``
+    (``basis_interval``) steps: steps 1, 1 + k, ... (the cost model's schedule too)."""
+    return (step - 1) % interval == 0
+
+
+class DobbBatch(NamedTuple):
+    """Matrices of one layout (``layout``: the first's ``MatrixLayout``) in one step, as
+    plain local tensors: what ``DobbCore.updates`` takes."""
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    states: list[dict[str, Tensor]]
+    layout: Any
+    bases: list[Tensor] | None
+    """Each input stack's bases of every matrix, ``(n, count, s, s)`` in the rotations'
+    dtype; None: a lone matrix, updated by the reference from its own bases."""
+    row_bases: list[Tensor] | None
+    steps: list
+    """Each matrix's step count (floats; capturable: its device counter)."""
+    live: Tensor | None
+
+
+class DobbCore(Core):
+    """Dobb's state and update (the module docstring): the state of a matrix besides its
+    sides' blocks (which Dobb's placement lays out by shard: ``dobb.optim.dobb_steps``), and
+    the update of a ``DobbBatch``."""
+
+    def init_state(self, param: Tensor, config, name: str) -> dict[str, Any]:
+        """The counters ``step`` and ``stats_steps`` (CPU scalars; capturable: on the
+        device), the momentum and, with Adam coefficients, ``V``, laid out as ``param``."""
+        dtype = state_dtype(param)
+        counter = local(param).device if config.capturable else "cpu"
+        state = {key: torch.zeros((), device=counter) for key in COUNTERS}  # step, stats_steps
+        state["momentum"] = torch.zeros_like(param, dtype=dtype)
+        if config.coefficients == "adam":
+            state["variance"] = torch.zeros_like(param, dtype=dtype)
+        return state
+
+    def updates(self, batch: DobbBatch, config) -> None:
+        """Dobb's update of ``batch``: ``dobb_update`` on a lone matrix (the reference: no
+        stacking copies), else ``dobb_update_batched``; ``(d_in, d_out)`` weights (Conv1D)
+        through their transpose."""
+        params, grads, states, layout, bases, row_bases, steps, live = batch
+        adam = config.coefficients == "adam"
+        hyper = dict(
+            lr=config.lr,
+            beta=config.momentum,
+            nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
+            scale=update_alpha(config.update_scale, layout.width),
+            beta2=config.coefficient_beta,
+            row_stacks=layout.row.stacks,
+            projection_dtype=rotation_dtype(config, params[0]),
+        )
+        if bases is None:
+            orient = (lambda t: t.mT) if layout.input_dim == 0 else (lambda t: t)
+            state = states[0]
+            own, own_rows = ([state[b] for _, b in side.keys] for side in layout.sides)
+            dobb_update(
+                *(orient(t) for t in (params[0], grads[0], state["momentum"])),
+                own,
+                layout.input.stacks,
+                row_bases=own_rows,
+                variance=orient(state["variance"]) if adam else None,
+                step=steps[0],
+                **hyper,
+            )
+            return
+        dobb_update_batched(
+            params,
+            grads,
+            [state["momentum"] for state in states],
+            bases,
+            layout.input.stacks,
+            row_bases=row_bases or None,
+            variances=[state["variance"] for state in states] if adam else None,
+            steps=steps,
+            transposed=layout.input_dim == 0,
+            live=live,
+            **hyper,
+        )
 
 
 def dobb_update(
@@ -84,15 +208,15 @@ def dobb_update(
     direction = grad.lerp(momentum, beta) if nesterov else momentum  # N
     param.mul_(1 - lr * weight_decay)
     sides = ([b.to(low) for b in bases], stacks, [b.to(low) for b in row_bases or ()], row_stacks)
-    coefficients = _rotate_one(direction.to(low), *sides, into=True)  # C
+    C = _rotate_one(direction.to(low), *sides, into=True)
     if variance is None:
-        coefficients.sign_()  # D = sign(C)
+        C.sign_()  # D = sign(C)
     else:  # V, then D = C / (sqrt(V / (1 - beta2^t)) + eps)
         projected = _rotate_one(grad.to(low), *sides, into=True).to(dtype)
         variance.lerp_(projected.square_(), 1 - beta2)
         denominator = variance.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
-        coefficients = coefficients.to(dtype).div_(denominator).to(low)
-    update = _rotate_one(coefficients, *sides, into=False).to(dtype)  # P_r D_rb Q_bᵀ
+        C = C.to(dtype).div_(denominator).to(low)
+    update = _rotate_one(C, *sides, into=False).to(dtype)  # P_r D_rb Q_bᵀ
     param.add_(update, alpha=-lr * scale)
 
 
@@ -283,9 +407,9 @@ def _rotated_update(
     orient = (lambda t: t.mT) if transposed else (lambda t: t)  # noqa: E731
     row_bases = [b.to(low) for b in row_bases] if row_bases else None
     bases = ([b.to(low) for b in col_bases], col_stacks, row_bases, row_stacks)
-    coefficients = rotate(orient(torch.stack(direction)).to(low), *bases)
+    C = rotate(orient(torch.stack(direction)).to(low), *bases)
     if variances is None:
-        coefficients.sign_()
+        C.sign_()
     else:
         projected = rotate(orient(torch.stack(grads)).to(low), *bases).to(dtype)
         variance = torch.stack([orient(v) for v in variances])
@@ -298,13 +422,53 @@ def _rotated_update(
             corrections = [math.sqrt(1 - beta2**t) for t in steps]
             torch._foreach_div_(list(denominator.unbind(0)), corrections)
         denominator.add_(eps)
-        coefficients = coefficients.to(dtype).div_(denominator).to(low)
-    update = orient(rotate(coefficients, *bases, into=False)).to(dtype)
+        C = C.to(dtype).div_(denominator).to(low)
+    update = orient(rotate(C, *bases, into=False)).to(dtype)
     _apply(params, update, lr, weight_decay, scale, live)
 
 
-def update_alpha(update_scale: float | str, d_in: int) -> float:
-    """``alpha`` of ``update_scale`` for a matrix with (global) input width ``d_in``."""
-    if update_scale == "muon":
+def update_alpha(scale: float | str, d_in: int) -> float:
+    """``alpha`` of the option ``update_scale`` (``scale``) for a matrix with (global) input
+    width ``d_in``."""
+    if scale == "muon":
         return 1.0 / math.sqrt(d_in)
-    return {"adamw": 0.2, "lion": 1.0}.get(update_scale, update_scale)
+    return {"adamw": 0.2, "lion": 1.0}.get(scale, scale)
+
+
+def fold(first: tuple[list, list], later: dict[float, tuple[list, list]], live=None) -> None:
+    """Fold this step's moments ``S`` into the second moments ``C``, in place:
+    ``C <- S`` for the pairs ``first = (Cs, Ss)`` (a matrix's first statistics), and
+    ``C <- beta C + (1 - beta) S`` for ``later[beta] = (Cs, Ss)``; one foreach call each.
+    ``live`` (capturable): where it is 0 every ``C`` stays (``S`` is replaced by ``C``)."""
+    for covs, means in (first, *later.values()) if live is not None else ():
+        means[:] = [torch.where(live.bool(), m, c) for c, m in zip(covs, means)]
+    if first[0]:
+        torch._foreach_copy_(*first)
+    for beta, (covs, means) in later.items():
+        torch._foreach_lerp_(covs, means, 1 - beta)
+
+
+def gradient_moments(grads: list[Tensor], sides: list, dtypes: list, batched) -> list[list]:
+    """This step's second moments of the gradient on ``sides[i]`` of the matrix whose local
+    gradient is ``grads[i]``, per stack, in ``dtypes[i]`` (the momentum's): ``G_bᵀ G_b /
+    d_out`` on the input side (``basis_source="gradients"``), ``G_r G_rᵀ / d_in`` on the row
+    side (two-sided, ``row_stats="gradients"``). One ``bmm`` per stack for each batch of
+    same-shape gradients (one gradient each where not ``batched(device)``)."""
+
+    def key(n: int) -> tuple:
+        grad, side = grads[n], sides[n]
+        layout = (side.name, tuple(grad.shape), side.dim, side.stacks)
+        return *layout, grad.dtype, dtypes[n], grad.device, *solo(n, batched(grad.device))
+
+    moments: list[list] = [None] * len(grads)
+    for (_, _, dim, stacks, _, dtype, *_), members in group_by(range(len(grads)), key).items():
+        stacked = torch.stack([grads[n] for n in members]).to(dtype)
+        stacked = stacked.mT if dim == 0 else stacked  # (n, other, blocked dim)
+        per_stack = []
+        for s in stacks:
+            cols = stacked[..., s.start : s.stop].unflatten(-1, (s.count, s.size))
+            cols = cols.movedim(-2, 1)  # (n, count, other, size)
+            per_stack.append((cols.mT @ cols / max(1, stacked.shape[1])).unbind(0))
+        for j, n in enumerate(members):
+            moments[n] = [m[j] for m in per_stack]
+    return moments

@@ -19,15 +19,18 @@ matrix in between (``OwnerExchange``; the protocol and its bytes: ``owner_groups
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from dobb.optim.base import state_dtype
+from dobb._dtensor import DTensor
+from dobb.distributed.groups import check_group
+from dobb.distributed.placement import matrix_placement
+from dobb.optim.base import MatrixOptimizer
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
 from dobb.optim.config import BOOL, COUNT, UNIT, inherit, one_of, option
-from dobb.optim.owner_groups import ExchangeCore, OwnerExchangeConfig, OwnerExchangeOptimizer
+from dobb.optim.owner_groups import ExchangeCore, OwnerExchangeConfig, OwnerExchanges
+from dobb.optim.parts import Local, Placement, state_dtype
 
 # Quintic Newton-Schulz coefficients (a, b, c) of p(x) = a x + b x^3 + c x^5, chosen to
 # maximize the slope at zero: https://github.com/KellerJordan/Muon/blob/00ba60d3a0d188993831f86e4d62597bb0e9b21c/muon.py#L21
@@ -222,68 +225,99 @@ def muon_updates(
     apply_updates(params, updates, lr=lr, weight_decay=weight_decay, scales=scales)
 
 
-def ns_options(group: dict[str, Any]) -> dict[str, Any]:
-    """A group's Newton-Schulz options, as the ``*_updates`` functions take them."""
-    return {name: group[name] for name in ("ns_steps", "ns_dtype", "ns_coefficients")}
-
-
-def muon_options(group: dict[str, Any]) -> dict[str, Any]:
-    """A group's options of Muon's momentum, decay and Newton-Schulz, as ``muon_updates``
-    (and NorMuon's and the block step's) take them."""
-    return dict(
-        beta=group["momentum"],
-        nesterov=group["nesterov"],
-        weight_decay=group["weight_decay"],
-        **ns_options(group),
-    )
-
-
 def momentum_state(param: Tensor) -> dict[str, Tensor]:
     """The momentum ``M``, zero, in ``param``'s placement and the state dtype."""
     return {"momentum": torch.zeros_like(param, dtype=state_dtype(param))}
 
 
-class NewtonSchulzCore(ExchangeCore):
-    """The owner's step of every core here: ``newton_schulz`` with the group's options."""
-
-    def orthogonalize(self, matrices: Tensor, group: dict[str, Any]) -> Tensor:
-        return newton_schulz(
-            matrices, group["ns_steps"], group["ns_dtype"], group["ns_coefficients"]
-        )
-
-    def result_dtype(self, group: dict[str, Any]) -> torch.dtype:
-        return group["ns_dtype"]
+def orthogonalize(matrices: Tensor, config) -> Tensor:
+    """``newton_schulz`` of a matrix or a ``(b, m, n)`` stack with ``config``'s options: the
+    owner's step of every Newton-Schulz optimizer (Muon, NorMuon, Dion2, NorDion2)."""
+    return newton_schulz(matrices, config.ns_steps, config.ns_dtype, config.ns_coefficients)
 
 
-class MuonCore(NewtonSchulzCore):
+class OwnerExchangeOptimizer(MatrixOptimizer):
+    """The driver over an ``ExchangeCore`` with the placements ``piece_steps`` (if any),
+    ``OwnerExchanges`` and ``Local``."""
+
+    core: ExchangeCore
+    piece_steps: Placement | None = None  # MuonBP's block steps: claims by a schedule
+    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
+    data_parallel_option = "replica_group"
+
+    def __init__(self, params, lr=None, **options):
+        config = self.Config.from_options(type(self).__name__, lr, options)
+        replica_group = check_group(type(self).__name__, "replica_group", config.replica_group)
+        self.exchanges = OwnerExchanges(self.core, replica_group)
+        before = () if self.piece_steps is None else (self.piece_steps,)
+        self.placements = (*before, self.exchanges, Local())
+        self._planned = False
+        super().__init__(params, config)
+        self._plan_exchanges()
+
+    def add_param_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+        if self._planned:  # a group added after construction: plan again
+            self._plan_exchanges()
+
+    def _plan_exchanges(self) -> None:
+        self.exchanges.plan({p: config for g, config in self.configs() for p in g["params"]})
+        self._planned = True
+
+    def _validate_group(self, group) -> None:
+        super()._validate_group(group)
+        if group["algorithm"] != self.algorithm:
+            return
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                continue
+            placement = matrix_placement(p)  # rejects Partial placements
+            if self.core.whole_rows and len(placement.cols) != p.shape[1]:
+                raise NotImplementedError(
+                    f"{self.name_of(p)} is split along its columns ({tuple(p.placements)}); "
+                    f"{self.core.whole_rows}, so shard its rows only (FSDP Shard(0)) or give "
+                    "it to Muon"
+                )
+
+
+class MuonCore(ExchangeCore):
     """Muon's core: ``muon_updates`` on unshared matrices; shared, the Nesterov direction
-    ``N`` travels to the owner and ``O = NS5(N)`` back (``apply_updates`` then)."""
+    ``N`` travels to the owner, ``O = NS5(N)`` comes back (``apply_updates`` then)."""
 
-    def init_state(self, param: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, config, name: str) -> dict[str, Tensor]:
         return momentum_state(param)
 
-    def updates(self, params, grads, states, group, *, batched: bool) -> None:
+    def updates(self, batch, config) -> None:
+        params, grads, states = batch
         muon_updates(
             params,
             grads,
             [state["momentum"] for state in states],
-            lr=group["lr"],
-            scales=[lr_scale(p.shape, group["adjust_lr"]) for p in params],
-            batched=batched,
-            **muon_options(group),
+            lr=config.lr,
+            beta=config.momentum,
+            nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
+            scales=[lr_scale(p.shape, config.adjust_lr) for p in params],
+            ns_steps=config.ns_steps,
+            ns_dtype=config.ns_dtype,
+            ns_coefficients=config.ns_coefficients,
+            batched=config.batched(params[0].device),
         )
 
-    def directions(self, grads, states, group) -> tuple[list[Tensor], list]:
+    def directions(self, grads, states, config) -> tuple[list[Tensor], list]:
         momenta = [state["momentum"] for state in states]
-        found = nesterov_directions(
-            grads, momenta, beta=group["momentum"], nesterov=group["nesterov"]
-        )
+        found = nesterov_directions(grads, momenta, beta=config.momentum, nesterov=config.nesterov)
         return found, [None] * len(found)
 
-    def apply(self, params, updates, shapes, aux, group, sums) -> None:
-        scales = [lr_scale(shape, group["adjust_lr"]) for shape in shapes]
+    orthogonalize = staticmethod(orthogonalize)
+
+    def result_dtype(self, config) -> torch.dtype:
+        return config.ns_dtype
+
+    def apply(self, params, updates, shapes, aux, config, sums) -> None:
+        scales = [lr_scale(shape, config.adjust_lr) for shape in shapes]
         apply_updates(
-            params, updates, lr=group["lr"], weight_decay=group["weight_decay"], scales=scales
+            params, updates, lr=config.lr, weight_decay=config.weight_decay, scales=scales
         )
 
 
@@ -343,21 +377,3 @@ class Muon(OwnerExchangeOptimizer):
         """The lr's scale per ``(d_out, d_in)`` matrix: ``"spectral"`` (Keller's
         ``sqrt(max(1, d_out/d_in))``) or ``"match_rms_adamw"`` (Moonshot's
         ``0.2 sqrt(max(d_out, d_in))``: update RMS ``0.2 lr``; a deviation)."""
-
-    def __init__(
-        self,
-        params,
-        lr: float = Config.lr,
-        momentum: float = Config.momentum,
-        nesterov: bool = Config.nesterov,
-        weight_decay: float = Config.weight_decay,
-        ns_steps: int = Config.ns_steps,
-        *,
-        ns_dtype: torch.dtype = Config.ns_dtype,
-        ns_coefficients: str = Config.ns_coefficients,
-        adjust_lr: str = Config.adjust_lr,
-        replica_group=Config.replica_group,
-        nonfinite: str = Config.nonfinite,
-        foreach: bool | None = Config.foreach,
-    ):
-        super().__init__(params, self.Config.from_arguments(locals()))

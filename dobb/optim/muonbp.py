@@ -19,46 +19,30 @@ Tiling: ``chunk_sizes`` cuts a dim as FSDP2 and DTensor's ``Shard`` lay it out (
 (18 over TP 2, then FSDP 2: 5/4/5/4).
 """
 
+import dataclasses
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from dobb.optim.base import Entry, Local, local_tensors, partition
+from dobb._dtensor import local
+from dobb.optim.batching import chunk_sizes, group_by
 from dobb.optim.config import COUNT, NON_NEGATIVE, SPLITS, inherit, option, optional
 from dobb.optim.muon import (
     NS_STEPS,
     Muon,
     MuonCore,
+    OwnerExchangeOptimizer,
     apply_update,
-    apply_updates,
-    batched_newton_schulz,
     lr_scale,
-    muon_options,
+    muon_updates,
     nesterov_direction,
-    nesterov_directions,
     newton_schulz,
-    update_dtype,
 )
-from dobb.optim.owner_groups import OwnerExchangeOptimizer
+from dobb.optim.parts import Batch, Matrix, Placement, Step, local_batch, partition
 
 Tile = tuple[slice, slice]
-
-
-def chunk_sizes(size: int, splits: int | Sequence[int]) -> list[int]:
-    """Sizes of ``size`` indices split like ``torch.chunk`` into ``splits[0]`` parts, each
-    part into ``splits[1]`` parts, and so on (outer split first); empty parts are kept. An
-    integer is one split.
-
-    As FSDP2's ``Shard`` (18 over 4: 5/5/5/3); nested: ``_StridedShard`` (18: 5/4/5/4).
-    """
-    sizes = [size]
-    for parts in (splits,) if isinstance(splits, int) else splits:
-        sizes = [piece for n in sizes for piece in _chunk(n, parts)]
-    return sizes
 
 
 def block_tiles(shape: tuple[int, int], row_blocks, col_blocks) -> list[Tile]:
@@ -133,83 +117,70 @@ def block_muon_update(
         )
 
 
-def block_muon_updates(
-    params: list[Tensor],
-    grads: list[Tensor],
-    momenta: list[Tensor],
-    tilings: list[list[Tile]],
-    *,
-    lr: float,
-    beta: float,
-    nesterov: bool,
-    weight_decay: float,
-    adjust_lr: str,
-    ns_steps: int = NS_STEPS,
-    ns_dtype: torch.dtype = torch.bfloat16,
-    ns_coefficients: str = "quintic",
-    batched: bool = True,
-) -> None:
-    """``block_muon_update`` of many local pieces sharing hyperparameters (``tilings[i]``:
-    piece ``i``'s tiles): foreach kernels, and one NS5 per tile shape across all pieces."""
-    directions = nesterov_directions(grads, momenta, beta=beta, nesterov=nesterov)
-    # (piece, tile) of every non-empty tile; a tile covering its piece is the piece itself
+def tiled(params: list[Tensor], grads: list[Tensor], momenta: list[Tensor], tilings):
+    """The non-empty tiles of each piece (``tilings[i]``: piece ``i``'s) as views of
+    ``params``, ``grads`` and ``momenta`` (a tile covering its piece: the piece itself)."""
     tiles = [(i, t) for i, ts in enumerate(tilings) for t in ts if _tile_numel(t, params[i])]
     whole = [len(tilings[i]) == 1 for i, _ in tiles]
-    blocks = [directions[i] if w else directions[i][t] for (i, t), w in zip(tiles, whole)]
-    # O_b = NS5(N_b), each tile independently, batched by tile shape
-    out_dtypes = [update_dtype(params[i].dtype, ns_dtype) for i, _ in tiles]
-    updates = batched_newton_schulz(
-        blocks, out_dtypes, ns_steps, ns_dtype, ns_coefficients, batched=batched
-    )
-    # W_b <- W_b (1 - lr wd) - lr s(m_b, n_b) O_b: RMS matched by the tile's own shape
-    apply_updates(
-        [params[i] if w else params[i][t] for (i, t), w in zip(tiles, whole)],
-        updates,
-        lr=lr,
-        weight_decay=weight_decay,
-        scales=[lr_scale(tuple(b.shape), adjust_lr) for b in blocks],
+    return tuple(
+        [tensors[i] if w else tensors[i][t] for (i, t), w in zip(tiles, whole)]
+        for tensors in (params, grads, momenta)
     )
 
 
-class BlockSteps(Local):
+def block_muon_updates(
+    params, grads, momenta, tilings, *, lr, adjust_lr, batched=True, **options
+) -> None:
+    """``block_muon_update`` of many local pieces sharing hyperparameters (``tilings[i]``:
+    piece ``i``'s tiles): ``muon_updates`` of their tiles, one NS5 per tile shape across
+    all pieces, each tile's lr scaled by its own shape; ``options``: ``muon_updates``'."""
+    tiles = tiled(params, grads, momenta, tilings)
+    scales = [lr_scale(tuple(t.shape), adjust_lr) for t in tiles[0]]
+    muon_updates(*tiles, lr=lr, scales=scales, batched=batched, **options)
+
+
+class BlockSteps(Placement):
     """MuonBP's period and block steps: a placement before Muon's (which takes the full
-    steps), claiming each matrix whose update this step is a block step.
+    steps), claiming each matrix whose update this step is a block step, which it steps by
+    the core's update (Muon's) on the tiles of each local piece, each tile on its own, at
+    the block steps' learning rate.
 
     ``step``: the updates a matrix has taken (a CPU scalar, as torch.optim's AdamW's);
     update ``k`` (from 0) is full when ``k mod period == 0``.
     """
 
-    def init_state(self, param: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, config, name: str) -> dict[str, Tensor]:
         return {"step": torch.tensor(0.0)}
 
-    def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+    def claim(self, matrices: list[Matrix]) -> tuple[list[Matrix], list[Matrix]]:
         """The block steps (one host read of the CPU step counters for all matrices), and
         the full ones left to the core; every counter advanced."""
-        if not entries:
+        if not matrices:
             return [], []
-        counters = [state["step"] for _, state, _ in entries]
+        counters = [m.state["step"] for m in matrices]
         steps = torch.stack(counters).tolist()
         torch._foreach_add_(counters, 1)
-        block = [
-            group["period"] is None or int(k) % group["period"] != 0
-            for k, (_, _, group) in zip(steps, entries)
-        ]
-        return partition(entries, block)
+        period = [m.config.period for m in matrices]
+        return partition(matrices, [p is None or int(k) % p != 0 for k, p in zip(steps, period)])
 
-    def run(self, core, entries: list[Entry], *, batched: bool) -> None:
-        """``block_muon_updates`` of local pieces, each tiled by the group's blocks."""
-        params, grads, states = local_tensors(entries)
-        group = entries[0][2]
-        block_muon_updates(
-            params,
-            grads,
-            [state["momentum"] for state in states],
-            [block_tiles(tuple(p.shape), group["row_blocks"], group["col_blocks"]) for p in params],
-            lr=group["lr"] * group["block_lr_ratio"],
-            adjust_lr=group["adjust_lr"],
-            batched=batched,
-            **muon_options(group),
-        )
+    def step(self, matrices: list[Matrix], core: MuonCore, step: Step) -> None:
+        """The core's update of every tile of the local pieces, per set of math options and
+        device; the tiles take the lr scale of their own shape (``MuonCore``: of the
+        matrices it is given) and ``lr block_lr_ratio``."""
+        by_options = group_by(matrices, lambda m: (m.config.math_key(), local(m.param).device))
+        for indices in by_options.values():
+            mine = [matrices[i] for i in indices]
+            config = mine[0].config
+            params, grads, states = local_batch(mine)
+            momenta = [state["momentum"] for state in states]
+            tilings = [
+                block_tiles(tuple(p.shape), config.row_blocks, config.col_blocks) for p in params
+            ]
+            params, grads, momenta = tiled(params, grads, momenta, tilings)
+            if not params:  # only empty tiles (an empty FSDP shard)
+                continue
+            block = dataclasses.replace(config, lr=config.lr * config.block_lr_ratio)
+            core.updates(Batch(params, grads, [{"momentum": m} for m in momenta]), block)
 
 
 class MuonBP(OwnerExchangeOptimizer):
@@ -292,34 +263,6 @@ class MuonBP(OwnerExchangeOptimizer):
         device ``row_blocks=4`` tiles as FSDP over 4 ranks shards."""
         col_blocks: int | tuple[int, ...] = option(1, SPLITS, math=True)
         """Column tiles of each local piece, as ``row_blocks``."""
-
-    def __init__(
-        self,
-        params,
-        lr: float = Config.lr,
-        momentum: float = Config.momentum,
-        nesterov: bool = Config.nesterov,
-        weight_decay: float = Config.weight_decay,
-        ns_steps: int = Config.ns_steps,
-        *,
-        period: int | None = Config.period,
-        block_lr_ratio: float = Config.block_lr_ratio,
-        row_blocks: int | tuple[int, ...] = Config.row_blocks,
-        col_blocks: int | tuple[int, ...] = Config.col_blocks,
-        ns_dtype: torch.dtype = Config.ns_dtype,
-        ns_coefficients: str = Config.ns_coefficients,
-        adjust_lr: str = Config.adjust_lr,
-        replica_group=Config.replica_group,
-        nonfinite: str = Config.nonfinite,
-        foreach: bool | None = Config.foreach,
-    ):
-        super().__init__(params, self.Config.from_arguments(locals()))
-
-
-def _chunk(n: int, parts: int) -> list[int]:
-    # torch.chunk: parts of ceil(n / parts) each, the last ones short or empty
-    step = -(-n // parts)
-    return [min(step, max(0, n - i * step)) for i in range(parts)]
 
 
 def _slices(sizes: list[int]) -> list[slice]:

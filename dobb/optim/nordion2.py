@@ -17,9 +17,9 @@ from torch import Tensor
 
 from dobb.optim.config import POSITIVE, UNIT, inherit, option
 from dobb.optim.dion2 import Dion2, Dion2Core, apply_rows, dion2_direction, dion2_updates
-from dobb.optim.muon import NS_STEPS, newton_schulz
+from dobb.optim.muon import NS_STEPS, OwnerExchangeOptimizer, newton_schulz, orthogonalize
 from dobb.optim.normuon import NORM_FLOOR, neuron_normalize, row_moment_state
-from dobb.optim.owner_groups import OwnerExchangeOptimizer
+from dobb.optim.owner_groups import ExchangeCore
 
 
 def normalize_selected(update: Tensor, v: Tensor, rows: Tensor, *, beta2: float, eps: float):
@@ -91,45 +91,52 @@ def nordion2_updates(
     dion2_updates(params, grads, momenta, blocks, normalize=normalize, **options)
 
 
-class NorDion2Core(Dion2Core):
-    """NorDion2's core: Dion2's selection and exchange, with NorMuon's ``v`` normalizing
-    the selected rows (``nordion2_updates`` on unshared matrices); shared, the post step
-    normalizes each rank's rows of ``O`` and sums ``||O||_F²``, ``||Ô||_F²`` over the
-    pieces, and ``apply`` rescales by their ratio."""
+class NorDion2Core(ExchangeCore):
+    """NorDion2's core: Dion2's selection, exchange of the selected rows and row update (a
+    ``Dion2Core``, composed) with NorMuon's ``v`` normalizing the selected rows; unshared
+    matrices take ``dion2_updates`` normalizing each stack's rows (``nordion2_updates``'
+    form); shared, the post step normalizes each rank's rows of ``O`` and sums ``||O||_F²``,
+    ``||Ô||_F²`` over the pieces, and ``apply`` rescales by their ratio."""
 
     sums = (2,)  # ||O||_F², ||Ô||_F²
+    whole_rows = "NorDion2 selects and normalizes whole rows"
+    selection = Dion2Core()
 
-    def init_state(self, param: Tensor, group, name: str) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, config, name: str) -> dict[str, Tensor]:
         return row_moment_state(param)
 
-    def updates(self, params, grads, states, group, *, batched: bool) -> None:
-        nordion2_updates(
-            params,
-            grads,
-            [state["momentum"] for state in states],
-            [state["row_second_moment"] for state in states],
-            beta2=group["beta2"],
-            eps=group["eps"],
-            batched=batched,
-            **self.options(params, group),
-        )
+    def updates(self, batch, config) -> None:
+        moments = [state["row_second_moment"] for state in batch.states]
+        normalize = selected_normalizer(moments, beta2=config.beta2, eps=config.eps)
+        self.selection.updates(batch, config, normalize=normalize)
 
-    def normalize(self, pieces, states, rows, group) -> tuple[list[Tensor], list[Tensor]]:
+    def directions(self, grads, states, config) -> tuple[list[Tensor], list]:
+        return self.selection.directions(grads, states, config)
+
+    orthogonalize = staticmethod(orthogonalize)
+
+    def result_dtype(self, config) -> torch.dtype:
+        return config.ns_dtype
+
+    def exchanged_rows(self, rows: int, config) -> int:
+        return self.selection.exchanged_rows(rows, config)
+
+    def normalize(self, pieces, states, rows, config) -> tuple[list[Tensor], list[Tensor]]:
         """Ô on this rank's selected rows, and its parts of ``||O||_F²`` and ``||Ô||_F²``."""
         found, sums = [], []
         for ortho, state, selected in zip(pieces, states, rows):
             v = state["row_second_moment"]
             ortho = ortho.to(v.dtype)
-            update = normalize_selected(ortho, v, selected, beta2=group["beta2"], eps=group["eps"])
+            update = normalize_selected(ortho, v, selected, beta2=config.beta2, eps=config.eps)
             found.append(update)
             sums.append(torch.stack([ortho.square().sum(), update.square().sum()]).double())
         return found, sums
 
-    def apply(self, params, updates, shapes, rows, group, sums) -> None:
+    def apply(self, params, updates, shapes, rows, config, sums) -> None:
         for update, (before, after) in zip(updates, sums):
             # Ô <- ||O||_F / ||Ô||_F Ô
             update.mul_(norm_ratio(before, after).to(update.dtype))
-        super().apply(params, updates, shapes, rows, group, sums)
+        self.selection.apply(params, updates, shapes, rows, config, sums)
 
 
 class NorDion2(OwnerExchangeOptimizer):
@@ -181,23 +188,3 @@ class NorDion2(OwnerExchangeOptimizer):
         """``β2``, the EMA factor of ``v``, each row's mean square of ``O``."""
         eps: float = option(1e-8, POSITIVE, math=True)
         """``ε`` in ``O ⊘ (sqrt(v_S) + ε)``."""
-
-    def __init__(
-        self,
-        params,
-        lr: float = Config.lr,
-        fraction: float = Config.fraction,
-        ef_decay: float = Config.ef_decay,
-        beta2: float = Config.beta2,
-        weight_decay: float = Config.weight_decay,
-        ns_steps: int = Config.ns_steps,
-        *,
-        eps: float = Config.eps,
-        ns_dtype: torch.dtype = Config.ns_dtype,
-        ns_coefficients: str = Config.ns_coefficients,
-        row_blocks: int | tuple[int, ...] = Config.row_blocks,
-        replica_group=Config.replica_group,
-        nonfinite: str = Config.nonfinite,
-        foreach: bool | None = Config.foreach,
-    ):
-        super().__init__(params, self.Config.from_arguments(locals()))

@@ -21,22 +21,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dobb.optim.base import state_dtype
 from dobb.optim.batching import group_by, solo
 from dobb.optim.config import BOOL, POSITIVE, UNIT, inherit, option
 from dobb.optim.muon import (
     NS_STEPS,
     MuonCore,
     NewtonSchulzConfig,
+    OwnerExchangeOptimizer,
     apply_update,
     apply_updates,
     momentum_state,
-    muon_options,
     nesterov_direction,
     nesterov_directions,
     newton_schulz,
+    orthogonalize,
 )
-from dobb.optim.owner_groups import OwnerExchangeOptimizer
+from dobb.optim.owner_groups import ExchangeCore
+from dobb.optim.parts import state_dtype
 
 TARGET_RMS = 0.2  # the paper's 0.2 sqrt(m n) / ||Ô||_F: AdamW's typical update RMS
 NORM_FLOOR = 1e-12  # ||Ô||_F below this (a zero update) is not divided by
@@ -137,49 +138,62 @@ def row_moment_state(param: Tensor) -> dict[str, Tensor]:
     }
 
 
-class NorMuonCore(MuonCore):
-    """NorMuon's core: Muon's direction and Newton-Schulz; ``normuon_updates`` on unshared
-    matrices; shared, the post step normalizes each rank's rows and sums ``||Ô||_F²`` over
-    the pieces, and ``apply`` rescales to RMS 0.2."""
+class NorMuonCore(ExchangeCore):
+    """NorMuon's core: Muon's direction and Newton-Schulz (``MuonCore``'s, composed), with
+    ``normuon_updates`` on unshared matrices; shared, the post step normalizes each rank's
+    rows and sums ``||Ô||_F²`` over the pieces, and ``apply`` rescales to RMS 0.2."""
 
     sums = ()  # ||Ô||_F²
     whole_rows = "NorMuon normalizes whole rows"
+    muon = MuonCore()  # the direction, the owner's step and its dtype
 
-    def init_state(self, param: Tensor, group, name: str) -> dict[str, Tensor]:
+    def init_state(self, param: Tensor, config, name: str) -> dict[str, Tensor]:
         return row_moment_state(param)
 
-    def updates(self, params, grads, states, group, *, batched: bool) -> None:
+    def updates(self, batch, config) -> None:
+        params, grads, states = batch
         normuon_updates(
             params,
             grads,
             [state["momentum"] for state in states],
             [state["row_second_moment"] for state in states],
-            lr=group["lr"],
-            beta2=group["beta2"],
-            eps=group["eps"],
-            batched=batched,
-            **muon_options(group),
+            lr=config.lr,
+            beta=config.momentum,
+            beta2=config.beta2,
+            nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
+            eps=config.eps,
+            ns_steps=config.ns_steps,
+            ns_dtype=config.ns_dtype,
+            ns_coefficients=config.ns_coefficients,
+            batched=config.batched(params[0].device),
         )
 
-    def normalize(self, pieces, states, aux, group) -> tuple[list[Tensor], list[Tensor]]:
+    def directions(self, grads, states, config) -> tuple[list[Tensor], list]:
+        return self.muon.directions(grads, states, config)
+
+    orthogonalize = staticmethod(orthogonalize)
+
+    def result_dtype(self, config) -> torch.dtype:
+        return self.muon.result_dtype(config)
+
+    def normalize(self, pieces, states, aux, config) -> tuple[list[Tensor], list[Tensor]]:
         """Ô on this rank's rows, and its part of ``||Ô||_F²``."""
         found = [
-            neuron_normalize(
-                piece, state["row_second_moment"], beta2=group["beta2"], eps=group["eps"]
-            )
+            neuron_normalize(piece, state["row_second_moment"], beta2=config.beta2, eps=config.eps)
             for piece, state in zip(pieces, states)
         ]
         return found, [update.square().sum().double() for update in found]
 
-    def apply(self, params, updates, shapes, aux, group, sums) -> None:
+    def apply(self, params, updates, shapes, aux, config, sums) -> None:
         for update, shape, square_norm in zip(updates, shapes, sums):
             # Ô <- 0.2 sqrt(m n) Ô / ||Ô||_F
             update.mul_(rms_factor(shape, square_norm))
         apply_updates(
             params,
             updates,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
+            lr=config.lr,
+            weight_decay=config.weight_decay,
             scales=[1.0] * len(params),
         )
 
@@ -227,22 +241,3 @@ class NorMuon(OwnerExchangeOptimizer):
         eps: float = option(1e-8, POSITIVE, math=True)
         """``ε`` in ``O ⊘ (sqrt(v) + ε)`` (the Dion authors'; the NorMuon authors' code:
         1e-10)."""
-
-    def __init__(
-        self,
-        params,
-        lr: float = Config.lr,
-        momentum: float = Config.momentum,
-        beta2: float = Config.beta2,
-        nesterov: bool = Config.nesterov,
-        weight_decay: float = Config.weight_decay,
-        ns_steps: int = Config.ns_steps,
-        *,
-        eps: float = Config.eps,
-        ns_dtype: torch.dtype = Config.ns_dtype,
-        ns_coefficients: str = Config.ns_coefficients,
-        replica_group=Config.replica_group,
-        nonfinite: str = Config.nonfinite,
-        foreach: bool | None = Config.foreach,
-    ):
-        super().__init__(params, self.Config.from_arguments(locals()))

@@ -80,20 +80,19 @@ from torch import Tensor
 
 from dobb._dtensor import DTensor, local
 from dobb.distributed.exchange import OwnerExchange
-from dobb.distributed.groups import check_group, mesh_group, one_group
+from dobb.distributed.groups import mesh_group, one_group
 from dobb.distributed.placement import MatrixPlacement, matrix_placement
-from dobb.optim.base import (
+from dobb.optim.batching import group_by, stack_apply
+from dobb.optim.config import OptimizerConfig, option
+from dobb.optim.parts import (
     Core,
-    Entry,
-    Group,
-    Local,
-    MatrixOptimizer,
+    Matrix,
+    Placement,
+    Step,
     local_state,
     partition,
     state_dtype,
 )
-from dobb.optim.batching import group_by, stack_apply
-from dobb.optim.config import OptimizerConfig, math_key, option
 
 
 def holders(param: Tensor, replica_group):
@@ -103,24 +102,24 @@ def holders(param: Tensor, replica_group):
     return one_group(replica_group)
 
 
-def shared_buckets(groups: list[Group], replica_group) -> list[tuple[Any, list[Tensor]]]:
-    """``(process group, its parameters)`` for every group of shared matrices, in an order
-    every rank agrees on (each bucket builds one ``OwnerExchange`` collectively)."""
+def shared_buckets(params: list[Tensor], replica_group) -> list[tuple[Any, list[Tensor]]]:
+    """``(process group, its parameters)`` for every group of shared matrices among
+    ``params``, in an order every rank agrees on (each bucket builds one ``OwnerExchange``
+    collectively)."""
     buckets: dict[str, tuple[Any, list[Tensor]]] = {}
-    for group in groups:
-        for p in group["params"]:
-            owners = holders(p, replica_group)
-            if owners is not None:
-                buckets.setdefault(owners.group_name, (owners, []))[1].append(p)
+    for p in params:
+        owners = holders(p, replica_group)
+        if owners is not None:
+            buckets.setdefault(owners.group_name, (owners, []))[1].append(p)
     return list(buckets.values())
 
 
 class ExchangeCore(Core):
     """The core of an algorithm that orthogonalizes whole matrices on an owner: besides
     ``Core``'s ``init_state`` and ``updates`` (unshared matrices), the steps around the
-    owner exchange. Each method takes the matrices of one parameter group's math options as
-    lists of plain local tensors (``states``: their state dicts, with local tensors) and
-    ``group``, the group's options.
+    owner exchange. Each method takes the matrices of one set of math options as lists of
+    plain local tensors (``states``: their state dicts, with local tensors) and ``config``,
+    their options.
 
     ``sums``: the shape of each matrix's partial sums in the post step (None: no post step).
     ``whole_rows``: why the algorithm needs whole rows (None: it does not); a parameter
@@ -130,31 +129,32 @@ class ExchangeCore(Core):
     sums: tuple[int, ...] | None = None
     whole_rows: str | None = None
 
-    def directions(self, grads, states, group: Group) -> tuple[list[Tensor], list]:
+    def directions(self, grads, states, config) -> tuple[list[Tensor], list]:
         """Before the exchange: the ``(rows, cols)`` piece of each matrix to orthogonalize
         (its rows: ``exchanged_rows``), and what ``apply`` needs of each (None: nothing)."""
         raise NotImplementedError
 
-    def orthogonalize(self, matrices: Tensor, group: Group) -> Tensor:
-        """On the owner: a whole matrix, or a ``(b, m, n)`` stack, orthogonalized."""
+    def orthogonalize(self, matrices: Tensor, config) -> Tensor:
+        """On the owner: a whole matrix, or a ``(b, m, n)`` stack, orthogonalized, in
+        ``result_dtype(config)`` (the exchange sends it back exactly)."""
         raise NotImplementedError
 
-    def result_dtype(self, group: Group) -> torch.dtype:
-        """The dtype ``orthogonalize`` returns (the exchange sends it exactly)."""
+    def result_dtype(self, config) -> torch.dtype:
+        """The dtype ``orthogonalize`` returns."""
         raise NotImplementedError
 
-    def normalize(self, pieces, states, aux, group: Group) -> tuple[list[Tensor], list[Tensor]]:
+    def normalize(self, pieces, states, aux, config) -> tuple[list[Tensor], list[Tensor]]:
         """The post step on each rank's pieces of the orthogonalized matrices: the updates
         so far and their partial sums (of shape ``sums``), which ``apply`` gets summed
         over the pieces of each matrix."""
         raise NotImplementedError
 
-    def apply(self, params, updates, shapes, aux, group: Group, sums) -> None:
+    def apply(self, params, updates, shapes, aux, config, sums) -> None:
         """After the exchange: each piece of ``params`` updated in place (``shapes``: the
         whole matrices'; ``sums``: the summed partial sums, or None)."""
         raise NotImplementedError
 
-    def exchanged_rows(self, rows: int, group: Group) -> int | None:
+    def exchanged_rows(self, rows: int, config) -> int | None:
         """How many rows of a ``rows``-row piece travel to the owner (None: the piece)."""
         return None
 
@@ -170,7 +170,7 @@ class OwnerExchangeConfig(OptimizerConfig):
     share over their own mesh."""
 
 
-class OwnerExchanges(Local):
+class OwnerExchanges(Placement):
     """The placement of shared matrices: one ``OwnerExchange`` per process group of them
     (``exchanges``: with its parameters), planned by ``plan`` (collective), and the step of
     each (``exchange_step``, the protocol of the module docstring)."""
@@ -180,25 +180,24 @@ class OwnerExchanges(Local):
         self.exchanges: list[tuple[OwnerExchange, list[Tensor]]] = []
         self.subsets: dict[tuple[int, ...], OwnerExchange] = {}
 
-    def plan(self, groups: list[Group]) -> None:
-        """One ``OwnerExchange`` per process group of shared matrices of ``groups`` (the
-        matrix groups; collective: every rank builds the optimizer, so every rank gets here
-        with the same parameters)."""
+    def plan(self, configs: dict[Tensor, Any]) -> None:
+        """One ``OwnerExchange`` per process group of shared matrices among ``configs``' keys
+        (every matrix parameter, with its config; collective: every rank builds the
+        optimizer, so every rank gets here with the same parameters)."""
         self.subsets = {}
-        group_of = _group_of(groups)
         self.exchanges = [
-            (OwnerExchange(self._placements(params, owners, group_of), owners), params)
-            for owners, params in shared_buckets(groups, self.replica_group)
+            (OwnerExchange(self._placements(params, owners, configs), owners), params)
+            for owners, params in shared_buckets(list(configs), self.replica_group)
         ]
 
-    def _placements(self, params: list[Tensor], owners, group_of) -> list[MatrixPlacement]:
+    def _placements(self, params: list[Tensor], owners, configs) -> list[MatrixPlacement]:
         """This rank's placement of what each matrix sends its owner: its piece, or, where
         the core sends only some rows (``exchanged_rows``: Dion2's selection), its rows of
         the ``k x n`` matrix of every rank's: a fixed range, after the rows of the pieces
         that start above it (collective: one ``all_gather_object``)."""
         placements = [matrix_placement(p) for p in params]
         counts = [
-            self.core.exchanged_rows(len(pl.rows), group_of[p]) for p, pl in zip(params, placements)
+            self.core.exchanged_rows(len(pl.rows), configs[p]) for p, pl in zip(params, placements)
         ]
         if all(count is None for count in counts):
             return placements
@@ -215,49 +214,47 @@ class OwnerExchanges(Local):
             out.append(MatrixPlacement(shape, rows, torch.arange(p.shape[1])))
         return out
 
-    def _subset(self, exchange: OwnerExchange, params: list[Tensor], group_of) -> OwnerExchange:
+    def _subset(self, exchange: OwnerExchange, params: list[Tensor], configs) -> OwnerExchange:
         """An exchange over just ``params`` of ``exchange``'s (planned collectively on first
         use, then kept: every rank reaches it with the same matrices)."""
         key = (id(exchange), *(id(p) for p in params))
         if key not in self.subsets:
-            placements = self._placements(params, exchange.group, group_of)
+            placements = self._placements(params, exchange.group, configs)
             self.subsets[key] = OwnerExchange(placements, exchange.group)
         return self.subsets[key]
 
-    def claim(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+    def claim(self, matrices: list[Matrix]) -> tuple[list[Matrix], list[Matrix]]:
         """The matrices of an exchange; the rest are local."""
         shared = {p for _, params in self.exchanges for p in params}
-        return partition(entries, [p in shared for p, _, _ in entries])
+        return partition(matrices, [m.param in shared for m in matrices])
 
-    def step(self, entries: list[Entry], driver: MatrixOptimizer) -> None:
-        """Each exchange's step of its matrices among ``entries`` (the others of it took
+    def step(self, matrices: list[Matrix], core: ExchangeCore, step: Step) -> None:
+        """Each exchange's step of its matrices among ``matrices`` (the others of it took
         another placement's step, or have no gradient), with this step's options."""
-        due = {p for p, _, _ in entries}
-        # this step's group dicts: load_state_dict replaces them, a scheduler edits them
-        group_of = _group_of([g for g in driver.param_groups if g["algorithm"] == driver.algorithm])
+        due = {m.param: m for m in matrices}
         for exchange, params in self.exchanges:
-            self.exchange_step(exchange, params, due, group_of, driver)
+            self.exchange_step(exchange, params, due, step.configs)
 
-    def exchange_step(self, exchange: OwnerExchange, params, due: set, group_of, driver) -> None:
+    def exchange_step(self, exchange: OwnerExchange, params, due: dict, configs) -> None:
         """The core's step of the matrices shared by ``exchange``'s ranks that are ``due``
-        (the others took a piece step), with this step's options (``group_of``: each
-        parameter's group dict). A parameter without a gradient takes part with zeros
-        (every rank must) and stays unchanged."""
+        (``Matrix`` by parameter; the others took a piece step), with this step's options
+        (``configs``: each parameter's). A parameter without a gradient takes part with
+        zeros (every rank must) and stays unchanged."""
         live = [p for p in params if p.grad is not None]
         if not any(p in due for p in live):
             return
         if not all(p in due for p in live):
             params = [p for p in live if p in due]
-            exchange = self._subset(exchange, params, group_of)
-        groups = [group_of[p] for p in params]
+            exchange = self._subset(exchange, params, configs)
+        options = [configs[p] for p in params]
         live = [j for j, p in enumerate(params) if p.grad is not None]
-        keys = [math_key(g, driver.math_options) for g in groups]
+        keys = [config.math_key() for config in options]
         stacks = [[live[i] for i in ix] for ix in group_by(live, keys.__getitem__).values()]
-        states = {j: local_state(driver.state[params[j]]) for j in live}
+        states = {j: local_state(due[params[j]].state) for j in live}
         pieces, aux = [None] * len(params), [None] * len(params)
         for js in stacks:
             grads = [local(params[j].grad) for j in js]
-            found, extra = self.core.directions(grads, [states[j] for j in js], groups[js[0]])
+            found, extra = self.core.directions(grads, [states[j] for j in js], options[js[0]])
             for j, piece, a in zip(js, found, extra):
                 pieces[j], aux[j] = piece, a
         for j, p in enumerate(params):
@@ -266,7 +263,7 @@ class OwnerExchanges(Local):
                 pieces[j] = local(p).new_zeros((len(rows), len(cols)), dtype=state_dtype(p))
             elif len(pieces[j]) != len(rows):
                 raise RuntimeError(
-                    f"{driver.name_of(p)}: {len(pieces[j])} rows selected but {len(rows)} "
+                    f"{due[p].name}: {len(pieces[j])} rows selected but {len(rows)} "
                     "planned; fraction and row_blocks of a sharded matrix are fixed at "
                     "construction"
                 )
@@ -274,30 +271,30 @@ class OwnerExchanges(Local):
         # every piece to its matrix's owner (one all_to_all)
         whole = exchange.gather(pieces)
         # orthogonalized on the owner, stacked by shape and math options
-        owned, group_of_key = list(whole), dict(zip(keys, groups))
+        owned, options_of_key = list(whole), dict(zip(keys, options))
         results = stack_apply(
             [whole[j] for j in owned],
-            lambda matrices, k: self.core.orthogonalize(matrices, group_of_key[k]),
+            lambda matrices, k: self.core.orthogonalize(matrices, options_of_key[k]),
             key=lambda i: keys[owned[i]],
-            batched=driver.batched(device),
+            batched=options[0].batched(device),
         )
         # every rank's piece of the results back from the owner (one all_to_all)
-        dtypes = [self.core.result_dtype(g) for g in groups]
+        dtypes = [self.core.result_dtype(config) for config in options]
         buffer_dtype = functools.reduce(torch.promote_types, dtypes)
         back = exchange.scatter(dict(zip(owned, results)), buffer_dtype, device)
         updates = {j: back[j].to(dtypes[j]) for j in live}  # exact: they were in dtypes[j]
-        sums = self._post_step(exchange, stacks, updates, states, aux, groups, device)
+        sums = self._post_step(exchange, stacks, updates, states, aux, options, device)
         for js in stacks:
             self.core.apply(
                 [local(params[j]) for j in js],
                 [updates[j] for j in js],
                 [tuple(params[j].shape) for j in js],
                 [aux[j] for j in js],
-                groups[js[0]],
+                options[js[0]],
                 None if sums is None else [sums[j] for j in js],
             )
 
-    def _post_step(self, exchange, stacks, updates, states, aux, groups, device) -> Tensor | None:
+    def _post_step(self, exchange, stacks, updates, states, aux, options, device) -> Tensor | None:
         """``core.normalize`` of each stack (``updates`` replaced in place), and every
         matrix's partial sums added over its distinct pieces: one ``all_reduce`` when some
         rank holds less than a matrix (each distinct piece counted once, by its sender);
@@ -305,13 +302,13 @@ class OwnerExchanges(Local):
         if self.core.sums is None:
             return None
         zero = torch.zeros(self.core.sums, dtype=torch.float64, device=device)
-        sums = [zero] * len(groups)
+        sums = [zero] * len(options)
         for js in stacks:
             found, partial = self.core.normalize(
                 [updates[j] for j in js],
                 [states[j] for j in js],
                 [aux[j] for j in js],
-                groups[js[0]],
+                options[js[0]],
             )
             for j, update, part in zip(js, found, partial):
                 updates[j] = update
@@ -321,54 +318,3 @@ class OwnerExchanges(Local):
         if exchange.split:
             dist.all_reduce(sums, group=exchange.group)
         return sums
-
-
-class OwnerExchangeOptimizer(MatrixOptimizer):
-    """The driver over an ``ExchangeCore`` with the placements ``piece_steps`` (if any),
-    ``OwnerExchanges`` and ``Local``."""
-
-    core: ExchangeCore
-    piece_steps: Local | None = None  # MuonBP's block steps: claims by a schedule
-    # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
-    data_parallel_option = "replica_group"
-
-    def __init__(self, params, config: OwnerExchangeConfig):
-        self.config = config
-        replica_group = check_group(type(self).__name__, "replica_group", config.replica_group)
-        self.exchanges = OwnerExchanges(self.core, replica_group)
-        before = () if self.piece_steps is None else (self.piece_steps,)
-        self.placements = (*before, self.exchanges, Local())
-        self._planned = False
-        super().__init__(
-            params, config.defaults(), nonfinite=config.nonfinite, foreach=config.foreach
-        )
-        self._plan_exchanges()
-
-    def add_param_group(self, param_group: Group) -> None:
-        super().add_param_group(param_group)
-        if self._planned:  # a group added after construction: plan again
-            self._plan_exchanges()
-
-    def _plan_exchanges(self) -> None:
-        self.exchanges.plan([g for g in self.param_groups if g["algorithm"] == self.algorithm])
-        self._planned = True
-
-    def _validate_group(self, group: Group) -> None:
-        super()._validate_group(group)
-        if group["algorithm"] != self.algorithm:
-            return
-        for p in group["params"]:
-            if not isinstance(p, DTensor):
-                continue
-            placement = matrix_placement(p)  # rejects Partial placements
-            if self.core.whole_rows and len(placement.cols) != p.shape[1]:
-                raise NotImplementedError(
-                    f"{self.name_of(p)} is split along its columns ({tuple(p.placements)}); "
-                    f"{self.core.whole_rows}, so shard its rows only (FSDP Shard(0)) or give "
-                    "it to Muon"
-                )
-
-
-def _group_of(groups: list[Group]) -> dict[Tensor, Group]:
-    """Each parameter's group dict."""
-    return {p: g for g in groups for p in g["params"]}

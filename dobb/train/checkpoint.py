@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dobb.optim.dobb_checkpoint import LegacyKeysLoadPlanner
+from dobb.optim.dobb import LegacyKeysLoadPlanner
 from dobb.train.errors import RunError, RunWarning
 
 MARKER = "COMPLETE"

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from dobb.optim.registry import OPTIMIZERS
+from dobb.registry import OPTIMIZERS
 from dobb.train.errors import RunError
 from dobb.train.model import GPT_CONFIGS
 from dobb.train.parallel import LAYOUTS
@@ -57,8 +57,8 @@ class TrainConfig:
     warmup_steps: int = 0  # steps of linear warmup from lr / warmup_steps up to lr
     decay: str = "cosine"  # after warmup: "cosine", "linear" or "constant"
     min_lr_ratio: float = 0.1  # the floor of the decay, as a fraction of the peak lr
-    # ---- optimizer (one registry lookup: dobb.optim.registry.build_optimizer)
-    optimizer: str = "dobb"  # a registry name (dobb.optim.registry.OPTIMIZERS)
+    # ---- optimizer (one registry lookup: dobb.registry.build_optimizer)
+    optimizer: str = "dobb"  # a registry name (dobb.registry.OPTIMIZERS)
     lr: float | None = None  # peak lr of the hidden matrices (all params for adamw); None: registry
     scalar_lr: float | None = None  # peak lr of embeddings/head/norms/biases; None: registry
     optimizer_options: dict = field(default_factory=dict)  # constructor args, e.g. {num_blocks: 8}

@@ -33,7 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from dobb._dtensor import DTensor
-from dobb.optim.registry import build_optimizer, get_entry
+from dobb.registry import build_optimizer, get_entry
 from dobb.train.checkpoint import (
     load_checkpoint,
     read_metadata,

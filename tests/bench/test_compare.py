@@ -11,7 +11,7 @@ from bench import cli as lab
 from bench import compare
 from bench.optimizers import tuned_lrs
 from dobb import cli
-from dobb.optim.registry import get_entry
+from dobb.registry import get_entry
 
 # each optimizer at its best lr from the study's committed JSON (registry lr if untuned)
 RUNS = sorted(

@@ -54,7 +54,7 @@ def test_the_code_lines_are_the_install_checks(measured, tmp_path):
 
 
 def test_the_options_are_the_configs_fields(measured):
-    from dobb.optim.registry import OPTIMIZERS
+    from dobb.registry import OPTIMIZERS
 
     classes = {
         e.cls
@@ -78,7 +78,7 @@ def test_the_hooks_are_the_base_classes_methods(measured):
     """The base is a class of dobb that every matrix optimizer derives from (today
     ``MatrixOptimizer``); each hook is one of its methods, overridden by the subclasses
     listed and no other."""
-    from dobb.optim.registry import OPTIMIZERS
+    from dobb.registry import OPTIMIZERS
 
     hooks = measured["hooks"]
     module, _, name = hooks["base"].rpartition(".")

@@ -23,14 +23,14 @@ from bench.model.costs import traced
 from bench.optimizers import LAB, cost_model
 from bench.results import calltime, linear_stack
 from bench.tools.opcount import OpCounter
-from dobb.blocks import block_stacks
 from dobb.eigensolve import basis_solver, jacobi_basis
 from dobb.optim.dion_core import dion_update, sketch_rows
-from dobb.optim.dobb_update import dobb_update, dobb_update_batched
+from dobb.optim.dobb_core import dobb_update, dobb_update_batched
 from dobb.optim.muon import newton_schulz
 from dobb.optim.muonbp import block_muon_update, block_tiles
-from dobb.optim.registry import OPTIMIZERS as REGISTRY
-from dobb.optim.registry import build_optimizer
+from dobb.registry import OPTIMIZERS as REGISTRY
+from dobb.registry import build_optimizer
+from dobb.stats import block_stacks
 
 M = workload.Matrix("w", 8, 16)  # d_out = 8 rows, d_in = 16
 XL = workload.hidden_matrices("gpt2-xl")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import dobb
-from dobb.optim.registry import OPTIMIZERS, build_optimizer
+from dobb.registry import OPTIMIZERS, build_optimizer
 
 # each matrix optimizer's group argument (the meanings: dobb.distributed.groups)
 NEW_NAME = {

@@ -10,8 +10,8 @@ import torch.distributed.checkpoint as dcp
 from multirank import run_ranks
 
 from dobb.optim.dobb import Dobb
-from dobb.optim.dobb_layout import OLD_NAMES
-from dobb.optim.registry import OPTIMIZERS
+from dobb.optim.dobb_core import OLD_NAMES
+from dobb.registry import OPTIMIZERS
 from dobb.train.checkpoint import (
     MARKER,
     CheckpointError,

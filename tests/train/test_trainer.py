@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dobb.optim.registry import OPTIMIZERS
+from dobb.registry import OPTIMIZERS
 from dobb.train.checkpoint import checkpoint_dir, latest_checkpoint
 from dobb.train.config import CONFIG_DIR, ConfigError, TrainConfig, find_config, load_config
 from dobb.train.errors import RunError, RunWarning

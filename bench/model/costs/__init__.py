@@ -19,7 +19,7 @@ function those it takes, so one dict of a benchmark's settings serves every opti
 import inspect
 from typing import Any
 
-from dobb.optim.registry import get_entry
+from dobb.registry import get_entry
 
 
 def with_options(function, *args, **options: Any):

@@ -119,7 +119,7 @@ def comm_bytes(opt, matrices, layout: str, world: int, step: int) -> int:
     for p, group in matrices:
         placement = matrix_placement(p)
         m_local, n_local = len(placement.rows), len(placement.cols)
-        r = rank_of(p.shape, group)
+        r = rank_of(p.shape, group["rank_fraction"], group["rank"])
         k = sketch_rows(r)
         floats = len(placement.row_groups) * ((k * r + 1) + r * r + n_local * r)
         floats += len(placement.col_groups) * ((m_local * r + 1) + r)

@@ -22,7 +22,7 @@ from bench.model.costs.muon import (
 from bench.model.hardware import Collective
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
 from dobb.distributed.placement import matrix_placement
-from dobb.optim.dion2 import Dion2, selected_count
+from dobb.optim.dion2 import selected_count, selection_blocks
 
 COMM_FORMULA = "as Muon on the K x n selected rows, K = Σ_shards ceil(f m_shard)"
 
@@ -84,7 +84,7 @@ def comm_bytes(opt, matrices, layout: str, world: int, step: int) -> int:
     total = 0
     for p, group in matrices:
         placement = matrix_placement(p)
-        blocks = Dion2.blocks(len(placement.rows), group)
+        blocks = selection_blocks(len(placement.rows), group["row_blocks"])
         k_local = sum(selected_count(b, group["fraction"]) for b in blocks)
         k = k_local * (1 if layout == "ddp" else world)
         split = bool(placement.row_groups or placement.col_groups)

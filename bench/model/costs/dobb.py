@@ -19,9 +19,10 @@ from bench.model.costs.kernels import (
 from bench.model.costs.traced import solver_kernels
 from bench.model.hardware import Collective
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
-from dobb.blocks import block_stacks
-from dobb.distributed.sharding import local_block_stacks
 from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
+from dobb.optim.dobb_core import refresh_due
+from dobb.optim.dobb_steps import local_block_stacks
+from dobb.stats import block_stacks
 
 COMM_FORMULA = "refresh: Σ d_in²/B fp32 per data axis + bases all-gather Σ_s P⌈n_s/P⌉ s²; else 0"
 
@@ -328,7 +329,7 @@ def comm_bytes(opt, matrices, layout: str, world: int, step: int) -> int:
     then one all-gather of the bases per block size, padded to a multiple of the group."""
     total, gathered = 0, Counter()  # blocks per size, all matrices
     for p, group in matrices:
-        refresh = (step - 1) % group["basis_interval"] == 0
+        refresh = refresh_due(step, group["basis_interval"])
         blocks = sum(s.count * s.size**2 for s in opt.local_blocks(p))  # local C_b
         axes = len(opt.stats_groups) if refresh else 0
         total += FP32 * blocks * axes
