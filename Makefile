@@ -13,7 +13,7 @@ TORCH ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,bench,bpe,examples]"
+	$(PY) -m pip install -q -e ".[dev,train,bench,bpe,examples]"
 	touch $@
 
 .PHONY: test demo lint install-check test-torchtitan
