@@ -2,9 +2,11 @@
 #   make demo            the main job: compare the optimizers on a small GPT
 #   make test            the test suite
 #   make lint            ruff check and ruff format --check
-#   make install-check   the wheel, installed without extras, runs the quick start
+#   make dist            the sdist and the wheel in dist/ (python -m build), twine check --strict
+#   make install-check   the built wheel, installed without extras, builds and steps every
+#                        optimizer; with the train extra it runs the quick start
 #   make test-torchtitan torchtitan with dobb's optimizers on 2 gloo ranks (its own stage)
-# CI (.ci/run) runs test, lint, install-check and test-torchtitan.
+# CI (.ci/run) runs test, lint, dist, install-check and test-torchtitan.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # On CPU machines pin torch: 2.13.0 is a local CPU build, an unpinned torch pulls CUDA.
@@ -13,10 +15,10 @@ TORCH ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,bench,bpe,examples]"
+	$(PY) -m pip install -q -e ".[dev,train,bench,bpe,examples]"
 	touch $@
 
-.PHONY: test demo lint install-check test-torchtitan
+.PHONY: test demo lint dist install-check test-torchtitan
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
@@ -31,5 +33,13 @@ test-torchtitan: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-install-check: $(VENV)/.installed
-	TORCH="$(TORCH)" .ci/install_check $(PY)
+# The sdist, then the wheel built from it (so the sdist holds what a build needs), each in an
+# isolated environment with only [build-system] requires (setuptools from the index).
+dist: $(VENV)/.installed
+	rm -rf dist
+	$(PY) -m build -o dist .
+	$(VENV)/bin/twine check --strict dist/*
+
+# installs the wheel `make dist` built (so `make install-check` alone builds it first)
+install-check: dist
+	TORCH="$(TORCH)" .ci/install_check $(PY) dist/*.whl

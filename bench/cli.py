@@ -14,7 +14,7 @@ import shlex
 import sys
 
 from dobb.cli import DEBUG_ENV, one_line
-from dobb.train.config import find_config, parse_overrides
+from dobb.train.config import parse_overrides
 from dobb.train.errors import RunError
 
 COMMAND = "python -m bench"  # how the records name this command
@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tiny", action="store_true", help="the whole pipeline on a tiny GPT")
     s.add_argument("--out", default=None, help="runs and plots (default: benchmarks/study)")
     s.add_argument("--doc", default=None, help="the report (default: STUDY.md next to --out)")
-    s.add_argument("--config", default=None, help="the budget (default: configs/study/budget.yaml)")
+    s.add_argument("--config", default=None, help="the budget (default: bench/study/budget.yaml)")
     s.add_argument("--workers", type=int, default=None, help="runs side by side")
     return p
 
@@ -120,6 +120,5 @@ def _study(args, command: str) -> int:
     from bench.study import study
 
     out = args.out or ("runs/study-tiny" if args.tiny else "benchmarks/study")
-    config = find_config(args.config or "configs/study/budget.yaml")
-    study(out, args.doc, tiny=args.tiny, config=config, workers=args.workers, command=command)
+    study(out, args.doc, tiny=args.tiny, config=args.config, workers=args.workers, command=command)
     return 0

@@ -1,5 +1,7 @@
 """dobb: shard-local block-diagonal eigenbasis preconditioning for LLM training."""
 
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
+
 from dobb.groups import param_groups
 from dobb.optim.base import MatrixOptimizer, NonFiniteGradientError
 from dobb.optim.dion import Dion
@@ -26,4 +28,3 @@ __all__ = [
     "get_entry",
     "param_groups",
 ]
-__version__ = "0.1.0"

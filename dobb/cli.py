@@ -3,6 +3,8 @@
 `dobb train [CONFIG.yaml] [key=value ...]` (also `python -m dobb`). A failure the user can
 fix (a divergence too) prints one line, `dobb: error: <what, and how to fix it>`, and exits
 with status 2 (`--debug` or DOBB_DEBUG=1: its traceback too); any other error is a bug.
+The harness needs the train extra (numpy, pyyaml, tqdm), which the optimizers do not: without
+it `dobb train` is such a failure, naming `pip install 'dobb[train]'`.
 """
 
 import argparse
@@ -11,10 +13,10 @@ import sys
 import warnings
 
 from dobb.optim.base import NonFiniteGradientError
-from dobb.train.config import ConfigError, load_config
 from dobb.train.errors import RunError, RunWarning
 
 DEBUG_ENV = "DOBB_DEBUG"  # set to 1 for the traceback of an expected error, as --debug
+TRAIN_EXTRA = ("numpy", "yaml", "tqdm")  # what `pip install 'dobb[train]'` adds, by module
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,8 +76,17 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def _train(items: list[str]) -> int:
-    from dobb.train.trainer import train
-
+    try:
+        from dobb.train.config import ConfigError, load_config
+        from dobb.train.trainer import train
+    except ModuleNotFoundError as e:  # a bare `pip install dobb`: the optimizers alone
+        missing = (e.name or "").partition(".")[0]
+        if missing not in TRAIN_EXTRA:
+            raise
+        raise RunError(
+            f"`dobb train` needs numpy, pyyaml and tqdm (no module named {missing!r}): "
+            "pip install 'dobb[train]'"
+        ) from e
     paths = [a for a in items if "=" not in a]
     if len(paths) > 1:
         raise ConfigError(f"expected at most one config file, got {paths}")

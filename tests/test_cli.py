@@ -2,8 +2,10 @@
 DOBB_DEBUG show its traceback; a bug keeps its traceback; shipped configs work anywhere."""
 
 import errno
+import importlib
 import importlib.util
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -131,6 +133,18 @@ def test_commands_that_plot_name_the_extra_they_need(capsys, monkeypatch):
     for command in (["compare", "--quick"], ["study", "--tiny"]):
         assert bench_main(command) == 2
         assert "pip install matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["yaml", "numpy", "tqdm"])
+def test_train_without_the_train_extra_names_it(capsys, monkeypatch, module):
+    """A bare `pip install dobb` has torch alone: `dobb train` is one line naming the extra."""
+    loaded = {name: importlib.import_module(f"dobb.train.{name}") for name in ("config", "trainer")}
+    for name, mod in loaded.items():  # imported again by the command, `module` missing
+        monkeypatch.setattr(sys.modules["dobb.train"], name, mod)  # restored after the test
+        monkeypatch.delitem(sys.modules, mod.__name__)
+    monkeypatch.setitem(sys.modules, module, None)
+    line = error_line(capsys, ["train", "tiny", *QUICK])
+    assert f"'{module}'" in line and line.endswith("pip install 'dobb[train]'")
 
 
 def test_a_resume_that_changes_the_run_is_one_line(capsys, tmp_path):

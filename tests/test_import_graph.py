@@ -38,6 +38,7 @@ LAYERS = [
 ``dobb``, the modules under it (``dobb.optim`` holds ``dobb.optim.base``)."""
 
 FOREIGN = ("bench", "tests", "examples")  # the lab, the tests: never imported by dobb
+TRAIN_EXTRA = ("numpy", "yaml", "tqdm")  # dobb[train]: the harness's, not the optimizers'
 
 
 def modules(root: Path, package: str = "dobb") -> dict[str, Path]:
@@ -158,6 +159,24 @@ def test_no_import_from_a_lower_layer_up():
 
 def test_dobb_imports_nothing_of_the_lab_or_the_tests():
     assert [(a, b) for a, b in EDGES if b.split(".")[0] in FOREIGN] == []
+
+
+def test_only_the_harness_imports_the_train_extra():
+    """The bare wheel (torch alone) holds every optimizer: numpy, yaml and tqdm are imported
+    by ``dobb.train`` only, and importing ``dobb`` or ``dobb.cli`` reaches none of them."""
+    users = {a for a, b in EDGES if b.split(".")[0] in TRAIN_EXTRA}
+    assert users and all(a.startswith("dobb.train.") for a in users), sorted(users)
+    at_import = [edge for edge, runs in EDGES.items() if runs]
+    for start in ("dobb", "dobb.cli"):
+        reached, todo = set(), [start]
+        while todo:
+            module = todo.pop()
+            parents = [module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)]
+            for m in [module, *parents]:  # importing a.b.c runs a and a.b first
+                if m not in reached:
+                    reached.add(m)
+                    todo.extend(b for a, b in at_import if a == m)
+        assert not {m.split(".")[0] for m in reached} & set(TRAIN_EXTRA), (start, sorted(reached))
 
 
 @pytest.fixture

@@ -62,7 +62,7 @@ def study(
     """Run (or finish) the study into `out` and write the report; return its numbers.
 
     doc: the Markdown report (default: `STUDY.md` next to `out`); config: the budget
-    (default `configs/study/budget.yaml`; `tiny` applies its `tiny` section); workers: override
+    (default `bench/study/budget.yaml`; `tiny` applies its `tiny` section); workers: override
     the config's number of parallel runs.
     """
     spec = load_spec(config, tiny)

@@ -27,7 +27,7 @@ from dobb.registry import get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.model import gpt_config
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "study" / "budget.yaml"
+DEFAULT_CONFIG = Path(__file__).with_name("budget.yaml")  # the lab's: not in the wheel
 PER_RUN = (*compare.PER_RUN, "seed")  # set by the study for each run
 
 
@@ -36,7 +36,7 @@ PER_RUN = (*compare.PER_RUN, "seed")  # set by the study for each run
 
 @dataclass
 class StudySpec:
-    """One section of `configs/study/budget.yaml` (see the comments there)."""
+    """One section of `bench/study/budget.yaml` (see the comments there)."""
 
     train: dict[str, Any]
     lr_factors: list[float]
@@ -92,7 +92,10 @@ class StudySpec:
 
 def load_spec(path: str | Path | None = None, tiny: bool = False) -> StudySpec:
     """The `full` section of the study config; with `tiny`, the `tiny` section on top."""
-    data = yaml.safe_load(Path(path or DEFAULT_CONFIG).read_text())
+    path = Path(path or DEFAULT_CONFIG)
+    if not path.is_file():
+        raise ConfigError(f"study config {str(path)!r}: no such file")
+    data = yaml.safe_load(path.read_text())
     spec = dict(data["full"])
     if tiny:
         small = dict(data.get("tiny") or {})

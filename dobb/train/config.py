@@ -243,7 +243,7 @@ def find_config(path: str | Path) -> Path:
     """`path` if it is a file, else the shipped config it names; ConfigError if neither.
 
     A relative path is looked up under `CONFIG_DIR` with a leading `configs/` dropped and
-    `.yaml` added when it has no suffix: `configs/study/budget.yaml`, `tiny.yaml`, `tiny`.
+    `.yaml` added when it has no suffix: `configs/tiny.yaml`, `tiny.yaml`, `tiny`.
     """
     path = Path(path)
     if path.is_file():

@@ -5,6 +5,7 @@ import fcntl
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,6 +107,12 @@ def test_spec_tiny_section_merges_into_full():
     full, tiny = study_runs.load_spec(), study_runs.load_spec(tiny=True)
     assert tiny.seeds == 2 and len(tiny.lr_factors) == 2
     assert tiny.train["data"] == full.train["data"] and tiny.train["steps"] < full.train["steps"]
+
+
+def test_spec_is_the_labs_and_a_missing_one_is_named(tmp_path):
+    assert study_runs.DEFAULT_CONFIG.parent == Path(study_runs.__file__).parent  # bench/study
+    with pytest.raises(ConfigError, match="study config '.*nope.yaml': no such file"):
+        study_runs.load_spec(tmp_path / "nope.yaml")
 
 
 def test_spec_rejects_per_run_keys(tmp_path):

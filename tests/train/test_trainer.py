@@ -271,7 +271,6 @@ def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name in ("configs/tiny.yaml", "tiny.yaml", "tiny"):
         assert find_config(name) == CONFIG_DIR / "tiny.yaml"
-    assert find_config("configs/study/budget.yaml") == CONFIG_DIR / "study" / "budget.yaml"
     (tmp_path / "tiny.yaml").write_text("model: tiny\nsteps: 3\n")
     assert load_config("tiny.yaml").steps == 3  # a file here comes first
     with pytest.raises(ConfigError, match="no config file 'nope.yaml'.*mini, tiny"):
