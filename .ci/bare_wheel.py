@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import dobb
-from dobb.optim.registry import OPTIMIZERS, build_optimizer
+from dobb import OPTIMIZERS, build_optimizer
 
 TRAIN_EXTRA = ("numpy", "yaml", "tqdm")
 present = [name for name in TRAIN_EXTRA if importlib.util.find_spec(name) is not None]
