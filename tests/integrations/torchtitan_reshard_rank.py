@@ -8,6 +8,8 @@ list of ``{"args": [...], "refused": bool}``; ``args`` as for ``python -m torcht
   before its first step, the state it loaded as its own ``checkpoint/step-{step}`` (DCP,
   at this world size): the test compares it with the checkpoint it came from.
 - Every job starts from the same weights on any number of ranks (``same_start``).
+- Each rank writes ``record-rank{r}.json`` into the job's dump folder: the losses and the
+  gradient norms by step (``record_steps``).
 - A ``refused`` job must fail while loading (DCP's ``CheckpointException``): each rank
   writes the error into ``refused-rank{r}.txt`` in the dump folder and goes on to the
   next job (the failure is collective, so the ranks stay in step); a refused job that
@@ -30,7 +32,6 @@ install()  # before torchtitan's modules are imported
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torchtitan.trainer as trainer_module  # noqa: E402
-import torchtitan_rank  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 from torchtitan.components.checkpointer.dcp import CheckpointManager  # noqa: E402
@@ -80,13 +81,28 @@ def same_start(trainer, seed: int = 0) -> None:
             param.copy_(value)
 
 
+def record_steps(trainer) -> dict[str, dict[int, float]]:
+    """``{"losses": ..., "grad_norms": ...}`` by step, filled as
+    ``trainer.metrics_processor.log(step, loss, max_loss, grad_norm, ...)`` runs: torchtitan's
+    global average loss, and the norm of the whole gradient before clipping (the test's
+    bound on how far a loss moves with the weights)."""
+    record, log = {"losses": {}, "grad_norms": {}}, trainer.metrics_processor.log
+
+    def logged(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
+        record["losses"][step], record["grad_norms"][step] = global_avg_loss, grad_norm
+        return log(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
+
+    trainer.metrics_processor.log = logged
+    return record
+
+
 def run(args: list[str], refused: bool) -> None:
-    """One job as ``torchtitan.train`` runs it; its losses by step (``torchtitan_rank``'s
-    ``record_losses``) go to ``record-rank{r}.json`` in its dump folder."""
+    """One job as ``torchtitan.train`` runs it; its losses and gradient norms by step
+    (``record_steps``) go to ``record-rank{r}.json`` in its dump folder."""
     config = ConfigManager().parse_args(args)
     trainer = config.build()
     same_start(trainer)
-    losses = torchtitan_rank.record_losses(trainer)
+    record = record_steps(trainer)
     try:
         trainer.train()
     except CheckpointException:  # DCP's failure, raised on every rank alike
@@ -101,7 +117,7 @@ def run(args: list[str], refused: bool) -> None:
     if refused:
         raise AssertionError(f"{config.dump_folder}: the resume should have been refused")
     folder = Path(config.dump_folder)
-    (folder / f"record-rank{dist.get_rank()}.json").write_text(json.dumps({"losses": losses}))
+    (folder / f"record-rank{dist.get_rank()}.json").write_text(json.dumps(record))
 
 
 def main(jobs_file: str) -> None:
