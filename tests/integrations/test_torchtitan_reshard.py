@@ -66,8 +66,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_torchtitan import flatten, load_checkpoint, same
-from titan_continuation import assert_loss_agrees, assert_step_agrees
+from test_torchtitan import flatten, load_checkpoint
+from titan_continuation import assert_loss_agrees, assert_step_agrees, same
 
 pytestmark = [pytest.mark.torchtitan, pytest.mark.timeout(1200)]  # three torchruns
 
@@ -240,7 +240,7 @@ def test_the_next_steps_continue_the_run_the_checkpoint_came_from(runs, name, ol
             after = entries(source, step), entries(resumed, step)
             since = step - RESUME_AT
             measured[step] = assert_step_agrees(
-                before, after, steps=since, tokens=TOKENS, per_rank=PER_RANK
+                before, after, steps=since, tokens=TOKENS, skip=PER_RANK
             )
         print(f"{name} {old} to {new}: {summary(measured)}")
 

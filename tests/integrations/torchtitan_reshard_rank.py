@@ -9,7 +9,7 @@ list of ``{"args": [...], "refused": bool}``; ``args`` as for ``python -m torcht
   at this world size): the test compares it with the checkpoint it came from.
 - Every job starts from the same weights on any number of ranks (``same_start``).
 - Each rank writes ``record-rank{r}.json`` into the job's dump folder: the losses and the
-  gradient norms by step (``record_steps``).
+  gradient norms by step (``torchtitan_rank.record_steps``).
 - A ``refused`` job must fail while loading (DCP's ``CheckpointException``): each rank
   writes the error into ``refused-rank{r}.txt`` in the dump folder and goes on to the
   next job (the failure is collective, so the ranks stay in step); a refused job that
@@ -32,6 +32,7 @@ install()  # before torchtitan's modules are imported
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torchtitan.trainer as trainer_module  # noqa: E402
+import torchtitan_rank  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 from torchtitan.components.checkpointer.dcp import CheckpointManager  # noqa: E402
@@ -81,28 +82,13 @@ def same_start(trainer, seed: int = 0) -> None:
             param.copy_(value)
 
 
-def record_steps(trainer) -> dict[str, dict[int, float]]:
-    """``{"losses": ..., "grad_norms": ...}`` by step, filled as
-    ``trainer.metrics_processor.log(step, loss, max_loss, grad_norm, ...)`` runs: torchtitan's
-    global average loss, and the norm of the whole gradient before clipping (the test's
-    bound on how far a loss moves with the weights)."""
-    record, log = {"losses": {}, "grad_norms": {}}, trainer.metrics_processor.log
-
-    def logged(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
-        record["losses"][step], record["grad_norms"][step] = global_avg_loss, grad_norm
-        return log(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
-
-    trainer.metrics_processor.log = logged
-    return record
-
-
 def run(args: list[str], refused: bool) -> None:
     """One job as ``torchtitan.train`` runs it; its losses and gradient norms by step
-    (``record_steps``) go to ``record-rank{r}.json`` in its dump folder."""
+    (``torchtitan_rank.record_steps``) go to ``record-rank{r}.json`` in its dump folder."""
     config = ConfigManager().parse_args(args)
     trainer = config.build()
     same_start(trainer)
-    record = record_steps(trainer)
+    record = torchtitan_rank.record_steps(trainer)
     try:
         trainer.train()
     except CheckpointException:  # DCP's failure, raised on every rank alike
