@@ -15,7 +15,8 @@ llama3, each job for 4 steps saving DCP checkpoints at steps 2 and 4:
 - 4 ranks (``JOBS_4``): Dobb under HSDP (2 replicas of 2 FSDP shards) and FSDP x TP (2 x 2),
   each resumed likewise; and Dobb under pipeline x FSDP (2 x 2) resumed from the 2-rank FSDP
   job's step-2 checkpoint (``PIPELINE_FROM_FSDP``): the same data and weights, so its steps
-  3 and 4 must match the FSDP job's within the rounding of a different reduction order.
+  3 and 4 must continue the FSDP job as a different reduction order allows, on any CPU
+  (``titan_continuation``: Dobb's weights by their signs, the rest within rounding).
 
 The CPU shim is ``torchtitan_cpu.py``, the assets (tokenizer, 400 documents) are written
 by ``titan_assets.py``.
