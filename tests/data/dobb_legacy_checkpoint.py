@@ -5,9 +5,16 @@ the state keys Dobb wrote before its keys named a side and a stack index (``cov`
 
 The file was written by ``python tests/data/dobb_legacy_checkpoint.py`` at commit d368fca
 (the last commit with those keys): ``STEPS`` steps on ``batches()``, then ``state_dict()``
-of the model and the optimizer, then ``MORE`` further steps, whose parameters after each
-step are saved as the expected continuation (the second is a basis refresh). Running it
-again with a later commit would write that commit's keys: the file is not to be remade.
+of the model and the optimizer and the ``MORE`` next batches, then those ``MORE`` steps,
+whose parameters after each step were saved too (``"expected"``; the second step is a
+basis refresh). Running it again with a later commit would write that commit's keys: the
+file is not to be remade.
+
+The test reads the file for its keys and shapes and for its starting state (model,
+optimizer state, next batches), never for ``"expected"``: those floats were computed on the
+machine that wrote the file, and another CPU kind rounds matrix products differently
+(AVX2 and AVX-512 kernels), which Dobb's sign amplifies to whole steps of a weight. The
+test recomputes the continuation from the saved state on the machine running it.
 
 Every matrix has ragged blocks, so every tail key is present: ``fc1`` one-sided (10 input
 columns in blocks 4, 3, 3), ``fc2`` two-sided with Adam coefficients and row moments from

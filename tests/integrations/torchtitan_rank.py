@@ -7,10 +7,10 @@ argument lists, each as for ``python -m torchtitan.train`` (``--module ... --con
 
 Each rank writes ``record-rank{r}.json`` into each job's dump folder: the job's losses by
 step (torchtitan's global average, as its metrics log them; -1 or -2 on ranks without the
-last pipeline stage), its model parts and optimizers on this rank (one each, or one per
-local pipeline stage), and what Dynamo did in that job (graph breaks by reason, frames
-compiled); Dynamo's caches and counters are reset between jobs, so a compiled job's
-numbers are its own.
+last pipeline stage) and gradient norms by step (before clipping), its model parts and
+optimizers on this rank (one each, or one per local pipeline stage), and what Dynamo did in
+that job (graph breaks by reason, frames compiled); Dynamo's caches and counters are reset
+between jobs, so a compiled job's numbers are its own.
 """
 
 import json
@@ -29,22 +29,25 @@ from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.tools.logging import init_logger  # noqa: E402
 
 
-def record_losses(trainer) -> dict[int, float]:
-    """Losses by step, filled as ``trainer.metrics_processor.log(step, loss, ...)`` runs."""
-    losses, log = {}, trainer.metrics_processor.log
+def record_steps(trainer) -> dict[str, dict[int, float]]:
+    """``{"losses": ..., "grad_norms": ...}`` by step, filled as
+    ``trainer.metrics_processor.log(step, loss, max_loss, grad_norm, ...)`` runs:
+    torchtitan's global average loss, and the norm of the whole gradient before clipping
+    (``titan_continuation``'s loss check)."""
+    steps, log = {"losses": {}, "grad_norms": {}}, trainer.metrics_processor.log
 
-    def logged(step, global_avg_loss, *args, **kwargs):
-        losses[step] = global_avg_loss
-        return log(step, global_avg_loss, *args, **kwargs)
+    def logged(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
+        steps["losses"][step], steps["grad_norms"][step] = global_avg_loss, grad_norm
+        return log(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
 
     trainer.metrics_processor.log = logged
-    return losses
+    return steps
 
 
-def write_record(config, trainer, losses: dict[int, float]) -> None:
+def write_record(config, trainer, steps: dict[str, dict[int, float]]) -> None:
     counters = torch._dynamo.utils.counters
     record = {
-        "losses": losses,
+        **steps,
         "model_parts": len(trainer.model_parts),
         "optimizers": len(trainer.optimizers.optimizers),
         "graph_breaks": dict(counters["graph_break"]),
@@ -63,12 +66,12 @@ def main(jobs_file: str) -> None:
         torch._dynamo.utils.counters.clear()
         config = ConfigManager().parse_args(args)
         trainer = config.build()
-        losses = record_losses(trainer)
+        steps = record_steps(trainer)
         try:
             trainer.train()
         finally:
             trainer.close()
-        write_record(config, trainer, losses)
+        write_record(config, trainer, steps)
         del trainer
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -8,6 +8,8 @@ list of ``{"args": [...], "refused": bool}``; ``args`` as for ``python -m torcht
   before its first step, the state it loaded as its own ``checkpoint/step-{step}`` (DCP,
   at this world size): the test compares it with the checkpoint it came from.
 - Every job starts from the same weights on any number of ranks (``same_start``).
+- Each rank writes ``record-rank{r}.json`` into the job's dump folder: the losses and the
+  gradient norms by step (``torchtitan_rank.record_steps``).
 - A ``refused`` job must fail while loading (DCP's ``CheckpointException``): each rank
   writes the error into ``refused-rank{r}.txt`` in the dump folder and goes on to the
   next job (the failure is collective, so the ranks stay in step); a refused job that
@@ -81,12 +83,12 @@ def same_start(trainer, seed: int = 0) -> None:
 
 
 def run(args: list[str], refused: bool) -> None:
-    """One job as ``torchtitan.train`` runs it; its losses by step (``torchtitan_rank``'s
-    ``record_losses``) go to ``record-rank{r}.json`` in its dump folder."""
+    """One job as ``torchtitan.train`` runs it; its losses and gradient norms by step
+    (``torchtitan_rank.record_steps``) go to ``record-rank{r}.json`` in its dump folder."""
     config = ConfigManager().parse_args(args)
     trainer = config.build()
     same_start(trainer)
-    losses = torchtitan_rank.record_losses(trainer)
+    record = torchtitan_rank.record_steps(trainer)
     try:
         trainer.train()
     except CheckpointException:  # DCP's failure, raised on every rank alike
@@ -101,7 +103,7 @@ def run(args: list[str], refused: bool) -> None:
     if refused:
         raise AssertionError(f"{config.dump_folder}: the resume should have been refused")
     folder = Path(config.dump_folder)
-    (folder / f"record-rank{dist.get_rank()}.json").write_text(json.dumps({"losses": losses}))
+    (folder / f"record-rank{dist.get_rank()}.json").write_text(json.dumps(record))
 
 
 def main(jobs_file: str) -> None:
