@@ -23,9 +23,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.optimizers import COMPARED, LAB, tuned_lrs
+from bench.optimizers import COMPARED, LAB, lab_entry, tuned_lrs
 from bench.tools.markdown import markdown_table
-from dobb.registry import get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
 
@@ -116,7 +115,7 @@ def run_name(optimizer: str, lr: float) -> str:
 
 def run_config(base: TrainConfig, optimizer: str, lr: float | None, out: Path) -> TrainConfig:
     """`base` for one optimizer at `lr` (None: the registry's), logging under `out/runs/`."""
-    lr = get_entry(optimizer).lr if lr is None else lr
+    lr = lab_entry(optimizer).start_lr if lr is None else lr
     return replace(
         base,
         optimizer=optimizer,
@@ -184,7 +183,7 @@ def compare(
     base = base_config(quick, steps, overrides)
     grids = {}
     for name in optimizers:
-        default = get_entry(name).lr
+        default = lab_entry(name).start_lr
         if lr_sweep:
             grids[name] = sorted((lrs or {}).get(name) or [default * f for f in lr_factors])
         else:

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from bench.model.costs import adamw, dion, dion2, dobb, muon, muonbp, nordion2, normuon
-from dobb.registry import OptimizerEntry, get_entry
+from dobb.registry import PAPER_DOBB, OptimizerEntry, get_entry
 
 # Two-sided Dobb's row blocks per matrix in the call-time runs: the rows one rank holds under
 # FSDP over 32 ranks (the paper's call-time setting: GPT-2 XL on 32 GPUs), emulated on one.
@@ -56,6 +56,15 @@ class LabEntry:
     """The call-time benchmark's settings it takes (``calltime.optimizer_overrides``)."""
     calltime_fixed: dict[str, Any] = field(default_factory=dict)
     """Constructor overrides of the call-time runs, whatever the settings."""
+    grid_centre: float | None = None
+    """The centre of the study's lr grid in (a) (``start_lr``) where it is not the
+    registry's lr: the study's runs are named by their lr, and the registry's lrs have
+    since become the tuned ones (``dobb.registry.TUNED_LR``)."""
+
+    @property
+    def start_lr(self) -> float:
+        """The lab's starting lr of this entry: (a)'s grid centre, the main job's default."""
+        return self.grid_centre if self.grid_centre is not None else self.entry.lr
 
     @property
     def entry(self) -> OptimizerEntry:
@@ -64,6 +73,10 @@ class LabEntry:
 
 
 _DOBB_CALLTIME = ("num_blocks", "basis_interval", "basis_method")
+# The lab's "dobb" is the paper's configuration (the registry's "dobb_paper", but for its lr,
+# which the lab tunes): its runs, named "dobb-...", were trained so before the library's
+# default became the recommended two-sided configuration
+PAPER = {k: v for k, v in PAPER_DOBB.items() if k != "lr"}
 _ROW_ONLY = dict(splits_columns=False)  # normalizes or selects whole rows
 LAB: dict[str, LabEntry] = {
     e.name: e
@@ -72,10 +85,12 @@ LAB: dict[str, LabEntry] = {
             "dobb",
             "Dobb",
             dobb,
-            {"num_blocks": 16},
+            PAPER,
             period_option="basis_interval",
             periodic_calls=("refresh", "steady"),
             calltime_settings=_DOBB_CALLTIME,
+            calltime_fixed={k: v for k, v in PAPER.items() if k != "num_blocks"},
+            grid_centre=1e-3,
         ),
         LabEntry(
             "dobb2s",
@@ -87,9 +102,15 @@ LAB: dict[str, LabEntry] = {
             periodic_calls=("refresh", "steady"),
             calltime_settings=_DOBB_CALLTIME,
             calltime_fixed={"block_size": None, "row_blocks": DOBB2S_ROW_BLOCKS},
+            grid_centre=1e-3,
         ),
         LabEntry(
-            "dion", "Dion", dion, {"rank_fraction": 1 / 16}, calltime_settings=("rank_fraction",)
+            "dion",
+            "Dion",
+            dion,
+            {"rank_fraction": 1 / 16},
+            calltime_settings=("rank_fraction",),
+            grid_centre=0.02,
         ),
         LabEntry("muon", "Muon", muon),
         LabEntry(
@@ -109,6 +130,26 @@ LAB: dict[str, LabEntry] = {
     )
 }
 COMPARED = tuple(LAB)  # the main job and the study: every entry, in this order
+# Registry entries the lab runs under another name: the paper's Dobb is the lab's "dobb"
+# (its harness options pin the paper's configuration, so its runs keep their names); the
+# library's default, the recommended Dobb, is studied in (f) (bench/study/tuning.py).
+STUDIED_AS = {"dobb_paper": "dobb", "dobb": "(f) recommended Dobb"}
+
+
+# A block count and a block width set the same thing: one given on top of the harness's
+# options replaces the other (the library refuses both)
+BLOCK_OPTIONS = (("num_blocks", "block_size"), ("row_blocks", "row_block_size"))
+
+
+def with_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Entry ``name``'s harness options with ``options`` on top, where a block count or
+    width in ``options`` replaces the harness's other one (``BLOCK_OPTIONS``)."""
+    merged = dict(LAB[name].harness_options) | options
+    for pair in BLOCK_OPTIONS:
+        for given, other in (pair, pair[::-1]):
+            if options.get(given) is not None and other not in options:
+                merged.pop(other, None)
+    return merged
 
 
 def in_table(table: str) -> tuple[str, ...]:

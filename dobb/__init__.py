@@ -11,7 +11,7 @@ from dobb.optim.muon import Muon
 from dobb.optim.muonbp import MuonBP
 from dobb.optim.nordion2 import NorDion2
 from dobb.optim.normuon import NorMuon
-from dobb.registry import OPTIMIZERS, build_optimizer, get_entry
+from dobb.registry import OPTIMIZERS, build_optimizer, get_entry, recommended_lr
 
 __all__ = [
     "OPTIMIZERS",
@@ -27,4 +27,5 @@ __all__ = [
     "build_optimizer",
     "get_entry",
     "param_groups",
+    "recommended_lr",
 ]

@@ -23,14 +23,18 @@ DEFAULT_EXCLUDE = (
 
 def param_groups(
     model: nn.Module,
-    algorithm: str = "dobb",
+    algorithm: str | None = None,
     *,
     exclude: str = DEFAULT_EXCLUDE,
     matrix_options: dict[str, Any] | None = None,
     scalar_algorithm: str = "adamw",
     scalar_options: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Named parameter groups: ``[{algorithm: matrix...}, {algorithm: scalar...}]``.
+    """Named parameter groups: ``[{matrix...}, {algorithm: scalar...}]``, for any of dobb's
+    matrix optimizers (``dobb.Muon(dobb.param_groups(model))``): the matrix group takes the
+    optimizer's own algorithm unless ``algorithm`` names one; the scalar group takes AdamW
+    (``scalar_algorithm``) at its own learning rate (1e-3 unless ``scalar_options`` sets
+    ``lr``), never the matrix optimizer's.
 
     Args:
         exclude: regex searched in each parameter's name; matching layer weights go to the
@@ -48,7 +52,8 @@ def param_groups(
         (matrix if is_matrix else scalar).append((name, p))
     groups = []
     if matrix:
-        groups.append({"params": matrix, "algorithm": algorithm, **(matrix_options or {})})
+        named = {} if algorithm is None else {"algorithm": algorithm}
+        groups.append({"params": matrix, **named, **(matrix_options or {})})
     if scalar:
         groups.append({"params": scalar, "algorithm": scalar_algorithm, **(scalar_options or {})})
     return groups

@@ -9,16 +9,17 @@ group's weight decay is ``scalar_weight_decay`` there too). Dobb is also hooked 
 model (``opt.track(model)``), so each step needs a forward pass in training mode before it.
 
 An entry holds what building the optimizer needs: its class (whose ``Config`` holds every
-default, the starting lr included, so class and registry cannot differ), the settings of a
-named variant (``dobb2s``'s ``two_sided``, ``blockmuon``'s ``period``, ``adamw``'s betas),
-and the argument that takes a job's data-parallel ranks (``distributed_options``). Each
-entry's starting learning rates, and why: docs/baselines.md, "The registry's starting
-learning rates" (a test holds that table to ``OPTIMIZERS``). What the benchmarks know of an
-optimizer (labels, harness settings, cost models, tuned rates) lives in the lab's own table
+default), the settings of a named variant (``dobb_paper``: Dobb as the paper specifies it;
+``dobb2s``: two-sided Dobb with the sign; ``blockmuon``'s ``period``, ``adamw``'s betas),
+and the argument that takes a job's data-parallel ranks (``distributed_options``). Its
+learning rate by model width is ``TUNED_LR``'s (``recommended_lr``; rendered in
+docs/baselines.md, "The registry's learning rates"). What the benchmarks know of an
+optimizer (labels, harness settings, cost models) lives in the lab's own table
 (``bench/optimizers.py`` in the repository), and test inputs in the tests' ``optim_db``.
 """
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +35,39 @@ from dobb.optim.muon import Muon
 from dobb.optim.muonbp import MuonBP
 from dobb.optim.nordion2 import NorDion2
 from dobb.optim.normuon import NorMuon
-from dobb.optim.scalar import SCALAR_ALGORITHMS
+from dobb.optim.scalar import SCALAR_ALGORITHMS, SCALAR_DEFAULTS
 from dobb.optim.state_init import AdamW
+from dobb.stats import layer_weights
 
-SCALAR_LR = 1e-3  # the AdamW/Lion group's learning rate for every matrix optimizer
+SCALAR_LR = SCALAR_DEFAULTS["adamw"]["lr"]  # the AdamW/Lion group's, every matrix optimizer
+# Dobb as the paper specifies it: input blocks only (16 per matrix), the sign, statistics
+# averaged on refresh steps only (the amortized form its call times assume)
+PAPER_DOBB = {
+    "two_sided": False,
+    "num_blocks": 16,
+    "coefficients": "sign",
+    "stats_sync": "refresh",
+    "lr": 2e-3,
+}
+# The recommended hidden-matrix learning rate of each entry (all parameters for AdamW), by
+# model width (n_embd): its tuned lr on the lab's GPT (4 layers, 409,600 tokens per run,
+# benchmarks/STUDY.md (f); Dion2's from (a), at width 128 only), for the configuration the
+# entry builds. One table: ``build_optimizer``, ``dobb train``, the docs and the examples
+# read it (``recommended_lr``), each class's default lr is its value at width 256, and a test
+# holds it to the study's JSON. Where an lr halves with the width, wider models want less.
+TUNED_LR: dict[str, dict[int, float]] = {
+    "dobb": {128: 8e-3, 256: 4e-3},
+    "dobb_paper": {128: 2e-3, 256: 2e-3},
+    "dobb2s": {128: 8e-3, 256: 8e-3, 512: 4e-3},
+    "dion": {128: 1e-2, 256: 1e-2},
+    "muon": {128: 2e-2, 256: 2e-2, 512: 2e-2},
+    "muonbp": {128: 5e-3, 256: 5e-3},
+    "blockmuon": {128: 5e-3, 256: 5e-3, 512: 2.5e-3},
+    "normuon": {128: 1e-2, 256: 5e-3},
+    "dion2": {128: 2e-2},
+    "nordion2": {128: 2e-2, 256: 2e-2, 512: 2e-2},
+    "adamw": {128: 2e-3, 256: 1e-3},
+}
 
 
 @dataclass(frozen=True)
@@ -54,7 +84,9 @@ class OptimizerEntry:
     @property
     def lr(self) -> float:
         """Starting learning rate for a small GPT (hidden matrices, or all parameters for
-        AdamW): the class's default."""
+        AdamW): the entry's, else the class's default."""
+        if "lr" in self.hyperparameters:
+            return self.hyperparameters["lr"]
         config = getattr(self.cls, "Config", None)
         if config is not None:
             return config.lr
@@ -88,8 +120,9 @@ class OptimizerEntry:
 OPTIMIZERS: dict[str, OptimizerEntry] = {
     entry.name: entry
     for entry in (
-        OptimizerEntry("dobb", Dobb),
-        OptimizerEntry("dobb2s", Dobb, {"two_sided": True}),
+        OptimizerEntry("dobb", Dobb),  # the recommended configuration: the class's defaults
+        OptimizerEntry("dobb_paper", Dobb, PAPER_DOBB),
+        OptimizerEntry("dobb2s", Dobb, {"two_sided": True, "coefficients": "sign", "lr": 8e-3}),
         OptimizerEntry("dion", Dion),
         OptimizerEntry("muon", Muon),
         OptimizerEntry("muonbp", MuonBP),
@@ -100,6 +133,24 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         OptimizerEntry("adamw", AdamW, {"betas": (0.9, 0.95)}),
     )
 }
+
+
+def recommended_lr(name: str, width: int = 256) -> float:
+    """Entry ``name``'s recommended lr for a model of width (``n_embd``) ``width``: its
+    ``TUNED_LR`` at the nearest tuned width (by ratio: 200 takes 256's; beyond the table, its
+    last width's, though the trend may go on), else the entry's starting lr."""
+    tuned = TUNED_LR.get(get_entry(name).name)
+    if not tuned:
+        return get_entry(name).lr
+    nearest = min(tuned, key=lambda w: (abs(math.log(w / width)), -w))
+    return tuned[nearest]
+
+
+def model_width(model: nn.Module) -> int | None:
+    """The width of ``model`` as the study measures it: the narrowest input of its hidden
+    matrices (``n_embd`` of a GPT); None if it has none."""
+    widths = [w.shape[spec.input_dim] for _, w, spec in layer_weights(model)]
+    return min(widths) if widths else None
 
 
 def get_entry(name: str) -> OptimizerEntry:
@@ -123,7 +174,7 @@ def build_optimizer(
 
     Args:
         lr: learning rate of the hidden matrices (of all parameters for ``"adamw"``);
-            default: the entry's starting value.
+            default: ``recommended_lr`` at the model's width (``model_width``).
         scalar_lr / scalar_algorithm: learning rate and algorithm (``"adamw"`` or
             ``"lion"``) of the group holding embeddings, head, norms and biases.
         scalar_weight_decay: decoupled weight decay of that group (default none), for
@@ -132,7 +183,10 @@ def build_optimizer(
         overrides: further constructor arguments, e.g. ``rank_fraction=0.25`` for Dion.
     """
     entry = get_entry(name)
-    kwargs = {"lr": entry.lr if lr is None else lr, **entry.hyperparameters, **overrides}
+    if lr is None:
+        width = model_width(model)
+        lr = entry.lr if width is None else recommended_lr(name, width)
+    kwargs = {**entry.hyperparameters, "lr": lr, **overrides}
     if not scalar_weight_decay >= 0:
         raise ValueError(f"scalar_weight_decay must be >= 0, got {scalar_weight_decay!r}")
     if not entry.is_matrix:

@@ -23,11 +23,13 @@ fp32 (fp64 for fp64 parameters).
 import itertools
 import sys
 import weakref
+import zlib
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -454,6 +456,7 @@ class DobbStatistics:
         self._stats: dict[Tensor, dict[str, BlockStatistics]] = {}  # param -> side -> sums
         self._gram_cache = GramCache()  # layers fed one input tensor (q, k, v) share X_bᵀ X_b
         self._hooks: list[RemovableHandle] = []
+        self._replicas_checked = False  # _check_replicas ran (once per optimizer)
 
     def track(self, layers: list[tuple[nn.Module, Tensor, object]]) -> list[RemovableHandle]:
         """Hook each ``(module, weight, layout)`` on every side of ``layout`` whose moments
@@ -517,25 +520,79 @@ class DobbStatistics:
             stats.reset()
 
     def check(self, matrices: list) -> None:
-        """``RuntimeError`` before any state changes if one of ``matrices`` (the Dobb
-        matrices with a gradient, ``dobb.optim.parts.Matrix``) stepping with ``lr > 0``
-        lacks a hooked side's statistics for this step (unless ``missing_stats=
-        "identity"``); a tensor ``lr`` (capturable) is not read: statistics are needed."""
+        """``RuntimeError`` before any state changes if this step cannot run: a multi-rank
+        job whose ranks see other tokens but no ``stats_group`` (``_check_replicas``), or one
+        of ``matrices`` (the Dobb matrices with a gradient, ``dobb.optim.parts.Matrix``)
+        stepping with ``lr > 0`` lacks a hooked side's statistics for this step (unless
+        ``missing_stats="identity"``); a tensor ``lr`` (capturable) is not read: statistics
+        are needed."""
+        self._check_replicas(matrices)
         if not matrices or matrices[0].config.missing_stats == "identity":
             return
         for m in matrices:
             if not isinstance(m.config.lr, Tensor) and m.config.lr == 0:
                 continue
             hooked = self._stats.get(m.param, {})
-            missing = [
-                HOOKS[side.source][0]
-                for side in self.layouts(m.param, m.config).sides
-                if side.hooked and (side.name not in hooked or not hooked[side.name].seen)
-            ]
-            if missing:
+            sides = [s for s in self.layouts(m.param, m.config).sides if s.hooked]
+            missing = [s for s in sides if s.name not in hooked or not hooked[s.name].seen]
+            if not missing:
+                continue
+            what = HOOKS[missing[0].source][0]
+            if missing[0].name not in hooked:
                 raise RuntimeError(
-                    f"{m.name} has no {missing[0]} statistics for this step. "
+                    f"{m.name} has no {what} statistics for this step. "
                     "Call opt.track(model) before the forward pass (it hooks nn.Linear "
                     "layers) and backward through the layer, route the parameter to "
                     "algorithm='adamw', or construct Dobb with missing_stats='identity'."
                 )
+            raise RuntimeError(
+                f"{m.name} has no {what} statistics for this step, although opt.track() "
+                "hooked its layer and the layer ran (it has a gradient): its hook did not "
+                "count this step's tokens. Either the forward pass ran in eval mode (call "
+                "model.train()), or the model is compiled and torch.compile reused a graph it "
+                "traced for another instance of the same class, which has no hooks (Dynamo "
+                "does not guard on module hooks): call torch._dynamo.reset() before "
+                "compiling the tracked model, or compile it in a process that has compiled no "
+                "other instance of its class."
+            )
+
+    def _check_replicas(self, matrices: list) -> None:
+        """Refuse, once, a job of several ranks whose ranks hold the same matrices but see
+        other tokens (DDP, FSDP) while ``stats_group`` is None: every rank would precondition
+        with its own statistics and the replicas would drift apart. At the first step with
+        statistics, one all-gather of three numbers over the default group compares the
+        names and shapes of the plain (replicated, as under DDP) matrices with the sum of
+        their statistics; ranks holding other matrices (pipeline stages) or seeing the same
+        tokens pass. Sharded ones (DTensors: FSDP, TP) are ``Dobb.track``'s to refuse, which
+        sees an FSDP module without a collective; tensor-parallel ranks see the same
+        tokens."""
+        if self._replicas_checked or self.layouts.data_groups or not several_ranks():
+            return
+        held = [(m, self._stats.get(m.param, {}).get("input")) for m in matrices]
+        held = [(m, s) for m, s in held if s is not None and s.seen]
+        held = [(m, s) for m, s in held if not isinstance(m.param, DTensor)]
+        if not held:
+            return
+        self._replicas_checked = True
+        shapes = repr(sorted((m.name, tuple(m.param.shape)) for m, _ in held))
+        total = torch.stack([t.double().sum() for _, s in held for t in s.sums]).sum()
+        mine = torch.tensor([zlib.crc32(shapes.encode()), len(held), float(total)])
+        mine = mine.to(torch.float64)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        same = [e for e in everyone if e[0] == mine[0] and e[1] == mine[1]]
+        spread = max(abs(float(e[2] - mine[2])) for e in same)
+        if len(same) > 1 and spread > 1e-6 * max(1.0, abs(float(mine[2]))):
+            raise RuntimeError(
+                f"Dobb runs on {dist.get_world_size()} ranks that hold the same matrices but "
+                "see different tokens, and stats_group is None: each rank would precondition "
+                "with its own activation statistics and the ranks' parameters would drift "
+                "apart. Pass the data-parallel ranks as stats_group: the DDP process group "
+                "(stats_group=dist.group.WORLD for a plain DDP job), or the data axes of the "
+                "device mesh under FSDP or HSDP (docs/distributed.md)."
+            )
+
+
+def several_ranks() -> bool:
+    """Whether this process is one of several ranks of an initialized process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -36,7 +36,7 @@ import dobb
 
 def make_dobb_optimizer(
     model: torch.nn.Module,
-    lr: float,
+    lr: float | None,
     *,
     num_training_steps: int,
     warmup_steps: int = 0,
@@ -52,6 +52,8 @@ def make_dobb_optimizer(
     # `dobb.param_groups` excludes GPT-2's `wte`/`wpe`/`lm_head` by name (and tied heads by
     # identity); norms and biases are not layer weights, so they land in the AdamW group.
     groups = dobb.param_groups(model, scalar_options={"weight_decay": 0.0})
+    if lr is None:  # the registry's recommended lr at the model's width
+        lr = dobb.recommended_lr("dobb", width=model.config.n_embd)
     optimizer = dobb.Dobb(groups, lr=lr, weight_decay=weight_decay, **dobb_options)
     optimizer.track(model)  # forward pre-hooks on every Dobb layer collect E[xᵀx] blocks
     scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps, num_training_steps)
@@ -99,7 +101,7 @@ def train(
     resume: bool | str = False,
     save_steps: int | None = None,
     stop_at: int | None = None,
-    lr: float = 1e-2,
+    lr: float | None = None,
     batch_size: int = 8,
     seed: int = 0,
     data: str | Path = argparse.__file__,
@@ -154,7 +156,7 @@ def main(argv=None):
         type=int,
         help="stop at this step (a multiple of --save-steps), as if the job were killed",
     )
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--lr", type=float, default=None, help="default: dobb.recommended_lr")
     args = parser.parse_args(argv)
     trainer = train(
         args.output_dir,

@@ -36,7 +36,7 @@ class DobbLM(L.LightningModule):
     def __init__(
         self,
         total_steps: int,
-        lr: float = 1e-2,
+        lr: float | None = None,
         warmup_steps: int = 0,
         weight_decay: float = 0.0,
         model: str = "tiny",
@@ -59,8 +59,10 @@ class DobbLM(L.LightningModule):
         hp = self.hparams
         # `wte`/`wpe`/`lm_head` (matched by name) and norms go to AdamW
         groups = dobb.param_groups(self, scalar_options={"weight_decay": 0.0})
+        # None: the registry's recommended lr at the model's width
+        lr = hp.lr or dobb.recommended_lr("dobb", width=self.model.cfg.n_embd)
         optimizer = dobb.Dobb(
-            groups, lr=hp.lr, weight_decay=hp.weight_decay, **(hp.dobb_options or {})
+            groups, lr=lr, weight_decay=hp.weight_decay, **(hp.dobb_options or {})
         )
         for hook in self._hooks:  # a second `fit` builds a new optimizer: hook that one
             hook.remove()
@@ -121,7 +123,7 @@ def train(
     steps_per_epoch: int = 20,
     resume: bool | str = False,
     stop_at: int | None = None,
-    lr: float = 1e-2,
+    lr: float | None = None,
     batch_size: int = 8,
     seed: int = 0,
     data: str | Path = argparse.__file__,
@@ -170,7 +172,7 @@ def main(argv=None):
         type=int,
         help="stop at this step (a multiple of --steps-per-epoch), as if the job were killed",
     )
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--lr", type=float, default=None, help="default: dobb.recommended_lr")
     args = parser.parse_args(argv)
     trainer, module = train(
         args.output_dir,

@@ -12,7 +12,8 @@ model = nn.Sequential(
 teacher = torch.randn(64, 8)
 
 groups = dobb.param_groups(model, exclude="^$")  # no embeddings or head in this model
-opt = dobb.Dobb(groups, lr=0.02, num_blocks=16, weight_decay=0.01)
+# the recommended Dobb (the defaults) at the registry's lr for this width
+opt = dobb.Dobb(groups, lr=dobb.recommended_lr("dobb", width=256), weight_decay=0.01)
 opt.track(model)  # forward pre-hooks collect the activation statistics
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=200)
 

@@ -57,6 +57,11 @@ SMALL_INPUTS: dict[str, tuple[dict[str, Any], ...]] = {
         {"update_scale": "muon", "weight_decay": 0.1},
         {"projection_dtype": "bfloat16"},
     ),
+    "dobb_paper": (
+        {},
+        {"num_blocks": 3, "basis_interval": 2, "stats_sync": "step"},
+        {"block_size": 4, "num_blocks": None, "update_scale": 1.0},
+    ),
     "dobb2s": (
         {},
         {"row_blocks": 2, "block_size": 4, "basis_interval": 2},
@@ -110,6 +115,13 @@ ERROR_INPUTS: dict[str, tuple[ErrorInput, ...]] = {
         ErrorInput({"update_scale": "huge"}, ValueError, "invalid update_scale"),
         ErrorInput({"basis_method": "svd"}, ValueError, "invalid basis_method"),
         ErrorInput({"projection_dtype": "int8"}, ValueError, "invalid projection_dtype"),
+        ErrorInput({"num_blocks": 4, "block_size": 4}, ValueError, "not both"),
+        ErrorInput({"row_block_size": 0}, ValueError, "invalid row_block_size"),
+    ),
+    "dobb_paper": MATRIX_ERRORS
+    + (
+        ErrorInput({"row_blocks": 2}, ValueError, "options of two-sided Dobb"),
+        ErrorInput({"stats_sync": "never"}, ValueError, "invalid stats_sync"),
     ),
     "dobb2s": MATRIX_ERRORS
     + (

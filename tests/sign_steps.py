@@ -24,7 +24,8 @@ from torch import Tensor
 def rotate(x: Tensor, input_bases, row_bases=(), *, into: bool = True) -> Tensor:
     """``P_rᵀ X Q_b`` on every tile of ``x`` (``into``), or ``P_r X Q_bᵀ`` (back), in fp64.
     ``input_bases`` and ``row_bases``: the stacks of a side, each ``(count, size, size)``,
-    covering that side's indices in order (``dobb.blocks``: the longer blocks first)."""
+    covering that side's indices in order (``dobb.stats.block_stacks``: the longer blocks
+    first)."""
     x = x.double()
     for dim, bases in ((0, row_bases), (1, input_bases)):
         start, pieces = 0, []

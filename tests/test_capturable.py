@@ -22,7 +22,12 @@ VARIANTS = {
     "one-sided, lion": ({"scalar_algorithm": "lion"}, True, 13),
     "two-sided, lion": ({"two_sided": True, "scalar_algorithm": "lion"}, True, 13),
     "two-sided, adam coefficients, lion": (
-        {"two_sided": True, "coefficients": "adam", "scalar_algorithm": "lion"},
+        {
+            "two_sided": True,
+            "coefficients": "adam",
+            "update_scale": 0.2,
+            "scalar_algorithm": "lion",
+        },
         False,
         10,
     ),
@@ -52,7 +57,7 @@ def test_capturable_trains_as_the_default_step(variant):
         model = tiny_gpt(2)
         extra = {"capturable": True, "nonfinite": "skip"} if capturable else {}
         extra |= {"foreach": True, "basis_interval": 10, "basis_method": "cholqr"}
-        opt = build_optimizer("dobb", model, **options, **extra)
+        opt = build_optimizer("dobb_paper", model, **options, **extra)
         train(opt, model, steps)
         runs.append(model)
     for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
@@ -61,7 +66,7 @@ def test_capturable_trains_as_the_default_step(variant):
 
 def test_a_non_finite_batch_changes_nothing_and_is_counted_on_the_device():
     model = tiny_gpt(2)
-    opt = build_optimizer("dobb", model, capturable=True, nonfinite="skip", foreach=True)
+    opt = build_optimizer("dobb_paper", model, capturable=True, nonfinite="skip", foreach=True)
     train(opt, model, 3)
     params, state = copy.deepcopy(list(model.parameters())), copy.deepcopy(opt.state_dict())
     train(opt, model, 1, poison=(0,))
@@ -79,16 +84,16 @@ def test_a_non_finite_batch_changes_nothing_and_is_counted_on_the_device():
 
 def test_capturable_needs_the_device_side_skip():
     with pytest.raises(ValueError, match="nonfinite='skip'"):
-        build_optimizer("dobb", tiny_gpt(1), capturable=True)
+        build_optimizer("dobb_paper", tiny_gpt(1), capturable=True)
 
 
 def test_a_capturable_steady_step_reads_nothing():
     """The default step reads the device once (its non-finite check); capturable: never."""
-    assert count_step("dobb", 4, foreach=True).host_reads == 1
-    counter = count_step("dobb", 4, foreach=True, capturable=True, nonfinite="skip")
+    assert count_step("dobb_paper", 4, foreach=True).host_reads == 1
+    counter = count_step("dobb_paper", 4, foreach=True, capturable=True, nonfinite="skip")
     assert counter.host_reads == 0
     lr = torch.tensor(1e-3)  # a tensor lr (a schedule fills it between replays)
-    tensor_lr = count_step("dobb", 4, lr=lr, foreach=True, capturable=True, nonfinite="skip")
+    tensor_lr = count_step("dobb_paper", 4, lr=lr, foreach=True, capturable=True, nonfinite="skip")
     assert tensor_lr.host_reads == 0
 
 
@@ -96,7 +101,7 @@ def test_counters_return_to_the_cpu_after_load_unless_capturable():
     """torch's load_state_dict moves non-"step" tensors onto the parameter's device;
     Dobb's ``stats_steps`` must stay where it was made (a CPU counter costs no sync)."""
     model = tiny_gpt(1)
-    opt = build_optimizer("dobb", model)
+    opt = build_optimizer("dobb_paper", model)
     train(opt, model, 1)
     opt.load_state_dict(opt.state_dict())
     for state in opt.state.values():
@@ -107,7 +112,7 @@ def test_counters_return_to_the_cpu_after_load_unless_capturable():
 
 def test_refresh_schedule_on_the_host():
     model = tiny_gpt(1)
-    opt = build_optimizer("dobb", model, capturable=True, nonfinite="skip", basis_interval=3)
+    opt = build_optimizer("dobb_paper", model, capturable=True, nonfinite="skip", basis_interval=3)
     assert opt.refresh_due()  # the first step
     train(opt, model, 1)
     assert not opt.refresh_due()
@@ -123,13 +128,13 @@ CAPTURABLE = {"capturable": True, "nonfinite": "skip", "foreach": True}
 @pytest.mark.parametrize("method", ["eigh", "cupy", "power_qr"])
 def test_solvers_that_cannot_be_captured_are_rejected_at_construction(method):
     with pytest.raises(ValueError, match=f"basis_method='{method}' cannot run in a captured"):
-        build_optimizer("dobb", tiny_gpt(1), basis_method=method, **CAPTURABLE)
+        build_optimizer("dobb_paper", tiny_gpt(1), basis_method=method, **CAPTURABLE)
 
 
 def test_a_capturable_warm_refresh_step_reads_nothing():
     """Step 4 refreshes every basis from the last one ("auto" is cholqr here, on the CPU
     too); the default step reads the device once in a refresh step (the non-finite check)."""
-    counter = count_step("dobb", 4, warmup_steps=3, basis_interval=3, **CAPTURABLE)
+    counter = count_step("dobb_paper", 4, warmup_steps=3, basis_interval=3, **CAPTURABLE)
     assert counter.ops["aten::linalg_cholesky_ex"] > 0  # the refresh ran
     assert counter.ops["aten::_linalg_eigh"] == 0 and counter.ops["aten::atan"] == 0
     assert counter.host_reads == 0
@@ -140,7 +145,7 @@ def test_refresh_failures_stay_on_the_device_until_refresh_due(monkeypatch):
     ``refresh_due`` (host-side, between steps) warns once the count reaches the host."""
     monkeypatch.setattr(dobb.eigensolve, "cholqr_basis", lambda cov, _: cov * float("nan"))
     model = tiny_gpt(1)
-    opt = build_optimizer("dobb", model, basis_interval=3, **CAPTURABLE)
+    opt = build_optimizer("dobb_paper", model, basis_interval=3, **CAPTURABLE)
     train(opt, model, 3)  # step 1: the cold refresh, Jacobi from the identity
     before = {k: v.clone() for k, v in opt.state[model.blocks[0].mlp.fc.weight].items()}
     with warnings.catch_warnings():
@@ -166,7 +171,7 @@ def test_compiled_steady_and_refresh_steps_match_the_eager_ones():
     models, opts = [], []
     for _ in range(2):
         model = tiny_gpt(1)
-        opt = build_optimizer("dobb", model, basis_interval=3, **CAPTURABLE)
+        opt = build_optimizer("dobb_paper", model, basis_interval=3, **CAPTURABLE)
         train(opt, model, 1)
         models.append(model)
         opts.append(opt)

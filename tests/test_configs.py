@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bench.tools.config_docs import DOCS, ROOT, render
-from dobb.registry import OPTIMIZERS, build_optimizer
+from dobb.registry import OPTIMIZERS, build_optimizer, recommended_lr
 
 CLASSES = sorted({e.cls for e in OPTIMIZERS.values() if hasattr(e.cls, "Config")}, key=str)
 
@@ -27,10 +27,12 @@ def test_the_class_defaults_are_the_registrys(name):
     bare = {k: v for k, v in built.param_groups[0].items() if k in ("params", "algorithm")}
     plain = entry.cls([bare], **entry.hyperparameters)
     group, default = (
-        {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "param_names")}
+        {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "param_names", "lr")}
         for opt in (built, plain)
     )
-    assert group == default and group["lr"] == entry.lr
+    assert group == default and plain.param_groups[0]["lr"] == entry.lr
+    # the registry's lr is the table's at the model's width (8: the nearest tuned is 128)
+    assert built.param_groups[0]["lr"] == recommended_lr(name, 8)
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
@@ -67,11 +69,12 @@ OTHER = {
     "num_blocks": 4,
     "stats_beta": 0.5,
     "basis_interval": 2,
-    "update_scale": 1.0,
+    "update_scale": 0.5,
     "block_size": 2,
-    "two_sided": True,
+    "row_block_size": 2,
+    "two_sided": lambda d: not d,
     "row_stats": "outputs",
-    "coefficients": "adam",
+    "coefficients": lambda d: "sign" if d == "adam" else "adam",
     "coefficient_beta": 0.5,
     "projection_dtype": "bfloat16",
     "basis_method": "power_qr",
@@ -83,6 +86,7 @@ BASE |= {n: {"ns_dtype": torch.float32} for n in ("Muon", "MuonBP", "NorMuon", "
 NEEDS = {
     ("MuonBP", "period"): {"row_blocks": 2},  # else a block step is the full step
     ("Dobb", "row_blocks"): {"two_sided": True},
+    ("Dobb", "block_size"): {"num_blocks": None},
     ("Dobb", "row_stats"): {"two_sided": True},
     ("Dobb", "coefficient_beta"): {"coefficients": "adam"},
 }

@@ -194,10 +194,10 @@ def test_initial_Q_is_the_same_on_every_replica_and_differs_per_matrix():
 
 
 def test_defaults():
-    # the registry's (lr 0.02, randomized Cholesky QR), one default per option
+    # the registry's (lr 0.01: the tuned rate and the reference's; randomized Cholesky QR)
     p = torch.nn.Parameter(torch.zeros(8, 8))
     group = Dion([p]).param_groups[0]
-    assert (group["lr"], group["mu"], group["weight_decay"]) == (0.02, 0.95, 0.01)
+    assert (group["lr"], group["mu"], group["weight_decay"]) == (0.01, 0.95, 0.01)
     expected = (1 / 16, None, "cholesky_qr")
     assert (group["rank_fraction"], group["rank"], group["orthogonalize"]) == expected
 

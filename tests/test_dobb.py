@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from dobb_configs import PaperDobb
 from torch import nn
 
 import dobb
@@ -23,7 +24,7 @@ def mlp(dtype=torch.float32, d_in=12, hidden=20, d_out=6, seed=0):
 def make_opt(model, **kwargs):
     """Dobb on every Linear weight, AdamW on biases; tracked."""
     groups = dobb.param_groups(model, exclude="^$")
-    opt = dobb.Dobb(groups, **{"lr": 0.01, "num_blocks": 4, **kwargs})
+    opt = PaperDobb(groups, **{"lr": 0.01, "num_blocks": 4, **kwargs})
     opt.track(model)
     return opt
 
@@ -49,7 +50,7 @@ def one_step_update(weight, x, grad, **kwargs):
     """Dobb's first-step update -(W' - W)/lr of a lone Linear with input ``x``."""
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False).to(weight.dtype)
     layer.weight.data.copy_(weight)
-    opt = dobb.Dobb([layer.weight], **{"lr": 1.0, "update_scale": 1.0, **kwargs})
+    opt = PaperDobb([layer.weight], **{"lr": 1.0, "update_scale": 1.0, **kwargs})
     opt.track(layer)
     layer(x)
     layer.weight.grad = grad.clone()
@@ -77,7 +78,7 @@ def test_identity_basis_is_signum():
     torch.manual_seed(0)
     layer = nn.Linear(8, 4, bias=False)
     w = layer.weight.detach().clone()
-    opt = dobb.Dobb([layer.weight], lr=0.1, update_scale=1.0, missing_stats="identity")
+    opt = PaperDobb([layer.weight], lr=0.1, update_scale=1.0, missing_stats="identity")
     layer.weight.grad = torch.randn(4, 8)
     opt.step()  # no statistics were ever seen: Q_b = I
     torch.testing.assert_close(w - layer.weight.detach(), 0.1 * layer.weight.grad.sign())
@@ -131,7 +132,7 @@ def test_matches_per_block_reference_with_ragged_blocks():
     d_out, d_in, num_blocks, lr, mu, beta2 = 4, 10, 4, 0.05, 0.9, 0.8
     layer = nn.Linear(d_in, d_out, bias=False).double()
     w = layer.weight.detach().clone()
-    opt = dobb.Dobb([layer.weight], lr=lr, momentum=mu, num_blocks=num_blocks,
+    opt = PaperDobb([layer.weight], lr=lr, momentum=mu, num_blocks=num_blocks,
                     stats_beta=beta2, basis_interval=2, weight_decay=0.1)  # fmt: skip
     opt.track(layer)
     sizes = [3, 3, 2, 2]
@@ -159,7 +160,7 @@ def test_matches_per_block_reference_with_ragged_blocks():
 # ---------------------------------------------------------------- statistics
 def test_statistics_ema_and_refresh_schedule():
     layer = nn.Linear(4, 3, bias=False)
-    opt = dobb.Dobb([layer.weight], lr=0.01, num_blocks=2, stats_beta=0.5, basis_interval=3)
+    opt = PaperDobb([layer.weight], lr=0.01, num_blocks=2, stats_beta=0.5, basis_interval=3)
     opt.track(layer)
     gen = torch.Generator().manual_seed(0)
     expected, bases = None, []
@@ -180,7 +181,7 @@ def test_statistics_ema_and_refresh_schedule():
 
 def test_hooks_ignore_eval_mode_and_no_grad():
     layer = nn.Linear(4, 3)
-    opt = dobb.Dobb([layer.weight], lr=0.1, num_blocks=2)
+    opt = PaperDobb([layer.weight], lr=0.1, num_blocks=2)
     opt.track(layer)
     with torch.no_grad():
         layer(torch.randn(2, 4))
@@ -330,8 +331,8 @@ def test_state_precision_and_dtype_survives_load(dtype, state_dtype):
 
 def test_adamw_group_matches_torch_adamw():
     model, reference = mlp(), mlp()
-    opt = dobb.Dobb([{"params": model.parameters(), "algorithm": "adamw", "weight_decay": 0.1}],
-                    lr=3e-3)  # fmt: skip
+    group = {"params": model.parameters(), "algorithm": "adamw", "weight_decay": 0.1, "lr": 3e-3}
+    opt = PaperDobb([group])
     ref = torch.optim.AdamW(reference.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     train(model, opt, 5)
     train(reference, ref, 5)
@@ -341,7 +342,7 @@ def test_adamw_group_matches_torch_adamw():
 
 def test_lion_group_follows_its_rule():
     p = nn.Parameter(torch.randn(5))
-    opt = dobb.Dobb([{"params": [p], "algorithm": "lion", "weight_decay": 0.5}], lr=0.1)
+    opt = PaperDobb([{"params": [p], "algorithm": "lion", "weight_decay": 0.5, "lr": 0.1}])
     w, m = p.detach().clone(), torch.zeros(5)
     for _ in range(3):
         g = torch.randn(5)
@@ -362,10 +363,19 @@ def test_param_groups_route_heads_embeddings_and_tied_weights():
             self.lm_head = nn.Linear(8, 11, bias=False)
             self.lm_head.weight = self.wte.weight  # tied
 
-    groups = dobb.param_groups(TinyLM())
-    names = {g["algorithm"]: [n for n, _ in g["params"]] for g in groups}
-    assert names["dobb"] == ["fc.weight"]
-    assert sorted(names["adamw"]) == ["fc.bias", "ln.bias", "ln.weight", "wte.weight"]
+    matrix, scalar = dobb.param_groups(TinyLM())
+    assert "algorithm" not in matrix  # the optimizer's own
+    assert [n for n, _ in matrix["params"]] == ["fc.weight"]
+    assert scalar["algorithm"] == "adamw"
+    assert sorted(n for n, _ in scalar["params"]) == [
+        "fc.bias",
+        "ln.bias",
+        "ln.weight",
+        "wte.weight",
+    ]
+    # any matrix optimizer takes them; the AdamW group keeps its own lr, not the matrix one
+    opt = dobb.Muon(dobb.param_groups(TinyLM()))
+    assert [g["lr"] for g in opt.param_groups] == [0.02, 1e-3]
 
 
 # ------------------------------------------------------------------ bad input
@@ -384,22 +394,22 @@ def test_param_groups_route_heads_embeddings_and_tied_weights():
 )
 def test_bad_hyperparameters_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        dobb.Dobb([nn.Parameter(torch.zeros(2, 2))], **{"lr": 0.1, **kwargs})
+        PaperDobb([nn.Parameter(torch.zeros(2, 2))], **{"lr": 0.1, **kwargs})
 
 
 def test_bad_groups_raise():
     model = mlp()
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['betas'\]"):
-        dobb.Dobb([{"params": [model[0].weight], "betas": (0.9, 0.9)}], lr=0.1)
+        PaperDobb([{"params": [model[0].weight], "betas": (0.9, 0.9)}], lr=0.1)
     with pytest.raises(ValueError, match=r"unknown algorithm 'sgd'"):
-        dobb.Dobb([{"params": [model[0].weight], "algorithm": "sgd"}], lr=0.1)
+        PaperDobb([{"params": [model[0].weight], "algorithm": "sgd"}], lr=0.1)
     with pytest.raises(ValueError, match=r"bias has 1 dimension.*algorithm='adamw'"):
-        dobb.Dobb(list(model[0].named_parameters()), lr=0.1)
+        PaperDobb(list(model[0].named_parameters()), lr=0.1)
 
 
 def test_missing_statistics_names_the_parameter():
     model = mlp()
-    opt = dobb.Dobb([{"params": list(model.named_parameters())[:1]}], lr=0.1)
+    opt = PaperDobb([{"params": list(model.named_parameters())[:1]}], lr=0.1)
     model[0].weight.grad = torch.ones_like(model[0].weight)
     with pytest.raises(RuntimeError, match=r"0\.weight has no activation statistics.*track"):
         opt.step()
@@ -410,7 +420,7 @@ def test_a_non_finite_step_without_statistics_is_skipped_not_refused():
     """The non-finite check comes first: with ``nonfinite="skip"`` a NaN step is skipped
     even when its statistics are missing, and leaves no state."""
     model = mlp()
-    opt = dobb.Dobb([model[0].weight], lr=0.1, nonfinite="skip")
+    opt = PaperDobb([model[0].weight], lr=0.1, nonfinite="skip")
     model[0].weight.grad = torch.full_like(model[0].weight, float("nan"))
     opt.step()
     assert opt.skipped_steps == 1 and not opt.state
@@ -418,12 +428,12 @@ def test_a_non_finite_step_without_statistics_is_skipped_not_refused():
 
 def test_track_errors():
     model = mlp()
-    opt = dobb.Dobb([model[0].weight], lr=0.1)
+    opt = PaperDobb([model[0].weight], lr=0.1)
     opt.track(model)
     with pytest.raises(ValueError, match="already tracked"):
         opt.track(model)
     with pytest.raises(ValueError, match="no layer"):
-        dobb.Dobb([model[0].weight], lr=0.1).track(nn.Sequential(nn.ReLU()))
+        PaperDobb([model[0].weight], lr=0.1).track(nn.Sequential(nn.ReLU()))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -474,7 +484,7 @@ def test_transposed_layers_are_blocked_along_their_input_dim():
     transposed = TransposedLinear(linear.weight.detach().T)
     opts = []
     for layer in (linear, transposed):
-        opt = dobb.Dobb(dobb.param_groups(layer), lr=0.1, num_blocks=3, update_scale="muon")
+        opt = PaperDobb(dobb.param_groups(layer), lr=0.1, num_blocks=3, update_scale="muon")
         opt.track(layer)
         opts.append(opt)
     gen = torch.Generator().manual_seed(1)
@@ -512,7 +522,7 @@ def test_control_basis_sources(source):
     """Ablation controls need no statistics; their bases are what their names say."""
     torch.manual_seed(0)
     layer = nn.Linear(8, 5, bias=False)
-    opt = dobb.Dobb([layer.weight], lr=0.1, num_blocks=2, basis_source=source, basis_interval=1)
+    opt = PaperDobb([layer.weight], lr=0.1, num_blocks=2, basis_source=source, basis_interval=1)
     g = torch.randn(5, 8)
     w = layer.weight.detach().clone()
     layer.weight.grad = g.clone()
@@ -564,7 +574,7 @@ def test_batches_split_by_shape_hyperparameters_and_size(monkeypatch):
     layers = [nn.Linear(8, 8, bias=False) for _ in range(3)] + [nn.Linear(8, 4, bias=False)]
     groups = [{"params": [layers[0].weight, layers[1].weight, layers[3].weight]},
               {"params": [layers[2].weight], "lr": 0.5}]  # fmt: skip
-    opt = dobb.Dobb(groups, lr=0.1, num_blocks=2, missing_stats="identity", foreach=True)
+    opt = PaperDobb(groups, lr=0.1, num_blocks=2, missing_stats="identity", foreach=True)
     for layer in layers:
         layer.weight.grad = torch.ones_like(layer.weight)
     sizes, batches = [], DobbSteps._batches
@@ -583,7 +593,7 @@ def test_batches_split_by_shape_hyperparameters_and_size(monkeypatch):
 
 def test_public_accessors_name_blocks_and_groups():
     layer = nn.Linear(10, 3, bias=False)
-    opt = dobb.Dobb([layer.weight], lr=0.1, num_blocks=4)
+    opt = PaperDobb([layer.weight], lr=0.1, num_blocks=4)
     assert [(s.size, s.count) for s in opt.local_blocks(layer.weight)] == [(3, 2), (2, 2)]
     assert opt.stats_groups == []  # one process: nothing to average over
     with pytest.raises(ValueError, match="not in a Dobb parameter group"):
@@ -592,7 +602,12 @@ def test_public_accessors_name_blocks_and_groups():
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"block_size": 3}, {"two_sided": True}, {"two_sided": True, "row_blocks": None}],
+    [
+        {},
+        {"block_size": 3, "num_blocks": None},
+        {"two_sided": True},
+        {"two_sided": True, "row_blocks": None},
+    ],
 )
 def test_a_layout_reads_only_the_options_it_is_cached_by(options):
     """``Dobb.layouts`` caches a matrix's layout by the options marked ``layout``:
@@ -611,7 +626,7 @@ def test_a_layout_reads_only_the_options_it_is_cached_by(options):
             return getattr(self.config, name)
 
     layer = nn.Linear(12, 10, bias=False)
-    opt = dobb.Dobb(layer.parameters(), lr=0.1, num_blocks=2, **options)
+    opt = PaperDobb(layer.parameters(), **{"lr": 0.1, "num_blocks": 2, **options})
     matrix_layout(layer.weight, 1, Recording(opt.config), (), "weight")
     layout_options = set(dobb.Dobb.Config.layout_options())
     assert read and read <= layout_options, read - layout_options

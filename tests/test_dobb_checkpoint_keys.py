@@ -85,8 +85,10 @@ def place(model, opt, saved, renamed=RENAMED) -> None:
     saved param groups are the ones ``build`` makes, so only the state has to be placed."""
     model.load_state_dict(saved["model"])
     groups = saved["optimizer"]["param_groups"]
+    # (the options the file predates, such as row_block_size, are the build's own)
     assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == [
-        {k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]
+        {k: v for k, v in g.items() if k != "params" and k in saved_group}
+        for g, saved_group in zip(opt.state_dict()["param_groups"], groups)
     ]
     params = [p for group in opt.param_groups for p in group["params"]]
     for i, entry in saved["optimizer"]["state"].items():

@@ -196,7 +196,7 @@ def test_two_sided_state_and_memory():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"row_blocks": 2}, "row_blocks is an option of two-sided Dobb"),
+        ({"two_sided": False, "row_blocks": 2}, "options of two-sided Dobb"),
         ({"two_sided": True, "row_blocks": 0}, "invalid row_blocks"),
         ({"block_size": 0}, "invalid block_size"),
         ({"coefficients": "lion"}, "invalid coefficients"),

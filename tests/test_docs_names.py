@@ -167,7 +167,7 @@ def test_the_check_sees_names_and_paths():
     gone = (
         "``dobb.optim.muon.no_such_function``, `bench.no_such_module`, dobb.Dobb.no_such, "
         "`dobb/optim/no_such.py`, tests/no_such_dir/, bench/model/costs/no_such_*.py; "
-        'docs/baselines.md, "The registry\'s starting\n    learning rates" and "No such section"'
+        'docs/baselines.md, "The registry\'s\n    learning rates" and "No such section"'
     )
     assert [b.split(":")[0] for b in dangling(gone)] == [
         "dobb.optim.muon.no_such_function",

@@ -124,7 +124,7 @@ def test_lr_scheduler_changes_the_lr_used(name, scalar, foreach):
     for t in range(2):
         train(model, opt, 1, first=t)
         scheduler.step()
-    halved = {"lr": entry.lr * 0.5}
+    halved = {"lr": opt.param_groups[0]["initial_lr"] * 0.5}  # the lr build_optimizer chose
     if entry.is_matrix:
         halved["scalar_lr"] = entry.scalar_lr * 0.5
     reference, reference_opt = make(name, scalar, foreach=foreach, **halved)
@@ -369,8 +369,9 @@ def test_a_scalar_group_does_not_inherit_the_matrix_weight_decay(name, scalar):
     its own key (default 0), never filled in from the constructor's ``weight_decay``."""
     entry = OPTIMIZERS[name]
     groups = param_groups(TinyLM(), entry.cls.algorithm, scalar_algorithm=scalar)
-    opt = entry.cls(groups, lr=0.01, weight_decay=0.5, **entry.hyperparameters)
+    options = {**entry.hyperparameters, "lr": 0.01, "weight_decay": 0.5}
+    opt = entry.cls(groups, **options)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0]
     explicit = param_groups(TinyLM(), entry.cls.algorithm, scalar_options={"weight_decay": 0.1})
-    opt = entry.cls(explicit, lr=0.01, weight_decay=0.5, **entry.hyperparameters)
+    opt = entry.cls(explicit, **options)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.1]

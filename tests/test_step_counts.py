@@ -19,7 +19,18 @@ from dobb.registry import build_optimizer
 from dobb.stats import block_stacks
 from dobb.train.model import GPT, gpt_config
 
-BATCHED = ["dobb", "dobb2s", "muon", "muonbp", "blockmuon", "dion", "normuon", "dion2", "nordion2"]
+BATCHED = [
+    "dobb",
+    "dobb_paper",
+    "dobb2s",
+    "muon",
+    "muonbp",
+    "blockmuon",
+    "dion",
+    "normuon",
+    "dion2",
+    "nordion2",
+]
 
 
 @pytest.mark.parametrize("name", BATCHED)
@@ -51,7 +62,7 @@ def test_eigh_refresh_reads_the_host_twice_per_block_size():
     """The reference ``eigh`` (Dobb's ``auto`` on CPU), step 11 (a warm refresh): each
     distinct block size's ``eigh`` reads its error flag (``_linalg_check_errors``, which a
     dispatch mode does not see) and ``eigenbasis`` checks its result once more."""
-    counter = count_step("dobb", 4, warmup_steps=10, num_blocks=3, foreach=True)
+    counter = count_step("dobb_paper", 4, warmup_steps=10, num_blocks=3, foreach=True)
     widths = (32, 128)  # the tiny GPT's input widths: n_embd and the MLP's 4 n_embd
     sizes = {s.size for width in widths for s in block_stacks(width, 3)}
     assert counter.ops["aten::_linalg_eigh"] == len(sizes) == 4
@@ -67,7 +78,7 @@ def test_batched_refresh_reads_the_host_only_for_the_non_finite_check(method, wa
     (profiler): 9 cold for every solver (eigh per block size), warm Jacobi 25 (an eigh per
     round), cholqr 5 (its guard once per block size), power_qr 1."""
     counter = count_step(
-        "dobb", 4, warmup_steps=warmup_steps, num_blocks=3, basis_method=method, foreach=True
+        "dobb_paper", 4, warmup_steps=warmup_steps, num_blocks=3, basis_method=method, foreach=True
     )
     assert counter.ops["aten::_linalg_eigh"] == 0, counter.ops
     assert counter.host_reads == 1
@@ -103,7 +114,7 @@ def steady_bytes_per_element(**options) -> float:
     write) per element of the Dobb matrices, batched, on a 1-layer GPT of width 128."""
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny", n_layer=1, n_embd=128, n_head=4, block_size=16))
-    counter = count_steps("dobb", 0, model=model, foreach=True, **options)[0]
+    counter = count_steps("dobb_paper", 0, model=model, foreach=True, **options)[0]
     opt_elements = sum(
         p.numel() for n, p in model.named_parameters() if "blocks" in n and p.ndim == 2
     )

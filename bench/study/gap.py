@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import OPTIONS
+from bench.optimizers import with_options
 from bench.study.runs import (
     Sweep,
     best_run,
@@ -59,7 +60,7 @@ class Variant:
     lr_scale: float = 1.0  # the sweep's centre: lr_scale x the optimizer's tuned lr
 
     def settings(self) -> dict[str, Any]:
-        return OPTIONS[self.optimizer] | self.options
+        return with_options(self.optimizer, self.options)
 
 
 WHOLE = {"block_size": None, "num_blocks": 1}  # one input block: the whole width

@@ -22,7 +22,8 @@ import yaml
 
 from bench import compare
 from bench.compare import OPTIMIZERS, OPTIONS
-from dobb.optim.dobb_core import update_alpha
+from bench.optimizers import lab_entry, with_options
+from dobb.optim.dobb_core import update_alpha, update_scale_of
 from dobb.registry import get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.model import gpt_config
@@ -140,7 +141,7 @@ def run_config(
         optimizer=optimizer,
         lr=lr,
         scalar_lr=None,
-        optimizer_options=dict(OPTIONS[optimizer]) | options,
+        optimizer_options=with_options(optimizer, options),
         model_overrides=overrides,
         seed=seed,
         out_dir=str(out / "runs" / name),
@@ -431,7 +432,8 @@ def lr_center(ablation: Ablation, best: dict[str, float]) -> float:
 
 def base_alpha() -> float:
     """Dobb's default update scale alpha (0.2, the "adamw" setting) as a number."""
-    return update_alpha(defaults("dobb")["update_scale"], 1)
+    options = defaults("dobb")
+    return update_alpha(update_scale_of(options["update_scale"], options["coefficients"]), 1)
 
 
 def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) -> dict:
@@ -440,7 +442,7 @@ def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) 
     sweeps = {
         name: Sweep(
             partial(make, name),
-            [get_entry(name).lr * f for f in spec.lr_factors],
+            [lab_entry(name).start_lr * f for f in spec.lr_factors],
             spec.max_extensions,
         )
         for name in OPTIMIZERS

@@ -55,6 +55,7 @@ class Tuned:
     lr_scale: float = 1.0  # first grid's centre: lr_scale x (a)'s tuned lr of `centre`
     centre: str | None = None  # None: `optimizer`
     scale_rule: bool = False  # a width-aware update scale: run with `tuning_scale_rules`
+    front: str | None = None  # its name on the front page's figure (README), if there
 
     def sharded(self) -> bool:
         """Whether its update depends on the number of row shards (it has row blocks)."""
@@ -103,13 +104,13 @@ def tuned(spec=None) -> list[Tuned]:
         ),
     ]
     return [
-        Tuned("Muon", "muon", wide=True),
+        Tuned("Muon", "muon", wide=True, front="Muon"),
         Tuned("NorMuon", "normuon"),
         Tuned("NorDion2", "nordion2", wide=True),
         Tuned("BlockMuon", "blockmuon", shard_local=True, wide=True),
         Tuned("MuonBP", "muonbp"),
-        Tuned("Dion", "dion"),
-        Tuned("Dobb, 16 blocks", "dobb", shard_local=True),
+        Tuned("Dion", "dion", front="Dion"),
+        Tuned("Dobb, 16 blocks", "dobb", shard_local=True, front="Dobb, the paper's"),
         Tuned("Dobb, one block", "dobb", {"num_blocks": 1}, shard_local=True, wide=True),
         Tuned("two-sided Dobb, one input block", "dobb2s", WHOLE, shard_local=True, wide=True),
         Tuned("one-sided SOAP (Dobb, Adam coefficients, one block)", "dobb", soap, True),
@@ -123,7 +124,17 @@ def tuned(spec=None) -> list[Tuned]:
             True,
             lr_scale=2.0,
         ),
-        Tuned("AdamW", "adamw", shard_local=True),
+        # the library's default (the recommended configuration): two-sided SOAP with one input
+        # block and one row block of each rank's rows (in one process: all rows)
+        Tuned(
+            "recommended Dobb (two-sided SOAP, one input block, one row block per shard)",
+            "dobb2s",
+            WHOLE | {"row_blocks": None, "coefficients": "adam", "update_scale": 1.0},
+            True,
+            lr_scale=2.0,
+            front="Dobb, recommended",
+        ),
+        Tuned("AdamW", "adamw", shard_local=True, front="AdamW"),
         *(rules if spec is not None and spec.tuning_scale_rules else []),
     ]
 
@@ -258,6 +269,7 @@ def analyse_tuning(tuning: dict) -> dict:
                 "optimizer": t.optimizer,
                 "options": dict(t.options),
                 "shard_local": t.shard_local,
+                "front": t.front,
                 "widths": per_width,
                 "moves": [_move(a, b) for a, b in zip(per_width, per_width[1:])],
             }

@@ -138,11 +138,35 @@ def plot_tuning(out: Path, report: dict) -> str:
     return "tuning.png"
 
 
+def plot_front(out: Path, report: dict) -> str:
+    """The front page's figure (README): each marked configuration's final val loss at its
+    tuned lr against the width, the mean of its seeds with their standard deviation."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    for row in (r for r in report["rows"] if r.get("front")):
+        seeded = [e for e in row["widths"] if e["seeds"]["n"] > 1]
+        widths = [e["n_embd"] for e in seeded]
+        means = [e["seeds"]["mean"] for e in seeded]
+        spread = [e["seeds"]["std"] for e in seeded]
+        ax.errorbar(widths, means, yerr=spread, marker="o", capsize=3, label=row["front"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(report["widths"], [str(w) for w in report["widths"]])
+    ax.set_xlabel("width (n_embd), 4 layers, 409,600 tokens")
+    ax.set_ylabel("final val loss, tuned lr (seeds: mean, std)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(out / "front.png", dpi=120)
+    return "front.png"
+
+
 def tuning_section(report: dict, spec: dict, out: Path, link, table) -> list[str]:
     """The lines of section (f)."""
     rows, widths = report["rows"], report["widths"]
     seeds = spec["tuning_seeds"]
     plot = plot_tuning(out, report)
+    front = plot_front(out, report)
     return [
         "## (f) Every optimizer tuned at every width",
         "",
@@ -162,6 +186,11 @@ def tuning_section(report: dict, spec: dict, out: Path, link, table) -> list[str
         *[f"- {transfer_sentence(r)}" for r in rows],
         "",
         f"![final loss against lr, one curve per width]({link(plot)})",
+        "",
+        "The front page's figure: the final loss at each tuned lr against the width, for "
+        "the configurations it names (mean and standard deviation of the seeds):",
+        "",
+        f"![final loss against width]({link(front)})",
         "",
         f"Tuned at each width (mean ± std over {in_words(seeds)} seeds at the tuned lr):",
         "",

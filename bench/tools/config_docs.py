@@ -8,6 +8,9 @@ those options) and ``<!-- /options -->``; ``NAME`` is a class of ``dobb``. A mar
 a list takes the options no other marker of that class in the same file lists. Rows follow
 the constructor's order; each cell comes from the config (``dobb.optim.config``): the
 default, the rule's allowed values, the two marks, and the field's docstring.
+
+The registry's learning rates (``dobb.registry.TUNED_LR``, by width, and each entry's
+default) sit between ``<!-- lrs -->`` and ``<!-- /lrs -->``.
 """
 
 import argparse
@@ -25,6 +28,7 @@ from bench.tools.markdown import markdown_table
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("docs/algorithm.md", "docs/baselines.md")
 MARKER = re.compile(r"<!-- options (\w+)(?::([\w ]+))? -->\n(.*?)<!-- /options -->", re.S)
+LRS = re.compile(r"<!-- lrs -->\n.*?<!-- /lrs -->", re.S)
 HEADERS = ("option", "default", "allowed", "changes the update", "per group", "meaning")
 
 
@@ -90,7 +94,30 @@ def render(text: str) -> str:
         head = match.group(0)[: match.start(3) - match.start(0)]
         return f"{head}{body}\n<!-- /options -->"
 
-    return MARKER.sub(table, text)
+    return LRS.sub(lambda _: f"<!-- lrs -->\n{lr_table()}\n<!-- /lrs -->", MARKER.sub(table, text))
+
+
+def lr_table() -> str:
+    """Every registry entry's recommended lr by width (``TUNED_LR``), its default (a model
+    of no known width, and the class's), and its AdamW group's."""
+    from dobb.registry import OPTIMIZERS, TUNED_LR
+
+    widths = sorted({w for lrs in TUNED_LR.values() for w in lrs})
+    rows = []
+    for name, entry in OPTIMIZERS.items():
+        tuned = TUNED_LR.get(name, {})
+        options = ", ".join(f"{k}={v}" for k, v in entry.hyperparameters.items() if k != "lr")
+        rows.append(
+            (
+                f"`{name}`",
+                options or "the class's defaults",
+                *(f"{tuned[w]:g}" if w in tuned else "" for w in widths),
+                f"{entry.lr:g}",
+                "-" if entry.scalar_lr is None else f"{entry.scalar_lr:g}",
+            )
+        )
+    headers = ("entry", "settings", *(f"lr, width {w}" for w in widths), "default lr")
+    return markdown_table((*headers, "AdamW group's lr"), rows, pad=False)
 
 
 def main() -> None:

@@ -203,8 +203,8 @@ def build(
     parallelized) whose ranks see different data along ``group`` (``data_mesh``)."""
     entry = get_entry(config.name)
     kwargs = {
-        "lr": entry.lr if config.lr is None else config.lr,
         **entry.hyperparameters,
+        "lr": entry.lr if config.lr is None else config.lr,
         **entry.distributed_options(group),
         **parse_options(config.options),
     }

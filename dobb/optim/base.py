@@ -34,7 +34,10 @@ interface:
   drops the step's inputs. These three stay on the driver's side because only the driver
   orders them before anything changes: the non-finite check must see the statistics with
   the gradients, and a refused or skipped step must leave every state, the scalar groups'
-  included, as it was.
+  included, as it was. For that reason too ``check`` holds the one collective outside the
+  placements: once per optimizer, a multi-rank job with no ``stats_group`` compares its
+  ranks' statistics (``dobb.stats.DobbStatistics``) and is refused if its replicas would
+  drift apart.
 
 A step, in order: the non-finite check of the gradients and ``inputs.pending()`` (skip or
 raise: ``inputs.discard()``); ``inputs.check``; AdamW/Lion on the other groups; then the
@@ -345,7 +348,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         optimizer saved it (its groups' algorithms differ from this optimizer's).
 
         ``torch.optim.Optimizer`` casts floating state to the parameter's dtype, which would
-        turn fp32 state of bf16 parameters (and Dobb's bases) into bf16; we undo that.
+        turn fp32 state of bf16 parameters (and Dobb's bases) into bf16; we undo that. A
+        group saved before one of today's options existed takes this optimizer's value of it.
         """
         saved_algorithms = [g.get("algorithm") for g in state_dict["param_groups"]]
         algorithms = [g["algorithm"] for g in self.param_groups]
@@ -357,6 +361,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             )
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
+        for group in self._matrix_groups():  # saved before an option existed: its default
+            for name, value in self.config.defaults().items():
+                group.setdefault(name, value)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = dict(zip(ids, (p for g in self.param_groups for p in g["params"]), strict=True))
         for index, entry in saved.items():

@@ -172,10 +172,10 @@ class Dion(MatrixOptimizer):
     class Config(OptimizerConfig):
         """Dion's options (``dobb.optim.config``)."""
 
-        lr: float = inherit(OptimizerConfig, "lr", 0.02)
+        lr: float = inherit(OptimizerConfig, "lr", 0.01)
         """Learning rate, scaled per matrix by ``sqrt(d_out/d_in)``, the paper's factor (no
-        ``max(1, .)`` as in Muon: wide matrices take smaller steps; microsoft/dion's
-        reference: 0.01)."""
+        ``max(1, .)`` as in Muon: wide matrices take smaller steps); microsoft/dion's
+        reference's 0.01, the tuned value at widths 128 and 256 (``dobb.registry.TUNED_LR``)."""
         mu: float = option(0.95, between(0, 1, high_open=False), math=True)
         """Momentum / error-feedback decay; ``mu = 1`` keeps the whole buffer."""
         weight_decay: float = inherit(OptimizerConfig, "weight_decay", 0.01)

@@ -83,10 +83,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from dobb._dtensor import DTensor, local
@@ -122,7 +124,7 @@ from dobb.optim.dobb_core import (
 )
 from dobb.optim.dobb_steps import DobbSteps, block_state_like, param_block_stacks
 from dobb.optim.parts import Matrix, state_dtype
-from dobb.stats import BlockStack, DobbStatistics, block_stacks, layer_weights
+from dobb.stats import BlockStack, DobbStatistics, block_stacks, layer_weights, several_ranks
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 UPDATE_SCALE = Rule(
@@ -135,6 +137,11 @@ PROJECTION_DTYPES = (None, "float32", "bfloat16", "float16")  # the rotations' m
 # Where two-sided Dobb's output-side moments come from: the output gradient of a backward
 # hook (K-FAC's factor; local in every layout) or the local rows' G Gᵀ (Shampoo's).
 ROW_STATS = ("gradients", "outputs")
+# The largest input and row blocks the defaults make (block_size, row_block_size None):
+# one block per shard up to this width (STUDY.md (f): one input block and one row block per
+# shard were best at every width and shard count measured, up to 1,024 columns)
+BLOCK_WIDTH = 1024
+STATS_SYNC = ("auto", "refresh", "step")
 # Where a side's moments come from: the layer's hooks (``dobb.stats``), this step's
 # gradient, or nowhere (a fixed basis: "random", "identity").
 HOOKED = ("activations", "outputs")
@@ -220,23 +227,35 @@ def hooked(config) -> bool:
     return any(source in HOOKED for source in sources(config).values())
 
 
+def side_stacks(param: Tensor, dim: int, count, width, name: str, rows: bool = False):
+    """The blocks of this rank's indices along ``param``'s ``dim``: ``count`` blocks over the
+    whole dim (``param_block_stacks``: they must tile this rank's shard), else near-equal
+    blocks of at most ``width`` (None: ``BLOCK_WIDTH``) within this rank's indices."""
+    if count is not None:
+        return param_block_stacks(param, dim, count, name, rows=rows)
+    start, stop = matrix_placement(param).span(dim)
+    mine = stop - start
+    return block_stacks(mine, -(-mine // (width or BLOCK_WIDTH))) if mine else ()
+
+
 def matrix_layout(param: Tensor, input_dim: int, config, data_groups: tuple, name: str):
     """The ``MatrixLayout`` of ``param`` (named ``name``), a Dobb matrix whose input features
     lie along ``input_dim``, with ``config``'s options and ``data_groups`` the ranks that see
     other tokens.
 
-    Input blocks: ``num_blocks``, or ``ceil(d_in / block_size)``, those of this rank's
-    columns; a data rank that holds other columns raises (``check_stats_group``), as does
-    a column shard that splits a block. Row blocks (two-sided): ``row_blocks`` over the
-    rows, or one block of this rank's rows (None); their ``C`` is averaged over the data
-    ranks (``row_stats="outputs"``, which refuses rows split over them) or over the ranks
-    holding the other columns of the same rows (``"gradients"``).
+    Input blocks (``side_stacks``): ``num_blocks`` over the whole ``d_in``, those of this
+    rank's columns (a column shard that splits a block raises), or blocks of at most
+    ``block_size`` (``BLOCK_WIDTH``) columns within this rank's columns; a data rank that
+    holds other columns raises (``check_stats_group``). Row blocks (two-sided), likewise:
+    ``row_blocks`` over the rows, or blocks of at most ``row_block_size`` rows within this
+    rank's rows; their ``C`` is averaged over the data ranks (``row_stats="outputs"``, which
+    refuses rows split over them) or over the ranks holding the other columns of the same
+    rows (``"gradients"``).
     """
     width = param.shape[input_dim]
-    blocks = config.num_blocks if config.block_size is None else -(-width // config.block_size)
     check_stats_group(data_groups, param, input_dim, name)
     source = sources(config)
-    cols = param_block_stacks(param, input_dim, blocks, name)
+    cols = side_stacks(param, input_dim, config.num_blocks, config.block_size, name)
     columns = Side(INPUT, input_dim, cols, source[INPUT], tuple(data_groups), shared=True)
     dim = 1 - input_dim
     if not config.two_sided:
@@ -248,11 +267,7 @@ def matrix_layout(param: Tensor, input_dim: int, config, data_groups: tuple, nam
             "stats_group, but this matrix's rows are split over ranks of stats_group: FSDP's "
             f"data ranks (use row_stats='gradients') or a tensor-parallel axis ({STATS_GROUP_FIX})"
         )
-    if config.row_blocks is None:  # one block of the rows this rank holds
-        start, stop = placement.span(dim)
-        rows = block_stacks(stop - start, 1) if stop > start else ()
-    else:
-        rows = param_block_stacks(param, dim, config.row_blocks, name, rows=True)
+    rows = side_stacks(param, dim, config.row_blocks, config.row_block_size, name, rows=True)
     over = data_groups if source[ROW] == "outputs" else placement.groups_splitting(input_dim)
     return MatrixLayout(input_dim, width, columns, Side(ROW, dim, rows, source[ROW], tuple(over)))
 
@@ -318,42 +333,51 @@ class Dobb(MatrixOptimizer):
     class Config(OptimizerConfig):
         """Dobb's options (``dobb.optim.config``)."""
 
-        lr: float = inherit(OptimizerConfig, "lr", 1e-3)
-        """Learning rate; the update's RMS is ``alpha lr``, so AdamW's rates transfer at
-        ``alpha = 0.2``."""
+        lr: float = inherit(OptimizerConfig, "lr", 4e-3)
+        """Learning rate; the update's RMS is about ``alpha lr`` (``update_scale``). The
+        default is the recommended configuration's tuned rate at width 256; per width:
+        ``dobb.registry.recommended_lr``."""
         momentum: float = option(0.95, UNIT, math=True)
         """``mu``, the momentum's EMA factor."""
         nesterov: bool = option(True, BOOL, math=True)
         """Nesterov momentum (the direction ``(1 - mu) G + mu M``), else ``M``."""
-        num_blocks: int = option(16, COUNT, math=True, layout=True)
-        """``B``, input blocks per matrix, of near-equal size; ``B >= d_in`` gives block
-        size 1, i.e. Signum."""
+        num_blocks: int | None = option(None, optional(COUNT), math=True, layout=True)
+        """``B``, input blocks per matrix (the paper's 16), of near-equal size over the
+        whole ``d_in``; each column shard must hold whole blocks; ``B >= d_in`` gives block
+        size 1, i.e. Signum. None: blocks of ``block_size``."""
         stats_beta: float = option(0.95, UNIT, math=True)
         """``beta2``, the EMA factor of the second-moment blocks ``C_b``."""
         basis_interval: int = option(10, COUNT, math=True)
         """``k``: the eigenbases are refreshed every ``k`` steps."""
-        update_scale: float | str = option(0.2, UPDATE_SCALE, math=True)
+        update_scale: float | str | None = option(None, optional(UPDATE_SCALE), math=True)
         """``alpha``: a number, ``"adamw"`` (0.2), ``"lion"`` (1.0) or ``"muon"``
         (``1/sqrt(d_in)``, the RMS of Muon's spectrally scaled update; in STUDY.md (f) it
         keeps one-block Dobb's tuned lr from width 128 to 256, where 0.2 halves it, at the
-        same loss)."""
+        same loss). None: 0.2 with the sign (the update's RMS is then AdamW's), 1.0 with
+        Adam coefficients (already scaled as Adam's update)."""
         block_size: int | None = option(None, optional(COUNT), math=True, layout=True)
-        """Blocks of at most this many columns (``B = ceil(d_in / block_size)`` per
-        matrix) instead of ``num_blocks`` (the paper's 100 and 400)."""
-        two_sided: bool = option(False, BOOL, math=True, layout=True)
+        """Input blocks of at most this many columns, near-equal, within each rank's
+        columns (the paper's 100 and 400); None: ``BLOCK_WIDTH`` (1,024) unless
+        ``num_blocks`` is set. One block per shard up to that width is what the study
+        measured best (STUDY.md (b), (f))."""
+        two_sided: bool = option(True, BOOL, math=True, layout=True)
         """Also rotate the output side, by row blocks ``R_r`` that each lie inside one row
         shard: ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``."""
         row_blocks: int | None = option(None, optional(COUNT), math=True, layout=True)
-        """Two-sided Dobb's row blocks per matrix; None: one per rank's rows (the whole
-        matrix in one process); an integer must tile every rank's rows, else construction
-        raises."""
+        """Two-sided Dobb's row blocks per matrix, near-equal over all its rows; each rank's
+        rows must hold whole blocks, else construction raises. None: blocks of
+        ``row_block_size``."""
+        row_block_size: int | None = option(None, optional(COUNT), math=True, layout=True)
+        """Two-sided Dobb's row blocks of at most this many rows, near-equal, within each
+        rank's rows; None: ``BLOCK_WIDTH`` (1,024) unless ``row_blocks`` is set (one block
+        of each rank's rows up to that many: under FSDP, the rows each rank holds)."""
         row_stats: str = option("gradients", one_of(*ROW_STATS), math=True, layout=True)
         """Two-sided Dobb's row moments: ``"gradients"``, ``G_r G_rᵀ / d_in`` of the rank's
         rows (Shampoo's left factor; no communication under DDP, FSDP, HSDP and
         column-parallel TP, a refresh-step average over the TP ranks under row-parallel
         TP), or ``"outputs"``, the output gradient's ``E[δ_rᵀ δ_r]`` from a backward hook
         (K-FAC's factor; not for rows split over data ranks)."""
-        coefficients: str = option("sign", one_of(*COEFFICIENTS), math=True)
+        coefficients: str = option("adam", one_of(*COEFFICIENTS), math=True)
         """``"sign"``, or ``"adam"``: ``C / (sqrt(V_hat) + eps)`` with a SOAP-style second
         moment ``V`` of the coefficients, kept in the eigenbasis (+4 bytes per parameter;
         use ``update_scale=1.0``)."""
@@ -382,9 +406,15 @@ class Dobb(MatrixOptimizer):
         """The mesh or process group over which ranks see different tokens
         (``docs/distributed.md``): ``C_b`` is averaged over it. An axis of it that splits a
         matrix's input columns (row-parallel TP) raises."""
-        stats_sync: str = option("refresh", one_of("refresh", "step"), group=False)
-        """Average the statistics only on refresh steps (exact, the EMA being linear), or
-        every ``"step"`` (then saving a checkpoint communicates nothing)."""
+        stats_sync: str = option("auto", one_of(*STATS_SYNC), group=False)
+        """When ``C_b`` is averaged over ``stats_group``: on refresh steps only (exact, the
+        EMA being linear; ``state_dict()`` then averages first, a collective every data
+        rank must call, as DCP does), or every ``"step"`` (every rank holds the same
+        ``C_b`` after each step: a checkpoint one rank saves is exact for all, and
+        ``state_dict()`` communicates nothing). ``"auto"``: every step for plain
+        (replicated: DDP) parameters, whose loops save on one rank (nanoGPT, Hugging Face
+        ``Trainer``); on refresh steps for DTensor ones (FSDP, TP, HSDP), which DCP saves
+        on every rank."""
         shard_refresh: bool = option(True, BOOL, group=False)
         """With ``stats_group``: each rank computes ~1/P of the bases and one all-gather
         shares them; False: every rank computes all."""
@@ -396,8 +426,16 @@ class Dobb(MatrixOptimizer):
         ``torch.compile(fullgraph=True)``: ``docs/gpu.md``."""
 
         def check(self) -> None:
-            if self.row_blocks is not None and not self.two_sided:
-                raise ValueError("row_blocks is an option of two-sided Dobb: pass two_sided=True")
+            if not self.two_sided and (self.row_blocks or self.row_block_size) is not None:
+                raise ValueError(
+                    "row_blocks and row_block_size are options of two-sided Dobb: pass "
+                    "two_sided=True"
+                )
+            for count, width in (("num_blocks", "block_size"), ("row_blocks", "row_block_size")):
+                if getattr(self, count) is not None and getattr(self, width) is not None:
+                    raise ValueError(
+                        f"pass {count} (blocks per matrix) or {width} (their width), not both"
+                    )
             if self.capturable and self.nonfinite != "skip":
                 raise ValueError(
                     "capturable=True cannot raise on a non-finite gradient (that needs a host "
@@ -444,6 +482,15 @@ class Dobb(MatrixOptimizer):
         The layer says the weight's orientation: a ``(d_in, d_out)`` weight (``Conv1D``)
         has its input blocks along dim 0. See ``DobbStatistics.track``.
         """
+        if not self._data_parallel_groups and several_ranks():
+            sharded = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+            if sharded is not None:
+                raise ValueError(
+                    f"Dobb.track: the model is sharded by FSDP over {dist.get_world_size()} "
+                    "ranks, which see different tokens, but stats_group is None: each rank "
+                    "would precondition with its own statistics. Pass the FSDP mesh (its "
+                    'data axes, e.g. mesh["data_shard"]) as stats_group (docs/distributed.md).'
+                )
         configs = {p: c for g, c in self.configs() for p in g["params"]}
         layers = []
         for module, weight, spec in layer_weights(model):

@@ -119,12 +119,13 @@ class DobbCore(Core):
         through their transpose."""
         params, grads, states, layout, bases, row_bases, steps, live = batch
         adam = config.coefficients == "adam"
+        scale = update_scale_of(config.update_scale, config.coefficients)
         hyper = dict(
             lr=config.lr,
             beta=config.momentum,
             nesterov=config.nesterov,
             weight_decay=config.weight_decay,
-            scale=update_alpha(config.update_scale, layout.width),
+            scale=update_alpha(scale, layout.width),
             beta2=config.coefficient_beta,
             row_stacks=layout.row.stacks,
             projection_dtype=rotation_dtype(config, params[0]),
@@ -425,6 +426,15 @@ def _rotated_update(
         C = C.to(dtype).div_(denominator).to(low)
     update = orient(rotate(C, *bases, into=False)).to(dtype)
     _apply(params, update, lr, weight_decay, scale, live)
+
+
+def update_scale_of(scale: float | str | None, coefficients: str) -> float | str:
+    """The option ``update_scale``, None resolved: ``"adamw"`` (0.2) with the sign, whose
+    update's RMS is then AdamW's; ``"lion"`` (1.0) with Adam coefficients, already scaled as
+    Adam's update."""
+    if scale is not None:
+        return scale
+    return "lion" if coefficients == "adam" else "adamw"
 
 
 def update_alpha(scale: float | str, d_in: int) -> float:

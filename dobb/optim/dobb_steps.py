@@ -153,6 +153,13 @@ def split_over_ranks(fn, *stacks: Tensor, group) -> Tensor:
     return gathered[:n]
 
 
+def averaged_every_step(matrix: Matrix) -> bool:
+    """Whether ``matrix``'s statistics are averaged at every step (``stats_sync``: "step",
+    or "auto" for a plain parameter, replicated as under DDP), else on refresh steps."""
+    sync = matrix.config.stats_sync
+    return sync == "step" or (sync == "auto" and not isinstance(matrix.param, DTensor))
+
+
 class DobbSteps(Placement):
     """Dobb's placement of every matrix (the module docstring).
 
@@ -188,8 +195,9 @@ class DobbSteps(Placement):
             refresh_due(int(t), m.config.basis_interval) and stats_steps > 0
             for m, t, stats_steps in zip(matrices, steps, folded)
         ]
-        every_step = matrices[0].config.stats_sync == "step"
-        self.average([(m, a) for m, a, d in zip(matrices, layouts, due) if d or every_step])
+        every_step = [averaged_every_step(m) for m in matrices]
+        due_or_every = [d or e for d, e in zip(due, every_step)]
+        self.average([(m, a) for m, a, d in zip(matrices, layouts, due_or_every) if d])
         self._refresh([(m, a, f) for m, a, f, d in zip(matrices, layouts, folded, due) if d])
         if step.live is not None:  # Adam coefficients' bias correction: the device counts
             steps = [m.state["step"] for m in matrices]

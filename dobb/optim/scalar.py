@@ -15,13 +15,15 @@ from torch import Tensor
 from dobb.optim.batching import each, foreach_mul_
 
 SCALAR_ALGORITHMS = ("adamw", "lion")
-# A scalar group's defaults. Its weight decay is its own (default none, as nanoGPT leaves
-# norms and biases undecayed), never the matrix optimizer's: torch.optim would otherwise
-# fill it in from the constructor's ``weight_decay``, so Dion's 0.01 would decay
-# embeddings, norms, biases and the head while Muon's 0 would not.
+# A scalar group's defaults. Its learning rate and weight decay are its own, never the
+# matrix optimizer's: torch.optim would otherwise fill them in from the constructor's, so
+# Muon's lr of 0.02 would step embeddings, norms and the head with AdamW at 0.02, and
+# Dion's weight decay of 0.01 would decay them while Muon's 0 would not. The lr is AdamW's
+# usual 1e-3 (the lab's studies keep it for every optimizer); weight decay none, as nanoGPT
+# leaves norms and biases undecayed.
 SCALAR_DEFAULTS = {
-    "adamw": {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0},
-    "lion": {"betas": (0.9, 0.99), "weight_decay": 0.0},
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0},
+    "lion": {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.0},
 }
 
 

@@ -33,6 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from dobb._dtensor import DTensor
+from dobb.optim.scalar import SCALAR_ALGORITHMS
 from dobb.registry import build_optimizer, get_entry
 from dobb.train.checkpoint import (
     load_checkpoint,
@@ -411,15 +412,19 @@ def _save(cfg: TrainConfig, done: int, model, opt, scheduler, data, ema) -> None
     save_checkpoint(checkpoints, done, model, opt, meta, keep=cfg.keep_checkpoints, extra=extra)
 
 
-def _summary(cfg, record, step_times, opt_ms, tokens_per_step, state_bytes, ema) -> dict:
+def _summary(cfg, record, step_times, opt_ms, tokens_per_step, state_bytes, ema, opt) -> dict:
     """The run's summary, but for its size and place (`_train` adds them). This process's
-    first step (allocations, warm-up) is left out of speeds."""
+    first step (allocations, warm-up) is left out of speeds. Its learning rates are the
+    peaks the run used (the registry's recommended ones where the config left them unset)."""
     timed = slice(1, None) if len(step_times) > 1 else slice(None)
-    entry = get_entry(cfg.optimizer)
+    peaks = {g.get("algorithm"): g["initial_lr"] for g in reversed(opt.param_groups)}
+    scalar = get_entry(cfg.optimizer).is_matrix
     return {
         "optimizer": cfg.optimizer,
-        "lr": entry.lr if cfg.lr is None else cfg.lr,
-        "scalar_lr": entry.scalar_lr if cfg.scalar_lr is None else cfg.scalar_lr,
+        "lr": opt.param_groups[0]["initial_lr"],
+        "scalar_lr": next((v for k, v in peaks.items() if k in SCALAR_ALGORITHMS), None)
+        if scalar
+        else None,
         "steps": cfg.steps,
         "tokens": cfg.steps * tokens_per_step,
         "final_val_loss": record["val_loss"],  # of the EMA weights with eval_ema
@@ -490,7 +495,7 @@ def _train(cfg: TrainConfig, device, resumed: Path | None, owns_process_group: b
         record |= validate(model, ema, data, cfg, block_size, par, device)
 
     state_bytes = optimizer_state_bytes_per_param(opt, num_params)
-    summary = _summary(cfg, record, step_times, opt_ms, tokens_per_step, state_bytes, ema) | {
+    summary = _summary(cfg, record, step_times, opt_ms, tokens_per_step, state_bytes, ema, opt) | {
         "num_params": num_params,
         "train_time_s": train_time,
         "world_size": world_size,

@@ -205,6 +205,10 @@ def test_basis_method_option_reaches_dobb(tmp_path):
         "num_blocks": 4,
         "basis_interval": 2,
         "basis_method": "power_qr",
+        # the lab's "dobb" is the paper's configuration (bench.optimizers.PAPER)
+        "two_sided": False,
+        "coefficients": "sign",
+        "stats_sync": "refresh",
     }
     assert "basis_method" not in calltime.optimizer_overrides("dobb", 4, 2, 0.5)
     assert "basis_method" not in calltime.optimizer_overrides("muon", 4, 2, 0.5, basis_method="x")

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from bench import timebudget
+from bench.optimizers import PAPER
 from bench.timebudget import report as timebudget_report
 from bench.timebudget import train as timebudget_train
+from dobb.registry import recommended_lr
 from dobb.train.data import write_bin_shard
 
 
@@ -63,8 +65,9 @@ def test_each_optimizer_trained_for_the_budget(record):
             assert math.isfinite(p["val_loss"]) and 4 < p["val_loss"] < 8
         assert [row[1] for row in entry["curve"]] == sorted(row[1] for row in entry["curve"])
     assert record["optimizers"]["adamw"]["lr"] == 3e-3  # --lr override
-    assert record["optimizers"]["dobb"]["lr"] == 1e-3  # the registry's starting lr
-    assert record["optimizers"]["dobb"]["options"] == {"num_blocks": 16}
+    # the registry's recommended lr at the model's width (64: the table's nearest is 128)
+    assert record["optimizers"]["dobb"]["lr"] == recommended_lr("dobb", 64)
+    assert record["optimizers"]["dobb"]["options"] == PAPER  # the lab's dobb: the paper's
 
 
 def test_render_writes_table_and_plot(record, tmp_path):
@@ -72,7 +75,8 @@ def test_render_writes_table_and_plot(record, tmp_path):
     path.write_text(json.dumps(record))
     md, png = timebudget_report.render(path, tmp_path / "rendered")
     text = md.read_text()
-    assert "| dobb | 0.001 |" in text and "| adamw | 0.003 |" in text and "`test`" in text
+    assert f"| dobb | {recommended_lr('dobb', 64):.3g} |" in text and "| adamw | 0.003 |" in text
+    assert "`test`" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -57,9 +57,13 @@ def build() -> tuple[nn.Sequential, dobb.Dobb]:
             "row_blocks": 2,
             "row_stats": "outputs",
         },
-        {"params": [fc1.bias, fc2.bias, fc3.bias], "algorithm": "adamw"},
+        # the bias group took the optimizer's lr then (0.02): set now, as the scalar lr is its own
+        {"params": [fc1.bias, fc2.bias, fc3.bias], "algorithm": "adamw", "lr": 0.02},
     ]
-    opt = dobb.Dobb(groups, lr=0.02, basis_interval=2)
+    # the defaults of the commit that wrote the file (fc1 one-sided with the sign); fc2 and
+    # fc3 set what differs
+    paper = dict(two_sided=False, coefficients="sign", update_scale=0.2, stats_sync="refresh")
+    opt = dobb.Dobb(groups, lr=0.02, basis_interval=2, **paper)
     opt.track(model)
     return model, opt
 

@@ -21,6 +21,7 @@ import copy
 
 import pytest
 import torch
+from dobb_configs import PaperDobb
 from layouts import LAYOUTS, MLP, full, parallelize, train_step
 from multirank import run_ranks
 from sign_steps import rotate, sign_steps, stacks
@@ -33,6 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dobb
 from bench.tools.comm_recorder import CommRecorder
+from dobb.optim.dobb_core import update_alpha, update_scale_of
 
 STEPS = 4
 MAX_FLIPS = 2  # sign coefficients of a matrix a step that may differ (module docstring)
@@ -64,14 +66,16 @@ def compare_layout(
     _, _, hidden, out = LAYOUTS[layout]
     hyper = {**HYPER, "num_blocks": NUM_BLOCKS[layout], "basis_method": basis_method}
     hyper |= options or {}
+    if hyper.get("block_size") is not None:  # a block width instead of the layout's count
+        hyper["num_blocks"] = None
     reference = MLP(hidden, out)
     model = copy.deepcopy(reference)
-    ref_opt = dobb.Dobb(
+    ref_opt = PaperDobb(
         dobb.param_groups(reference, exclude="^$"), **hyper | (reference_options or {})
     )
     ref_opt.track(reference)
     model, data, dp_rank, dp_size = parallelize(model, layout, world)
-    opt = dobb.Dobb(
+    opt = PaperDobb(
         dobb.param_groups(model, exclude="^$"),
         **hyper,
         stats_group=data,
@@ -122,7 +126,8 @@ def follow_signs(reference, ref_opt, model, before, before_sharded) -> int:
         state = ref_opt.state[p]
         mine = stacks(state, "input"), stacks(state, "row")
         hyper = dict(lr=group["lr"], weight_decay=group["weight_decay"])
-        hyper["alpha"] = group["update_scale"]
+        scale = update_scale_of(group["update_scale"], group["coefficients"])
+        hyper["alpha"] = update_alpha(scale, p.shape[1])
         signs = [
             sign_steps(w0, p, *mine, **hyper),
             sign_steps(v0, full(q.detach()), *mine, **hyper),
@@ -191,7 +196,7 @@ def misaligned_blocks(rank, world):
     model = parallelize_module(
         MLP(32, 16), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     )
-    dobb.Dobb(dobb.param_groups(model, exclude="^$"), lr=0.1, num_blocks=3)
+    PaperDobb(dobb.param_groups(model, exclude="^$"), lr=0.1, num_blocks=3)
 
 
 def test_misaligned_row_parallel_blocks_raise_at_construction():
@@ -208,7 +213,7 @@ def checkpoint_run(rank, world, path, phase):
     torch.manual_seed(0)
     model, data, dp_rank, dp_size = parallelize(MLP(18, 3), "fsdp", world)
     hyper = {**HYPER, "num_blocks": 4}
-    opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"), **hyper, stats_group=data)
+    opt = PaperDobb(dobb.param_groups(model, exclude="^$"), **hyper, stats_group=data)
     opt.track(model)
     if phase == "save":
         for step in range(2):
@@ -221,7 +226,7 @@ def checkpoint_run(rank, world, path, phase):
             dobb_step(model, opt, step, dp_rank, dp_size, 3)
         return {"params": [full(p.detach()) for p in model.parameters()]}
     twin = MLP(18, 3)
-    twin_opt = dobb.Dobb(dobb.param_groups(twin, exclude="^$"), **hyper)
+    twin_opt = PaperDobb(dobb.param_groups(twin, exclude="^$"), **hyper)
     twin_opt.track(twin)
     for m, o in ((model, opt), (twin, twin_opt)):
         state = {"model": m.state_dict(), "optim": get_optimizer_state_dict(m, o)}

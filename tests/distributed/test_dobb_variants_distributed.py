@@ -2,6 +2,7 @@
 with no collective inside ``step()`` besides the statistics average on refresh steps."""
 
 import pytest
+from dobb_configs import PaperDobb
 from layouts import MLP
 from multirank import run_ranks
 from test_dobb_distributed import compare_layout
@@ -55,7 +56,7 @@ def row_stats_outputs_under_fsdp(rank, world):
     for module in (model.fc1, model.fc2, model):
         fully_shard(module, mesh=mesh)
     groups = dobb.param_groups(model, exclude="^$")
-    dobb.Dobb(groups, lr=0.1, two_sided=True, row_stats="outputs", stats_group=mesh)
+    PaperDobb(groups, lr=0.1, two_sided=True, row_stats="outputs", stats_group=mesh)
 
 
 def test_row_stats_outputs_refuses_rows_split_over_data_ranks():
@@ -68,7 +69,7 @@ def misaligned_row_blocks(rank, world):
     model = MLP(18, 3)
     for module in (model.fc1, model.fc2, model):
         fully_shard(module, mesh=mesh)
-    dobb.Dobb(dobb.param_groups(model, exclude="^$"), lr=0.1, two_sided=True, row_blocks=4)
+    PaperDobb(dobb.param_groups(model, exclude="^$"), lr=0.1, two_sided=True, row_blocks=4)
 
 
 def test_misaligned_row_blocks_raise_at_construction():

@@ -15,6 +15,7 @@ from dobb.registry import OPTIMIZERS, build_optimizer
 NEW_NAME = {
     "dobb": "stats_group",
     "dobb2s": "stats_group",
+    "dobb_paper": "stats_group",
     "muon": "replica_group",
     "muonbp": "replica_group",
     "blockmuon": "replica_group",

@@ -119,3 +119,21 @@ def test_a_tp_axis_averaging_split_rows_of_output_moments_raises(results):
 @pytest.mark.parametrize("case", ["tp, none", "fc1 one-sided", "fc1 gradients", "fsdp data axis"])
 def test_data_axes_and_unsplit_inputs_are_accepted(results, case):
     assert results[case] == "ok"
+
+
+def fsdp_without_stats_group(rank, world):
+    """Dobb on an FSDP-sharded model with ``stats_group`` left unset: ``track``'s outcome."""
+    model = MLP(18, 4)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_shard",))
+    for module in (model.fc1, model.fc2, model):
+        fully_shard(module, mesh=mesh)
+    opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"))
+    return _outcome(lambda: opt.track(model))
+
+
+def test_an_fsdp_model_without_stats_group_is_refused_at_track():
+    """FSDP's ranks see different tokens: without ``stats_group`` each rank would
+    precondition with its own statistics (replicated DDP parameters are checked at the
+    first step: tests/distributed/test_nanogpt_loop.py)."""
+    for outcome in run_ranks(fsdp_without_stats_group, 2, timeout=120):
+        assert outcome.startswith("ValueError") and "stats_group" in outcome, outcome

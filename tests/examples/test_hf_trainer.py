@@ -37,11 +37,13 @@ def test_conv1d_layers_go_to_dobb_blocked_along_d_in():
     c_attn = model.transformer.h[0].attn.c_attn.weight  # Conv1D: (d_in, d_out) = (64, 192)
     state = optimizer.state[c_attn]
     assert c_attn.shape == (64, 192)
-    # 16 blocks of 64, not 192
-    assert state["input_cov_0"].shape == state["input_basis_0"].shape == (16, 4, 4)
+    # blocked along d_in (64), not d_out (192): one block of 64 (blocks up to 1,024 columns);
+    # two-sided, one row block of the 192 output features
+    assert state["input_cov_0"].shape == state["input_basis_0"].shape == (1, 64, 64)
+    assert state["row_basis_0"].shape == (1, 192, 192)
     assert state["stats_steps"] == 1  # the hook on c_attn saw this step's input
     mlp_proj = optimizer.state[model.transformer.h[0].mlp.c_proj.weight]
-    assert mlp_proj["input_cov_0"].shape == (16, 16, 16)  # d_in = 4 * n_embd = 256
+    assert mlp_proj["input_cov_0"].shape == (1, 256, 256)  # d_in = 4 * n_embd = 256
 
 
 def test_trains_and_resume_equals_uninterrupted(tmp_path):

@@ -14,7 +14,9 @@ from dobb.train.trainer import train
 
 SETTINGS = dict(model="tiny", batch_size=8, steps=6, warmup_steps=1, eval_interval=3)
 SETTINGS |= dict(eval_batches=2, optimizer="dobb", grad_clip=1.0, checkpoint_interval=3)
-SETTINGS |= dict(eval_ema=0.5)
+# the recommended Dobb keeps one row block per rank's rows: one process equals 2 FSDP ranks
+# with two row blocks (each rank's rows one block)
+SETTINGS |= dict(eval_ema=0.5, optimizer_options={"row_blocks": 2})
 
 
 def train_on_rank(rank, world, out, resume):
