@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_torchtitan import flatten, load_checkpoint, same
+from titan_checkpoints import flatten, load_checkpoint, same
 
 pytestmark = [pytest.mark.torchtitan, pytest.mark.timeout(1200)]  # three torchruns
 
