@@ -8,12 +8,15 @@ one library entry, one entry here and one cost module.
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from bench.model.costs import adamw, dion, dion2, dobb, muon, muonbp, nordion2, normuon
+from dobb.optim.dobb_core import refresh_due
+from dobb.optim.muonbp import full_step_due
 from dobb.registry import OptimizerEntry, get_entry
 
 # Two-sided Dobb's row blocks per matrix in the call-time runs: the rows one rank holds under
@@ -52,6 +55,10 @@ class LabEntry:
     ``basis_interval``, MuonBP's ``period``); None: every call alike."""
     periodic_calls: tuple[str, str] | None = None
     """Names of the periodic call and of the others (``("refresh", "steady")``)."""
+    schedule: Callable[[int, Any], bool] | None = None
+    """The library's schedule of its periodic work: whether a matrix's call ``step`` (from
+    1) does it, given the value of ``period_option`` (``dobb.optim.dobb_core.refresh_due``,
+    ``dobb.optim.muonbp.full_step_due``)."""
     calltime_settings: tuple[str, ...] = ()
     """The call-time benchmark's settings it takes (``calltime.optimizer_overrides``)."""
     calltime_fixed: dict[str, Any] = field(default_factory=dict)
@@ -65,6 +72,9 @@ class LabEntry:
 
 _DOBB_CALLTIME = ("num_blocks", "basis_interval", "basis_method")
 _ROW_ONLY = dict(splits_columns=False)  # normalizes or selects whole rows
+_REFRESHES = dict(  # Dobb's periodic work: a refresh of the bases
+    period_option="basis_interval", periodic_calls=("refresh", "steady"), schedule=refresh_due
+)
 LAB: dict[str, LabEntry] = {
     e.name: e
     for e in (
@@ -73,8 +83,7 @@ LAB: dict[str, LabEntry] = {
             "Dobb",
             dobb,
             {"num_blocks": 16},
-            period_option="basis_interval",
-            periodic_calls=("refresh", "steady"),
+            **_REFRESHES,
             calltime_settings=_DOBB_CALLTIME,
         ),
         LabEntry(
@@ -83,8 +92,7 @@ LAB: dict[str, LabEntry] = {
             dobb,
             {"row_blocks": 4, "block_size": 32},
             tables=frozenset({"calltime"}),
-            period_option="basis_interval",
-            periodic_calls=("refresh", "steady"),
+            **_REFRESHES,
             calltime_settings=_DOBB_CALLTIME,
             calltime_fixed={"block_size": None, "row_blocks": DOBB2S_ROW_BLOCKS},
         ),
@@ -99,6 +107,7 @@ LAB: dict[str, LabEntry] = {
             {"row_blocks": 4},
             period_option="period",
             periodic_calls=("full", "block"),
+            schedule=full_step_due,
             calltime_settings=("period", "row_blocks"),
         ),
         LabEntry("blockmuon", "BlockMuon", muonbp, {"row_blocks": 4}, tables=frozenset()),

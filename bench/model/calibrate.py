@@ -285,7 +285,7 @@ def framework_overhead(
             else:
                 opt.step()
         launches = "per_shape" if batched_by_default(device) else "per_matrix"
-        modeled = predict(name, mats, hardware, launches=launches, **kw)["total"]
+        modeled = predict(name, mats, hardware, launches=launches, calls="other", **kw)["total"]
         out[name] = max(0.0, (statistics.median(times) - modeled) / matrices)
     stack = LinearStack(mats, 16, device=device)
     stats = [BlockStatistics(block_stacks(16, 4), torch.float32, device) for _ in mats]

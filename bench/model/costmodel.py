@@ -13,9 +13,10 @@ module prices them. A kernel costs
 
 (factorizations: launch + latency + FLOPs / rate; ``eigh``: a + b s³ per block), a
 collective costs the α–β time of its algorithm (``Network``), and periodic work (Dobb's
-basis refresh and statistics all-reduce) is divided by its period. Rates come from a
-``Hardware`` profile: ``bench.model.calibrate`` measures one on the machine it runs
-on (CPU or GPU); ``H100`` and ``H200`` hold datasheet values times stated efficiency
+basis refresh and statistics all-reduce, MuonBP's full step) is priced on the share of the
+calls the library's schedule marks, counted over one period (``kernels.Work``). Rates
+come from a ``Hardware`` profile: ``bench.model.calibrate`` measures one on the machine it
+runs on (CPU or GPU); ``H100`` and ``H200`` hold datasheet values times stated efficiency
 assumptions.
 
 FLOPs per ``(m, n)`` matrix (``m`` local rows, ``n = d_in``) and step:
@@ -50,6 +51,7 @@ result back (all-to-all, bf16); MuonBP does so on its full steps only.
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -158,12 +160,15 @@ def predict(
     world: int = 1,
     layout: Layout | None = None,
     network: Network | None = None,
+    calls: str = "amortized",
     **options,
 ) -> dict[str, float]:
     """Predicted amortized seconds per call by category, plus ``"total"``.
 
     ``layout`` (default: FSDP ``Shard(0)`` over ``world`` ranks; see ``layout_of``) on
-    ``network`` (default: ``Network()``). ``options`` go to ``build_work``.
+    ``network`` (default: ``Network()``). ``calls``: ``"periodic"`` or ``"other"`` predicts
+    one call of that kind instead (Dobb's refresh or steady call, MuonBP's full or block
+    call; ``Work``). ``options`` go to ``build_work``.
     """
     layout = layout or Layout(shard=world)
     if layout.world > 1 and network is None:
@@ -171,7 +176,7 @@ def predict(
     # Dobb's basis_method="auto": eigh on CPU, CUDA_SOLVER on CUDA (foreach: a GPU profile)
     options.setdefault("solver", CUDA_SOLVER if hardware.foreach else "eigh")
     work = build_work(name, matrices, layout=layout, foreach=hardware.foreach, **options)
-    terms = work_time(work, hardware, network)
+    terms = work_time(replace(work, calls=calls), hardware, network)
     # Python work per matrix (state lookups, building the batches), calibrated per matrix;
     # an entry the profile has not timed takes its class's (two-sided Dobb: Dobb's)
     algorithm = getattr(get_entry(name).cls, "algorithm", name)

@@ -106,6 +106,17 @@ def calls_per_period(name: str, options: dict, calls: int) -> int:
     return (options.get(option) if option else None) or calls
 
 
+def periodic_flags(name: str, options: dict, first: int, calls: int) -> list[bool]:
+    """Which of ``calls`` calls of ``name``, from its call ``first`` (from 1), do its periodic
+    work, as the library's schedule says (its lab entry's ``schedule`` at ``options``' value
+    of its ``period_option``); all False for an optimizer without periodic work."""
+    entry = lab_entry(name)
+    period = options.get(entry.period_option) if entry.period_option else None
+    if entry.schedule is None or period is None:
+        return [False] * calls
+    return [entry.schedule(step, period) for step in range(first, first + calls)]
+
+
 def periodic_calls(name: str) -> tuple[str, str] | None:
     """``(key of the periodic call, key of the others)`` of ``name``, from its lab entry's
     ``periodic_calls`` (``("refresh_call_s", "steady_call_s")`` for Dobb); None if every
@@ -181,11 +192,23 @@ def time_optimizers(
         with torch.enable_grad(), autocast_context(device, autocast):
             stack()  # the hooks accumulate X_bᵀ X_b; the graph is dropped
 
+    made = dict.fromkeys(names, 0)  # calls of each optimizer so far
+
     def period(name: str) -> tuple[list[float], list[float]]:
         optimizer = optimizers[name]
         stats = get_entry(name).needs_statistics
         calls_s, forward_s = [], []
-        for _ in range(calls_per_period(name, kw, calls)):
+        n = calls_per_period(name, kw, calls)
+        # summarize splits a period's first call off as the periodic one: the library's
+        # schedule must mark it, and no other
+        flags = periodic_flags(name, kw, made[name] + 1, n)
+        if periodic_calls(name) and flags != [True] + [False] * (n - 1):
+            raise RuntimeError(
+                f"{name}'s calls {made[name] + 1}-{made[name] + n} do not open with its one "
+                f"periodic call ({flags}): time whole periods from its first call"
+            )
+        made[name] += n
+        for _ in range(n):
             if stats:
                 forward_s.append(timed(forward_for_statistics, device))
             calls_s.append(timed(optimizer.step, device))
@@ -220,7 +243,7 @@ def summarize(results: dict, optimizers: dict, params: list[Tensor]) -> dict:
             continue
         entry = {**res, "call_s": spread(res["amortized_s"])}
         keys = periodic_calls(name)
-        if keys:  # call 0 of every period: Dobb's refresh, MuonBP's full step
+        if keys:  # call 0 of every period (time_optimizers holds it to the library's schedule)
             first, others = keys
             entry[first] = spread([calls[0] for calls in res["period_calls"]])
             rest = [t for calls in res["period_calls"] for t in calls[1:]]

@@ -77,6 +77,22 @@ def test_dobb2s_refresh_call_is_periodic_as_dobbs():
     assert out["dobb2s"]["steady_call_s"]["median"] == pytest.approx(0.15)
 
 
+def test_each_timed_period_opens_with_the_call_the_library_schedules(monkeypatch):
+    """``periodic_flags`` reads the library's schedule (Dobb refreshes at calls 1, 1 + k,
+    ...; MuonBP's full steps at 1, 1 + P, ...; Muon has no periodic work), and a timed period
+    that would not open with its one periodic call is refused, not mislabelled."""
+    options = {"basis_interval": 3, "period": 5}
+    assert calltime.periodic_flags("dobb", options, 4, 3) == [True, False, False]
+    assert calltime.periodic_flags("dobb2s", options, 2, 3) == [False, False, True]
+    assert calltime.periodic_flags("muonbp", options, 6, 5) == [True] + [False] * 4
+    assert calltime.periodic_flags("muon", options, 1, 2) == [False, False]
+    stack = linear_stack.LinearStack([Matrix("w", 8, 16)], tokens=8)
+    linear_stack.forward_backward(stack, autocast=False)
+    monkeypatch.setattr(calltime, "periodic_flags", lambda *args: [False, True, False])
+    with pytest.raises(RuntimeError, match="do not open with its one periodic call"):
+        calltime.time_optimizers(stack, ("dobb",), repeats=1, basis_interval=3, num_blocks=4)
+
+
 def test_dobb2s_takes_dobbs_options_and_its_row_blocks():
     assert calltime.DOBB2S_ROW_BLOCKS == 32
     assert calltime.optimizer_overrides("dobb2s", 4, 2, 0.5, basis_method="power_qr") == {

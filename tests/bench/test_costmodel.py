@@ -135,6 +135,24 @@ def test_muonbp_block_flops_are_newton_schulz_per_tile_and_match_the_implementat
     )
 
 
+def test_the_periodic_work_is_amortized_over_the_librarys_schedule(monkeypatch):
+    """The model counts the periodic calls of a period with the library's schedule
+    (``refresh_due``, ``full_step_due``) rather than restating it: a schedule marking two
+    calls of each period would double the refresh's share. A call of one kind is priced
+    alone with ``calls``."""
+    refresh = dobb_cost.work([M], basis_interval=10)
+    assert refresh.shares() == (1.0, 0.1)  # every call steps; one in 10 refreshes too
+    assert replace(refresh, calls="periodic").shares() == (1.0, 1.0)
+    assert replace(refresh, calls="other").shares() == (1.0, 0.0)
+    full = muonbp_cost.work([M], period=5)
+    assert full.shares() == (0.8, 0.2)  # a full step in place of a block step
+    assert replace(full, calls="periodic").shares() == (0.0, 1.0)
+    monkeypatch.setattr(dobb_cost, "refresh_due", lambda step, k: (step - 1) % k < 2)
+    assert dobb_cost.work([M], basis_interval=10).shares() == (1.0, 0.2)
+    monkeypatch.setattr(muonbp_cost, "full_step_due", lambda step, period: step in (2, 3))
+    assert muonbp_cost.work([M], period=5).shares() == (0.6, 0.4)
+
+
 def test_dobb_refresh_is_sharded_over_ranks_by_default():
     mats = XL[:6]  # 16 blocks per matrix: 80 of size 100, 16 of size 400
     sharded, replicated = (

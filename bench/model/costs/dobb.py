@@ -67,7 +67,7 @@ def work(
     row_blocks: int | None = None,
 ) -> Work:
     """Dobb's call: the statistics fold, ``dobb_update_batched`` per batch of same-shape
-    matrices, and a refresh every ``k`` calls.
+    matrices, and a refresh on the calls ``refresh_due`` marks (one in ``k``).
 
     Each rank updates its piece (its rows; under TP row-parallel, the blocks of its
     columns). The fold is a few ``torch._foreach_*`` launches for all matrices; the update
@@ -86,7 +86,7 @@ def work(
     refreshed where they live (never shared out), and under row-parallel TP its row
     moments are all-reduced over the ranks splitting the columns at a refresh.
     """
-    work = Work(period=basis_interval)
+    work = Work(due=lambda step: refresh_due(step, basis_interval), period=basis_interval)
     eigh_blocks: dict[int, int] = {}  # input blocks: shared out over the data ranks
     row_eigh_blocks: dict[int, int] = {}  # row blocks: refreshed where they live
     cov_bytes = checked = 0
