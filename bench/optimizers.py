@@ -15,15 +15,29 @@ from types import ModuleType
 from typing import Any
 
 from bench.model.costs import adamw, dion, dion2, dobb, muon, muonbp, nordion2, normuon
+from bench.model.workload import XL_WORLD
+from dobb.optim.dion import Dion
+from dobb.optim.dobb import Dobb
 from dobb.optim.dobb_core import refresh_due
-from dobb.optim.muonbp import full_step_due
+from dobb.optim.muonbp import MuonBP, full_step_due
 from dobb.registry import OptimizerEntry, get_entry
 
 # Two-sided Dobb's row blocks per matrix in the call-time runs: the rows one rank holds under
-# FSDP over 32 ranks (the paper's call-time setting: GPT-2 XL on 32 GPUs), emulated on one.
-DOBB2S_ROW_BLOCKS = 32
-# the settings of every call-time figure, and of the cost model's predictions beside them
-CALL_SETTINGS = dict(num_blocks=16, basis_interval=10, rank_fraction=1 / 16, period=5)
+# FSDP over the paper's call-time setting (GPT-2 XL on XL_WORLD = 32 GPUs), emulated on one.
+DOBB2S_ROW_BLOCKS = XL_WORLD
+# the settings of every call-time figure, and of the cost model's predictions beside them:
+# each optimizer's defaults (Dobb's 16 blocks and Dion's rank fraction 1/16 are the paper's)
+CALL_SETTINGS = dict(
+    num_blocks=Dobb.Config.num_blocks,
+    basis_interval=Dobb.Config.basis_interval,
+    rank_fraction=Dion.Config.rank_fraction,
+    period=MuonBP.Config.period,
+)
+# The lab's choices for the comparisons (``LabEntry.harness_options``): row-blocked
+# optimizers emulate FSDP over 4 ranks in one process, and two-sided Dobb takes input
+# blocks of 32 columns
+EMULATED_SHARDS = 4
+DOBB2S_INPUT_BLOCK = 32
 TABLES = ("calltime", "comm")  # call time and cost model; bytes sent inside step()
 # where `python -m bench study` writes its tuned learning rates (in the clone)
 STUDY_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "study" / "study.json"
@@ -41,11 +55,12 @@ class LabEntry:
     harness_options: dict[str, Any] = field(default_factory=dict)
     """Constructor overrides of the comparisons (``python -m bench compare`` and ``study``,
     the communication table): the settings compared in the Dobb paper's abstract (Dobb's 16
-    blocks, Dion's rank 1/16). Row-blocked optimizers emulate FSDP over 4 ranks in one
-    process: MuonBP and BlockMuon tile each matrix's rows as its shards would, Dion2 selects
-    rows per such block, two-sided Dobb keeps one row basis per block, with input blocks of
-    32 columns (which tile row-parallel TP's column shards over 4 ranks at every width the
-    study runs, >= 128)."""
+    blocks, Dion's rank 1/16: the classes' defaults, read from their configs and written
+    into every run's record). Row-blocked optimizers emulate FSDP over ``EMULATED_SHARDS``
+    (4) ranks in one process: MuonBP and BlockMuon tile each matrix's rows as its shards
+    would, Dion2 selects rows per such block, two-sided Dobb keeps one row basis per block,
+    with input blocks of ``DOBB2S_INPUT_BLOCK`` (32) columns (which tile row-parallel TP's
+    column shards over 4 ranks at every width the study runs, >= 128)."""
     tables: frozenset[str] = frozenset(TABLES)
     """The tables of ``TABLES`` that carry it (BlockMuon's calls are MuonBP's block calls)."""
     splits_columns: bool = True
@@ -72,6 +87,7 @@ class LabEntry:
 
 _DOBB_CALLTIME = ("num_blocks", "basis_interval", "basis_method")
 _ROW_ONLY = dict(splits_columns=False)  # normalizes or selects whole rows
+_ROW_BLOCKS = {"row_blocks": EMULATED_SHARDS}
 _REFRESHES = dict(  # Dobb's periodic work: a refresh of the bases
     period_option="basis_interval", periodic_calls=("refresh", "steady"), schedule=refresh_due
 )
@@ -82,7 +98,7 @@ LAB: dict[str, LabEntry] = {
             "dobb",
             "Dobb",
             dobb,
-            {"num_blocks": 16},
+            {"num_blocks": Dobb.Config.num_blocks},
             **_REFRESHES,
             calltime_settings=_DOBB_CALLTIME,
         ),
@@ -90,30 +106,34 @@ LAB: dict[str, LabEntry] = {
             "dobb2s",
             "two-sided Dobb",
             dobb,
-            {"row_blocks": 4, "block_size": 32},
+            {"row_blocks": EMULATED_SHARDS, "block_size": DOBB2S_INPUT_BLOCK},
             tables=frozenset({"calltime"}),
             **_REFRESHES,
             calltime_settings=_DOBB_CALLTIME,
             calltime_fixed={"block_size": None, "row_blocks": DOBB2S_ROW_BLOCKS},
         ),
         LabEntry(
-            "dion", "Dion", dion, {"rank_fraction": 1 / 16}, calltime_settings=("rank_fraction",)
+            "dion",
+            "Dion",
+            dion,
+            {"rank_fraction": Dion.Config.rank_fraction},
+            calltime_settings=("rank_fraction",),
         ),
         LabEntry("muon", "Muon", muon),
         LabEntry(
             "muonbp",
             "MuonBP",
             muonbp,
-            {"row_blocks": 4},
+            _ROW_BLOCKS,
             period_option="period",
             periodic_calls=("full", "block"),
             schedule=full_step_due,
             calltime_settings=("period", "row_blocks"),
         ),
-        LabEntry("blockmuon", "BlockMuon", muonbp, {"row_blocks": 4}, tables=frozenset()),
+        LabEntry("blockmuon", "BlockMuon", muonbp, _ROW_BLOCKS, tables=frozenset()),
         LabEntry("normuon", "NorMuon", normuon, **_ROW_ONLY),
-        LabEntry("dion2", "Dion2", dion2, {"row_blocks": 4}, **_ROW_ONLY),
-        LabEntry("nordion2", "NorDion2", nordion2, {"row_blocks": 4}, **_ROW_ONLY),
+        LabEntry("dion2", "Dion2", dion2, _ROW_BLOCKS, **_ROW_ONLY),
+        LabEntry("nordion2", "NorDion2", nordion2, _ROW_BLOCKS, **_ROW_ONLY),
         LabEntry("adamw", "AdamW", adamw, tables=frozenset({"calltime"})),
     )
 }

@@ -56,13 +56,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.model.costs import entry_options, with_options
-from bench.model.costs.dobb import hook_work
+from bench.model.costs.dobb import CPU_SOLVER, hook_work
 from bench.model.costs.kernels import FP32, Kernel, Work, matmul
 from bench.model.hardware import H100, Hardware, Network
 from bench.model.workload import ONE_DEVICE, Layout, Matrix, hidden_matrices, layout_of
-from bench.optimizers import CALL_SETTINGS, cost_model, in_table
+from bench.optimizers import cost_model, in_table
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import AUTO_CUDA
+from dobb.optim.dobb import Dobb
 from dobb.registry import get_entry
 
 CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
@@ -174,7 +175,7 @@ def predict(
     if layout.world > 1 and network is None:
         network = Network()
     # Dobb's basis_method="auto": eigh on CPU, CUDA_SOLVER on CUDA (foreach: a GPU profile)
-    options.setdefault("solver", CUDA_SOLVER if hardware.foreach else "eigh")
+    options.setdefault("solver", CUDA_SOLVER if hardware.foreach else CPU_SOLVER)
     work = build_work(name, matrices, layout=layout, foreach=hardware.foreach, **options)
     terms = work_time(replace(work, calls=calls), hardware, network)
     # Python work per matrix (state lookups, building the batches), calibrated per matrix;
@@ -191,7 +192,7 @@ def predict_hooks(
     tokens: int,
     hardware: Hardware,
     *,
-    num_blocks=CALL_SETTINGS["num_blocks"],
+    num_blocks: int = Dobb.Config.num_blocks,
     forward_kind=None,
     low_precision: bool = False,
     share_inputs: bool = True,

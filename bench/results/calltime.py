@@ -55,13 +55,14 @@ from torch import Tensor
 
 from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
-from bench.optimizers import CALL_SETTINGS, DOBB2S_ROW_BLOCKS, LAB, lab_entry
+from bench.optimizers import CALL_SETTINGS, DOBB2S_ROW_BLOCKS, EMULATED_SHARDS, LAB, lab_entry
 from bench.results.linear_stack import LinearStack, Progress, autocast_context, hook_overhead
 from bench.tools.markdown import markdown_table
 from bench.tools.matmul_dtype import fastest_ns_dtype
 from bench.tools.timing import spread, timed
 from dobb.optim.config import batched_by_default
 from dobb.optim.dobb import Dobb
+from dobb.optim.muonbp import MuonBP
 from dobb.registry import build_optimizer, get_entry
 
 
@@ -76,7 +77,7 @@ def optimizer_overrides(
     basis_interval: int,
     rank_fraction: float,
     period: int = CALL_SETTINGS["period"],
-    row_blocks: int = 1,
+    row_blocks: int = MuonBP.Config.row_blocks,
     basis_method: str | None = None,
 ) -> dict:
     """Constructor arguments of the comparison (everything else: registry defaults).
@@ -146,7 +147,7 @@ def time_optimizers(
     basis_interval: int = CALL_SETTINGS["basis_interval"],
     rank_fraction: float = CALL_SETTINGS["rank_fraction"],
     period: int = CALL_SETTINGS["period"],
-    row_blocks: int = 1,
+    row_blocks: int = MuonBP.Config.row_blocks,
     basis_method: str | None = None,
     autocast: bool = False,
     ns_dtype: str | None = None,
@@ -289,7 +290,7 @@ def run(
     basis_interval: int = CALL_SETTINGS["basis_interval"],
     rank_fraction: float = CALL_SETTINGS["rank_fraction"],
     period: int = CALL_SETTINGS["period"],
-    row_blocks: int = 4,
+    row_blocks: int = EMULATED_SHARDS,
     basis_method: str | None = None,
     device: str = "cpu",
     autocast: bool = False,
@@ -470,7 +471,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--row-blocks",
         type=int,
-        default=4,
+        default=EMULATED_SHARDS,
         help="MuonBP's row tiles on one device (emulates FSDP over that many ranks)",
     )
     parser.add_argument(

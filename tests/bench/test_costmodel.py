@@ -1,6 +1,7 @@
 """Cost model: FLOP counts against hand values and PyTorch's FLOP counter, α–β collective
 formulas, monotonicity in world size, state bytes, and the results command."""
 
+import dataclasses
 import inspect
 import json
 import math
@@ -20,7 +21,7 @@ from bench.model.costs import dobb as dobb_cost
 from bench.model.costs import muon as muon_cost
 from bench.model.costs import muonbp as muonbp_cost
 from bench.model.costs import traced
-from bench.optimizers import LAB, cost_model
+from bench.optimizers import CALL_SETTINGS, DOBB2S_ROW_BLOCKS, LAB, cost_model
 from bench.results import calltime, linear_stack
 from bench.tools.opcount import OpCounter
 from dobb.eigensolve import basis_solver, jacobi_basis
@@ -299,6 +300,32 @@ def test_every_lab_entry_names_its_cost_model():
     assert block.comm_bytes() == 0
     assert block.flops() == cm.build_work("muonbp", XL[:6], layout=fsdp, period=None).flops()
     assert cm.build_work("muonbp", XL[:6], layout=fsdp).comm_bytes() > 0
+
+
+def test_the_cost_models_defaults_are_the_librarys():
+    """A cost function's parameter named as an option of the class it prices defaults to
+    that option's default in the class's config, and so do the call-time settings (the
+    lab reads them; a restated default would go stale). The one lab choice: two-sided
+    Dobb's row blocks in ``state_bytes``, the call-time runs' ``DOBB2S_ROW_BLOCKS``."""
+    lab_choices = {("bench.model.costs.dobb", "state_bytes", "row_blocks"): DOBB2S_ROW_BLOCKS}
+    checked = 0
+    for name in LAB:
+        config = getattr(REGISTRY[name].cls, "Config", None)
+        if config is None:  # AdamW: torch's class
+            continue
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        module = cost_model(name)
+        functions = ("work", "state_bytes", "hook_work")
+        for function in [getattr(module, f) for f in functions if hasattr(module, f)]:
+            for param in inspect.signature(function).parameters.values():
+                if param.name in defaults and param.default is not param.empty:
+                    key = (module.__name__, function.__name__, param.name)
+                    assert param.default == lab_choices.get(key, defaults[param.name]), key
+                    checked += 1
+    assert checked >= 10
+    for option, value in CALL_SETTINGS.items():
+        owners = [e.cls.Config for e in REGISTRY.values() if hasattr(e.cls, "Config")]
+        assert value in {getattr(c, option) for c in owners if hasattr(c, option)}, option
 
 
 def test_lab_table_says_which_calls_are_periodic():

@@ -4,6 +4,7 @@ hooks, and the bytes its ``step()`` sends (registry entries ``dobb`` and ``dobb2
 import math
 from collections import Counter
 
+import torch
 import torch.distributed as dist
 
 from bench.model.costs.kernels import (
@@ -18,16 +19,22 @@ from bench.model.costs.kernels import (
 )
 from bench.model.costs.traced import solver_kernels
 from bench.model.hardware import Collective
-from bench.model.workload import ONE_DEVICE, Layout, Matrix
-from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
+from bench.model.workload import ONE_DEVICE, XL_WORLD, Layout, Matrix
+from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH, resolve_method
+from dobb.optim.dobb import Dobb
 from dobb.optim.dobb_core import refresh_due
 from dobb.optim.dobb_steps import local_block_stacks
 from dobb.stats import block_stacks
 
+DEFAULTS = Dobb.Config  # the options' defaults: the library's
+# the refresh Dobb's default basis_method runs on the CPU, and its default refresh layout
+CPU_SOLVER = resolve_method(DEFAULTS.basis_method, torch.device("cpu"))
+REFRESH = "sharded" if DEFAULTS.shard_refresh else "replicated"
+
 COMM_FORMULA = "refresh: Σ d_in²/B fp32 per data axis + bases all-gather Σ_s P⌈n_s/P⌉ s²; else 0"
 
 
-def state_formula(two_sided: bool = False) -> str:
+def state_formula(two_sided: bool = DEFAULTS.two_sided) -> str:
     """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words (``s``: block size;
     two-sided: ``m`` the row-block size)."""
     if two_sided:
@@ -38,16 +45,21 @@ def state_formula(two_sided: bool = False) -> str:
 
 
 def state_bytes(
-    matrix: Matrix, *, num_blocks: int = 16, two_sided: bool = False, row_blocks: int = 32
+    matrix: Matrix,
+    *,
+    num_blocks: int = DEFAULTS.num_blocks,
+    two_sided: bool = DEFAULTS.two_sided,
+    row_blocks: int = XL_WORLD,
 ) -> float:
     """Bytes of state for one fp32 matrix: momentum, per block ``C_b`` and ``Q_b``
     (``s x s`` each), ``step`` and ``stats_steps``; the statistics accumulators (another
     ``s x s`` per block) live outside the state and are not counted. Two-sided (sign
     coefficients) adds, per row block (``row_blocks`` near-equal blocks of the whole
-    matrix's ``d_out`` rows), the moments ``row_cov`` and the basis ``P_r`` (``m x m``
-    each); its row moments come from the gradient in the step (``row_stats="gradients"``),
-    so no further accumulators. (``coefficients="adam"`` would add a ``variance`` the size
-    of the matrix; not modelled.)"""
+    matrix's ``d_out`` rows; by default the call-time runs': one block per rank's rows
+    under FSDP over the paper's ``XL_WORLD`` ranks), the moments ``row_cov`` and the basis
+    ``P_r`` (``m x m`` each); its row moments come from the gradient in the step
+    (``row_stats="gradients"``), so no further accumulators. (``coefficients="adam"`` would
+    add a ``variance`` the size of the matrix; not modelled.)"""
     blocks = sum(s.count * s.size**2 for s in block_stacks(matrix.d_in, num_blocks))
     if two_sided:  # P_r and its moments, per row block
         blocks += sum(s.count * s.size**2 for s in block_stacks(matrix.d_out, row_blocks))
@@ -58,13 +70,13 @@ def work(
     matrices: list[Matrix],
     *,
     layout: Layout = ONE_DEVICE,
-    num_blocks: int = 16,
-    basis_interval: int = 10,
-    refresh: str = "sharded",
+    num_blocks: int = DEFAULTS.num_blocks,
+    basis_interval: int = DEFAULTS.basis_interval,
+    refresh: str = REFRESH,
     launches: str = "per_shape",
-    solver: str = "eigh",
-    two_sided: bool = False,
-    row_blocks: int | None = None,
+    solver: str = CPU_SOLVER,
+    two_sided: bool = DEFAULTS.two_sided,
+    row_blocks: int | None = DEFAULTS.row_blocks,
 ) -> Work:
     """Dobb's call: the statistics fold, ``dobb_update_batched`` per batch of same-shape
     matrices, and a refresh on the calls ``refresh_due`` marks (one in ``k``).
@@ -293,7 +305,7 @@ def hook_work(
     matrices: list[Matrix],
     tokens: int,
     *,
-    num_blocks: int = 16,
+    num_blocks: int = DEFAULTS.num_blocks,
     low_precision: bool = False,
     share_inputs: bool = True,
 ) -> list[Kernel]:

@@ -14,7 +14,7 @@ from bench.model.costs.kernels import (
 )
 from bench.model.costs.muon import newton_schulz_kernels
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
-from dobb.optim.muonbp import chunk_sizes, full_step_due
+from dobb.optim.muonbp import MuonBP, chunk_sizes, full_step_due
 
 COMM_FORMULA = "full step (step 1, then every period): as Muon; block step: 0"
 
@@ -33,8 +33,8 @@ def work(
     matrices: list[Matrix],
     *,
     layout: Layout = ONE_DEVICE,
-    period: int | None = 5,
-    row_blocks: int = 1,
+    period: int | None = MuonBP.Config.period,
+    row_blocks: int = MuonBP.Config.row_blocks,
     launches: str = "per_shape",
     send_bytes: int = FP32,
     return_bytes: int = BF16,
