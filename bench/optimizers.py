@@ -2,9 +2,14 @@
 
 The library's registry (``dobb.registry``) says how to build an optimizer; this table
 says how the lab runs and reports it: the label reports use, the settings the comparisons
-run it with, its cost model, which tables carry it, and its periodic work. Every subset and
-per-optimizer setting of the lab is derived from here; adding an optimizer means one class,
-one library entry, one entry here and one cost module.
+run it with, which tables carry it, and its periodic work, with its cost model (the module
+of ``bench.model.costs`` that names the entry). Every subset and per-optimizer setting of
+the lab is derived from here; adding an optimizer means one class, one library entry, one
+entry here and one cost module.
+
+The table sits above the cost model (``bench.model``, which knows the registry, not the
+table) and below what runs and reports the optimizers (``bench.compare``,
+``bench.results``, ``bench.study``, ...): ``bench.tools.import_graph.LAYERS["bench"]``.
 """
 
 import json
@@ -14,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bench.model.costs import adamw, dion, dion2, dobb, muon, muonbp, nordion2, normuon
+from bench.model import costs
 from bench.model.workload import XL_WORLD
 from dobb.optim.dion import Dion
 from dobb.optim.dobb import Dobb
@@ -50,8 +55,6 @@ class LabEntry:
     name: str
     label: str
     """How reports name it in prose (``"two-sided Dobb"``)."""
-    cost_model: ModuleType | None
-    """Its module of ``bench.model.costs`` (state, work, bytes sent in ``step()``)."""
     harness_options: dict[str, Any] = field(default_factory=dict)
     """Constructor overrides of the comparisons (``python -m bench compare`` and ``study``,
     the communication table): the settings compared in the Dobb paper's abstract (Dobb's 16
@@ -84,6 +87,12 @@ class LabEntry:
         """Its entry in the library's registry."""
         return get_entry(self.name)
 
+    @property
+    def cost_model(self) -> ModuleType | None:
+        """Its module of ``bench.model.costs`` (state, work, bytes sent in ``step()``): the
+        one naming it in its ``ENTRIES``; None: measured only."""
+        return costs.MODELS.get(self.name)
+
 
 _DOBB_CALLTIME = ("num_blocks", "basis_interval", "basis_method")
 _ROW_ONLY = dict(splits_columns=False)  # normalizes or selects whole rows
@@ -97,7 +106,6 @@ LAB: dict[str, LabEntry] = {
         LabEntry(
             "dobb",
             "Dobb",
-            dobb,
             {"num_blocks": Dobb.Config.num_blocks},
             **_REFRESHES,
             calltime_settings=_DOBB_CALLTIME,
@@ -105,7 +113,6 @@ LAB: dict[str, LabEntry] = {
         LabEntry(
             "dobb2s",
             "two-sided Dobb",
-            dobb,
             {"row_blocks": EMULATED_SHARDS, "block_size": DOBB2S_INPUT_BLOCK},
             tables=frozenset({"calltime"}),
             **_REFRESHES,
@@ -115,26 +122,24 @@ LAB: dict[str, LabEntry] = {
         LabEntry(
             "dion",
             "Dion",
-            dion,
             {"rank_fraction": Dion.Config.rank_fraction},
             calltime_settings=("rank_fraction",),
         ),
-        LabEntry("muon", "Muon", muon),
+        LabEntry("muon", "Muon"),
         LabEntry(
             "muonbp",
             "MuonBP",
-            muonbp,
             _ROW_BLOCKS,
             period_option="period",
             periodic_calls=("full", "block"),
             schedule=full_step_due,
             calltime_settings=("period", "row_blocks"),
         ),
-        LabEntry("blockmuon", "BlockMuon", muonbp, _ROW_BLOCKS, tables=frozenset()),
-        LabEntry("normuon", "NorMuon", normuon, **_ROW_ONLY),
-        LabEntry("dion2", "Dion2", dion2, _ROW_BLOCKS, **_ROW_ONLY),
-        LabEntry("nordion2", "NorDion2", nordion2, _ROW_BLOCKS, **_ROW_ONLY),
-        LabEntry("adamw", "AdamW", adamw, tables=frozenset({"calltime"})),
+        LabEntry("blockmuon", "BlockMuon", _ROW_BLOCKS, tables=frozenset()),
+        LabEntry("normuon", "NorMuon", **_ROW_ONLY),
+        LabEntry("dion2", "Dion2", _ROW_BLOCKS, **_ROW_ONLY),
+        LabEntry("nordion2", "NorDion2", _ROW_BLOCKS, **_ROW_ONLY),
+        LabEntry("adamw", "AdamW", tables=frozenset({"calltime"})),
     )
 }
 COMPARED = tuple(LAB)  # the main job and the study: every entry, in this order
@@ -155,11 +160,8 @@ def lab_entry(name: str) -> LabEntry:
 
 
 def cost_model(name: str) -> ModuleType:
-    """The cost-model module of ``name``; ``ValueError`` if it has none."""
-    module = lab_entry(name).cost_model
-    if module is None:
-        raise ValueError(f"{name!r} has no cost model; it is measured only")
-    return module
+    """The cost-model module of the lab's entry ``name``; ``ValueError`` if it has none."""
+    return costs.cost_model(lab_entry(name).name)
 
 
 def tuned_lrs(path: Path = STUDY_RESULTS) -> dict[str, float]:

@@ -6,8 +6,8 @@ Each optimizer call is written out as the kernels our implementation launches (o
 per op of ``dobb_update``, ``dion_update``, ``muon_update``, PyTorch's AdamW and the
 shared finite-gradient check), each with its FLOPs and the bytes it reads plus writes, and
 the collectives its distributed form issues: in ``bench.model.costs``, one module per
-optimizer family, which the lab's table names (``bench.optimizers``). This
-module prices them. A kernel costs
+optimizer family, each naming the registry entries it prices. This module prices them. A
+kernel costs
 
     launch + max(FLOPs / rate[kind], bytes / memory_bandwidth)          (a roofline per op)
 
@@ -15,7 +15,7 @@ module prices them. A kernel costs
 collective costs the α–β time of its algorithm (``Network``), and periodic work (Dobb's
 basis refresh and statistics all-reduce, MuonBP's full step) is priced on the share of the
 calls the library's schedule marks, counted over one period (``kernels.Work``). Rates
-come from a ``Hardware`` profile: ``bench.model.calibrate`` measures one on the machine it
+come from a ``Hardware`` profile: ``bench.results.calibrate`` measures one on the machine it
 runs on (CPU or GPU); ``H100`` and ``H200`` hold datasheet values times stated efficiency
 assumptions.
 
@@ -55,21 +55,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.model.costs import entry_options, with_options
+from bench.model.costs import MODELS, cost_model, entry_options, with_options
 from bench.model.costs.dobb import CPU_SOLVER, hook_work
 from bench.model.costs.kernels import FP32, Kernel, Work, matmul
 from bench.model.hardware import H100, Hardware, Network
 from bench.model.workload import ONE_DEVICE, Layout, Matrix, hidden_matrices, layout_of
-from bench.optimizers import cost_model, in_table
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import AUTO_CUDA
 from dobb.optim.dobb import Dobb
 from dobb.registry import get_entry
 
 CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
-# the optimizers the benchmarks model and time (BlockMuon: MuonBP's block step, a variant
-# row of the model and the block calls of MuonBP's timing)
-OPTIMIZERS = in_table("calltime")
 
 # The refresh Dobb's basis_method="auto" runs on CUDA when CuPy is not installed (the library's
 # one constant, read here rather than restated)
@@ -237,9 +233,7 @@ def main(argv: list[str]) -> None:
     network = Network(algorithm=args.algorithm)
     matrices = hidden_matrices(args.config)
     layout = layout_of(args.layout, args.world, shard=args.shard)
-    rows = {
-        name: predict(name, matrices, hw, layout=layout, network=network) for name in OPTIMIZERS
-    }
+    rows = {name: predict(name, matrices, hw, layout=layout, network=network) for name in MODELS}
     print(f"{args.config}, {layout} on {hw.name}, {args.algorithm} collectives (ms)")
     print(format_terms(rows))
 

@@ -31,7 +31,7 @@ What is measured:
 Two-sided Dobb's row blocks are ``DOBB2S_ROW_BLOCKS`` per matrix (the rows of one rank
 under FSDP over 32 ranks).
 
-The cost model's ``Hardware`` profile of a machine is ``bench.model.calibrate``'s job.
+The cost model's ``Hardware`` profile of a machine is ``bench.results.calibrate``'s job.
 
 All optimizers share one set of parameters (their updates do not change the work), so
 memory is parameters + gradients + the optimizers' states. Sharded timing (FSDP2, HSDP,
@@ -53,9 +53,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
-from bench.optimizers import CALL_SETTINGS, DOBB2S_ROW_BLOCKS, EMULATED_SHARDS, LAB, lab_entry
+from bench.optimizers import (
+    CALL_SETTINGS,
+    DOBB2S_ROW_BLOCKS,
+    EMULATED_SHARDS,
+    LAB,
+    in_table,
+    lab_entry,
+)
 from bench.results.linear_stack import LinearStack, Progress, autocast_context, hook_overhead
 from bench.tools.markdown import markdown_table
 from bench.tools.matmul_dtype import fastest_ns_dtype
@@ -64,6 +70,10 @@ from dobb.optim.config import batched_by_default
 from dobb.optim.dobb import Dobb
 from dobb.optim.muonbp import MuonBP
 from dobb.registry import build_optimizer, get_entry
+
+# the optimizers timed, and modelled beside them (BlockMuon: MuonBP's block step, a variant
+# row of the model and the block calls of MuonBP's timing)
+OPTIMIZERS = in_table("calltime")
 
 
 def default_basis_method() -> str:
@@ -451,7 +461,7 @@ def format_table(record: dict) -> str:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="A cost-model profile of this machine: python -m bench.model.calibrate.",
+        epilog="A cost-model profile of this machine: python -m bench.results.calibrate.",
     )
     parser.add_argument("--config", default="gpt2-xl", help="GPT config (dobb.train.model)")
     parser.add_argument("--layers", type=int, default=1, help="transformer blocks to include")

@@ -11,18 +11,18 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from bench.model.costmodel import OPTIMIZERS, predict, predict_hooks, state_bytes, state_formula
+from bench.model.costmodel import predict, predict_hooks, state_bytes, state_formula
 from bench.model.hardware import H100, H200, Hardware
 from bench.model.workload import hidden_matrices
 from bench.optimizers import LAB
 from bench.results import calltime, calltime_sharded
 from bench.results.gpu_checks import checks_section, solvers_section
-from bench.results.model import XL_WORLD, ms, paper_section
+from bench.results.model import OPTIMIZERS, XL_WORLD, ms, paper_section
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import AUTO_CUDA
 
-# optimizers a call-time record may hold that the cost model cannot predict (not in
-# costmodel.OPTIMIZERS): how the check tables name them; others go by their registry name
+# optimizers a call-time record may hold that the cost model does not predict (not in
+# OPTIMIZERS, the call-time table): measured_only_note names them in the check tables
 # the bounds a check table's rows are reported within (predicted / measured)
 CHECK_BOUNDS = (1.25, 1.5, 2.0)
 

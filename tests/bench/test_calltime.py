@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 
-from bench.model.costmodel import OPTIMIZERS, state_bytes
+from bench.model.costmodel import state_bytes
 from bench.model.hardware import H100
 from bench.model.workload import Matrix, hidden_matrices
 from bench.results import calltime, linear_stack
 from bench.results import sections as results_sections
+from bench.results.calltime import OPTIMIZERS
 from bench.tools.timing import spread
 
 

@@ -6,9 +6,9 @@ import pytest
 from multirank import run_ranks
 from torch.distributed.tensor import Shard
 
-from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
 from bench.results import calltime_sharded
+from bench.results.calltime import OPTIMIZERS
 from bench.results.linear_stack import LinearStack
 
 

@@ -13,8 +13,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import results
-from bench.model import calibrate, hardware, workload
 from bench.model import costmodel as cm
+from bench.model import hardware, workload
 from bench.model.costs import adamw as adamw_cost
 from bench.model.costs import dion as dion_cost
 from bench.model.costs import dobb as dobb_cost
@@ -22,7 +22,8 @@ from bench.model.costs import muon as muon_cost
 from bench.model.costs import muonbp as muonbp_cost
 from bench.model.costs import traced
 from bench.optimizers import CALL_SETTINGS, DOBB2S_ROW_BLOCKS, LAB, cost_model
-from bench.results import calltime, linear_stack
+from bench.results import calibrate, calltime, linear_stack
+from bench.results.calltime import OPTIMIZERS
 from bench.tools.opcount import OpCounter
 from dobb.eigensolve import basis_solver, jacobi_basis
 from dobb.optim.dion_core import dion_update, sketch_rows
@@ -376,7 +377,7 @@ def test_predictions_move_the_right_way_with_world_size():
     dion = [cm.predict("dion", XL, hardware.H100, world=p, network=net) for p in worlds]
     comm = [t["comm_latency"] + t["comm_bandwidth"] for t in dion]
     assert comm == sorted(comm)  # more ranks: more latency per all-reduce
-    for name in cm.OPTIMIZERS:  # each rank's share of the update shrinks
+    for name in OPTIMIZERS:  # each rank's share of the update shrinks
         local = [cm.predict(name, XL, hardware.H100, world=p)["memory"] for p in worlds]
         assert local == sorted(local, reverse=True), name
     adamw = [cm.predict("adamw", XL, hardware.H100, world=p)["total"] for p in worlds]

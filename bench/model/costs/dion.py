@@ -17,6 +17,8 @@ from dobb.distributed.placement import matrix_placement
 from dobb.optim.dion import Dion
 from dobb.optim.dion_core import rank_of, sketch_rows
 
+ENTRIES = ("dion",)  # the registry entries it prices (``cost_model``)
+
 DEFAULTS = Dion.Config  # the options' defaults: the library's
 COMM_FORMULA = "per row axis (k r + 1 + r² + n r), per col axis (m r + 1 + r) fp32"
 

@@ -24,6 +24,8 @@ from bench.model.workload import ONE_DEVICE, Layout, Matrix
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.dion2 import Dion2, selected_count, selection_blocks
 
+ENTRIES = ("dion2",)  # the registry entries it prices (``cost_model``)
+
 COMM_FORMULA = "as Muon on the K x n selected rows, K = Σ_shards ceil(f m_shard)"
 
 

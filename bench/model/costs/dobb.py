@@ -26,6 +26,8 @@ from dobb.optim.dobb_core import refresh_due
 from dobb.optim.dobb_steps import local_block_stacks
 from dobb.stats import block_stacks
 
+ENTRIES = ("dobb", "dobb2s")  # the registry entries it prices (``cost_model``)
+
 DEFAULTS = Dobb.Config  # the options' defaults: the library's
 # the refresh Dobb's default basis_method runs on the CPU, and its default refresh layout
 CPU_SOLVER = resolve_method(DEFAULTS.basis_method, torch.device("cpu"))

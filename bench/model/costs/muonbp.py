@@ -16,6 +16,8 @@ from bench.model.costs.muon import newton_schulz_kernels
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
 from dobb.optim.muonbp import MuonBP, chunk_sizes, full_step_due
 
+ENTRIES = ("muonbp", "blockmuon")  # the registry entries it prices (``cost_model``)
+
 COMM_FORMULA = "full step (step 1, then every period): as Muon; block step: 0"
 
 

@@ -10,6 +10,8 @@ from bench.model.hardware import Collective
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
 from dobb.optim.nordion2 import NorDion2
 
+ENTRIES = ("nordion2",)  # the registry entries it prices (``cost_model``)
+
 COMM_FORMULA = "as Dion2 + 2 fp64 per matrix all-reduced (DDP: as Dion2)"
 
 

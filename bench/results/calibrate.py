@@ -1,7 +1,7 @@
 """A cost-model profile of this machine, measured: ``Hardware`` for ``bench.model.costmodel``.
 
-    python -m bench.model.calibrate calibrate --device cuda --out calibration.json
-    python -m bench.model.calibrate eigh --device cuda --out eigh.json
+    python -m bench.results.calibrate calibrate --device cuda --out calibration.json
+    python -m bench.results.calibrate eigh --device cuda --out eigh.json
 
 ``calibrate`` times
 the kernels the optimizers launch, at the shapes of a GPT config: fp32 and bf16 GEMMs, the
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from bench.model.costmodel import OPTIMIZERS, predict, predict_hooks
+from bench.model.costmodel import predict, predict_hooks
 from bench.model.costs.kernels import FP32
 from bench.model.hardware import Hardware
 from bench.model.workload import Matrix, dion_rank, hidden_matrices
 from bench.optimizers import CALL_SETTINGS
-from bench.results.calltime import device_name, optimizer_overrides, write_json
+from bench.results.calltime import OPTIMIZERS, device_name, optimizer_overrides, write_json
 from bench.results.linear_stack import LinearStack, Progress, forward_backward
 from bench.tools.timing import timed
 from dobb.optim.config import batched_by_default
@@ -315,8 +315,8 @@ def framework_overhead(
 def main(argv: list[str]) -> None:
     """``calibrate``: measure a ``Hardware`` profile; ``eigh``: time eigh backends."""
     if not argv or argv[0] not in ("calibrate", "eigh"):
-        raise SystemExit("usage: python -m bench.model.calibrate {calibrate,eigh} [options]")
-    parser = argparse.ArgumentParser(prog="python -m bench.model.calibrate " + argv[0])
+        raise SystemExit("usage: python -m bench.results.calibrate {calibrate,eigh} [options]")
+    parser = argparse.ArgumentParser(prog="python -m bench.results.calibrate " + argv[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", type=Path)
