@@ -43,7 +43,9 @@ CALL_SETTINGS = dict(
 # blocks of 32 columns
 EMULATED_SHARDS = 4
 DOBB2S_INPUT_BLOCK = 32
-TABLES = ("calltime", "comm")  # call time and cost model; bytes sent inside step()
+# call time and cost model; bytes sent inside step(); loss against wall-clock time
+TABLES = ("calltime", "comm", "timebudget")
+MEASURED = frozenset({"calltime", "comm"})  # the tables an entry is in unless it says
 # where `python -m bench study` writes its tuned learning rates (in the clone)
 STUDY_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "study" / "study.json"
 
@@ -64,8 +66,10 @@ class LabEntry:
     would, Dion2 selects rows per such block, two-sided Dobb keeps one row basis per block,
     with input blocks of ``DOBB2S_INPUT_BLOCK`` (32) columns (which tile row-parallel TP's
     column shards over 4 ranks at every width the study runs, >= 128)."""
-    tables: frozenset[str] = frozenset(TABLES)
-    """The tables of ``TABLES`` that carry it (BlockMuon's calls are MuonBP's block calls)."""
+    tables: frozenset[str] = MEASURED
+    """The tables of ``TABLES`` that carry it (BlockMuon's calls are MuonBP's block calls;
+    the time-budget runs, ``bench.timebudget``, train the paper's comparison and BlockMuon
+    on a GPU within one time limit)."""
     splits_columns: bool = True
     """Runs on matrices split along their columns (row-parallel TP); False: rows only."""
     period_option: str | None = None
@@ -107,6 +111,7 @@ LAB: dict[str, LabEntry] = {
             "dobb",
             "Dobb",
             {"num_blocks": Dobb.Config.num_blocks},
+            tables=MEASURED | {"timebudget"},
             **_REFRESHES,
             calltime_settings=_DOBB_CALLTIME,
         ),
@@ -123,9 +128,10 @@ LAB: dict[str, LabEntry] = {
             "dion",
             "Dion",
             {"rank_fraction": Dion.Config.rank_fraction},
+            tables=MEASURED | {"timebudget"},
             calltime_settings=("rank_fraction",),
         ),
-        LabEntry("muon", "Muon"),
+        LabEntry("muon", "Muon", tables=MEASURED | {"timebudget"}),
         LabEntry(
             "muonbp",
             "MuonBP",
@@ -135,11 +141,11 @@ LAB: dict[str, LabEntry] = {
             schedule=full_step_due,
             calltime_settings=("period", "row_blocks"),
         ),
-        LabEntry("blockmuon", "BlockMuon", _ROW_BLOCKS, tables=frozenset()),
+        LabEntry("blockmuon", "BlockMuon", _ROW_BLOCKS, tables=frozenset({"timebudget"})),
         LabEntry("normuon", "NorMuon", **_ROW_ONLY),
         LabEntry("dion2", "Dion2", _ROW_BLOCKS, **_ROW_ONLY),
         LabEntry("nordion2", "NorDion2", _ROW_BLOCKS, **_ROW_ONLY),
-        LabEntry("adamw", "AdamW", tables=frozenset({"calltime"})),
+        LabEntry("adamw", "AdamW", tables=frozenset({"calltime", "timebudget"})),
     )
 }
 COMPARED = tuple(LAB)  # the main job and the study: every entry, in this order
