@@ -2,26 +2,51 @@
 
 The library's registry (``dobb.registry``) says how to build an optimizer; this table
 says how the lab runs and reports it: the label reports use, the settings the comparisons
-run it with, its cost model, which tables carry it, and its periodic work. Every subset and
-per-optimizer setting of the lab is derived from here; adding an optimizer means one class,
-one library entry, one entry here and one cost module.
+run it with, which tables carry it, and its periodic work, with its cost model (the module
+of ``bench.model.costs`` that names the entry). Every subset and per-optimizer setting of
+the lab is derived from here; adding an optimizer means one class, one library entry, one
+entry here and one cost module.
+
+The table sits above the cost model (``bench.model``, which knows the registry, not the
+table) and below what runs and reports the optimizers (``bench.compare``,
+``bench.results``, ``bench.study``, ...): ``bench.tools.import_graph.LAYERS["bench"]``.
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bench.model.costs import adamw, dion, dion2, dobb, muon, muonbp, nordion2, normuon
+from bench.model import costs
+from bench.model.workload import XL_WORLD
+from dobb.optim.dion import Dion
+from dobb.optim.dobb import Dobb
+from dobb.optim.dobb_core import refresh_due
+from dobb.optim.muonbp import MuonBP, full_step_due
 from dobb.registry import PAPER_DOBB, OptimizerEntry, get_entry
 
 # Two-sided Dobb's row blocks per matrix in the call-time runs: the rows one rank holds under
-# FSDP over 32 ranks (the paper's call-time setting: GPT-2 XL on 32 GPUs), emulated on one.
-DOBB2S_ROW_BLOCKS = 32
-# the settings of every call-time figure, and of the cost model's predictions beside them
-CALL_SETTINGS = dict(num_blocks=16, basis_interval=10, rank_fraction=1 / 16, period=5)
-TABLES = ("calltime", "comm")  # call time and cost model; bytes sent inside step()
+# FSDP over the paper's call-time setting (GPT-2 XL on XL_WORLD = 32 GPUs), emulated on one.
+DOBB2S_ROW_BLOCKS = XL_WORLD
+# the settings of every call-time figure, and of the cost model's predictions beside them:
+# the optimizers' defaults, Dobb's the paper's configuration (16 blocks) and Dion's rank
+# fraction 1/16 (the paper's)
+CALL_SETTINGS = dict(
+    num_blocks=PAPER_DOBB["num_blocks"],
+    basis_interval=Dobb.Config.basis_interval,
+    rank_fraction=Dion.Config.rank_fraction,
+    period=MuonBP.Config.period,
+)
+# The lab's choices for the comparisons (``LabEntry.harness_options``): row-blocked
+# optimizers emulate FSDP over 4 ranks in one process, and two-sided Dobb takes input
+# blocks of 32 columns
+EMULATED_SHARDS = 4
+DOBB2S_INPUT_BLOCK = 32
+# call time and cost model; bytes sent inside step(); loss against wall-clock time
+TABLES = ("calltime", "comm", "timebudget")
+MEASURED = frozenset({"calltime", "comm"})  # the tables an entry is in unless it says
 # where `python -m bench study` writes its tuned learning rates (in the clone)
 STUDY_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "study" / "study.json"
 
@@ -33,18 +58,19 @@ class LabEntry:
     name: str
     label: str
     """How reports name it in prose (``"two-sided Dobb"``)."""
-    cost_model: ModuleType | None
-    """Its module of ``bench.model.costs`` (state, work, bytes sent in ``step()``)."""
     harness_options: dict[str, Any] = field(default_factory=dict)
     """Constructor overrides of the comparisons (``python -m bench compare`` and ``study``,
     the communication table): the settings compared in the Dobb paper's abstract (Dobb's 16
-    blocks, Dion's rank 1/16). Row-blocked optimizers emulate FSDP over 4 ranks in one
-    process: MuonBP and BlockMuon tile each matrix's rows as its shards would, Dion2 selects
-    rows per such block, two-sided Dobb keeps one row basis per block, with input blocks of
-    32 columns (which tile row-parallel TP's column shards over 4 ranks at every width the
-    study runs, >= 128)."""
-    tables: frozenset[str] = frozenset(TABLES)
-    """The tables of ``TABLES`` that carry it (BlockMuon's calls are MuonBP's block calls)."""
+    blocks, Dion's rank 1/16: the classes' defaults, read from their configs and written
+    into every run's record). Row-blocked optimizers emulate FSDP over ``EMULATED_SHARDS``
+    (4) ranks in one process: MuonBP and BlockMuon tile each matrix's rows as its shards
+    would, Dion2 selects rows per such block, two-sided Dobb keeps one row basis per block,
+    with input blocks of ``DOBB2S_INPUT_BLOCK`` (32) columns (which tile row-parallel TP's
+    column shards over 4 ranks at every width the study runs, >= 128)."""
+    tables: frozenset[str] = MEASURED
+    """The tables of ``TABLES`` that carry it (BlockMuon's calls are MuonBP's block calls;
+    the time-budget runs, ``bench.timebudget``, train the paper's comparison and BlockMuon
+    on a GPU within one time limit)."""
     splits_columns: bool = True
     """Runs on matrices split along their columns (row-parallel TP); False: rows only."""
     period_option: str | None = None
@@ -52,6 +78,10 @@ class LabEntry:
     ``basis_interval``, MuonBP's ``period``); None: every call alike."""
     periodic_calls: tuple[str, str] | None = None
     """Names of the periodic call and of the others (``("refresh", "steady")``)."""
+    schedule: Callable[[int, Any], bool] | None = None
+    """The library's schedule of its periodic work: whether a matrix's call ``step`` (from
+    1) does it, given the value of ``period_option`` (``dobb.optim.dobb_core.refresh_due``,
+    ``dobb.optim.muonbp.full_step_due``)."""
     calltime_settings: tuple[str, ...] = ()
     """The call-time benchmark's settings it takes (``calltime.optimizer_overrides``)."""
     calltime_fixed: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +101,12 @@ class LabEntry:
         """Its entry in the library's registry."""
         return get_entry(self.name)
 
+    @property
+    def cost_model(self) -> ModuleType | None:
+        """Its module of ``bench.model.costs`` (state, work, bytes sent in ``step()``): the
+        one naming it in its ``ENTRIES``; None: measured only."""
+        return costs.MODELS.get(self.name)
+
 
 _DOBB_CALLTIME = ("num_blocks", "basis_interval", "basis_method")
 # The lab's "dobb" is the paper's configuration (the registry's "dobb_paper", but for its lr,
@@ -78,16 +114,19 @@ _DOBB_CALLTIME = ("num_blocks", "basis_interval", "basis_method")
 # default became the recommended two-sided configuration
 PAPER = {k: v for k, v in PAPER_DOBB.items() if k != "lr"}
 _ROW_ONLY = dict(splits_columns=False)  # normalizes or selects whole rows
+_ROW_BLOCKS = {"row_blocks": EMULATED_SHARDS}
+_REFRESHES = dict(  # Dobb's periodic work: a refresh of the bases
+    period_option="basis_interval", periodic_calls=("refresh", "steady"), schedule=refresh_due
+)
 LAB: dict[str, LabEntry] = {
     e.name: e
     for e in (
         LabEntry(
             "dobb",
             "Dobb",
-            dobb,
             PAPER,
-            period_option="basis_interval",
-            periodic_calls=("refresh", "steady"),
+            tables=MEASURED | {"timebudget"},
+            **_REFRESHES,
             calltime_settings=_DOBB_CALLTIME,
             calltime_fixed={k: v for k, v in PAPER.items() if k != "num_blocks"},
             grid_centre=1e-3,
@@ -95,11 +134,9 @@ LAB: dict[str, LabEntry] = {
         LabEntry(
             "dobb2s",
             "two-sided Dobb",
-            dobb,
-            {"row_blocks": 4, "block_size": 32},
+            {"row_blocks": EMULATED_SHARDS, "block_size": DOBB2S_INPUT_BLOCK},
             tables=frozenset({"calltime"}),
-            period_option="basis_interval",
-            periodic_calls=("refresh", "steady"),
+            **_REFRESHES,
             calltime_settings=_DOBB_CALLTIME,
             calltime_fixed={"block_size": None, "row_blocks": DOBB2S_ROW_BLOCKS},
             grid_centre=1e-3,
@@ -107,26 +144,26 @@ LAB: dict[str, LabEntry] = {
         LabEntry(
             "dion",
             "Dion",
-            dion,
-            {"rank_fraction": 1 / 16},
+            {"rank_fraction": Dion.Config.rank_fraction},
+            tables=MEASURED | {"timebudget"},
             calltime_settings=("rank_fraction",),
             grid_centre=0.02,
         ),
-        LabEntry("muon", "Muon", muon),
+        LabEntry("muon", "Muon", tables=MEASURED | {"timebudget"}),
         LabEntry(
             "muonbp",
             "MuonBP",
-            muonbp,
-            {"row_blocks": 4},
+            _ROW_BLOCKS,
             period_option="period",
             periodic_calls=("full", "block"),
+            schedule=full_step_due,
             calltime_settings=("period", "row_blocks"),
         ),
-        LabEntry("blockmuon", "BlockMuon", muonbp, {"row_blocks": 4}, tables=frozenset()),
-        LabEntry("normuon", "NorMuon", normuon, **_ROW_ONLY),
-        LabEntry("dion2", "Dion2", dion2, {"row_blocks": 4}, **_ROW_ONLY),
-        LabEntry("nordion2", "NorDion2", nordion2, {"row_blocks": 4}, **_ROW_ONLY),
-        LabEntry("adamw", "AdamW", adamw, tables=frozenset({"calltime"})),
+        LabEntry("blockmuon", "BlockMuon", _ROW_BLOCKS, tables=frozenset({"timebudget"})),
+        LabEntry("normuon", "NorMuon", **_ROW_ONLY),
+        LabEntry("dion2", "Dion2", _ROW_BLOCKS, **_ROW_ONLY),
+        LabEntry("nordion2", "NorDion2", _ROW_BLOCKS, **_ROW_ONLY),
+        LabEntry("adamw", "AdamW", tables=frozenset({"calltime", "timebudget"})),
     )
 }
 COMPARED = tuple(LAB)  # the main job and the study: every entry, in this order
@@ -167,11 +204,8 @@ def lab_entry(name: str) -> LabEntry:
 
 
 def cost_model(name: str) -> ModuleType:
-    """The cost-model module of ``name``; ``ValueError`` if it has none."""
-    module = lab_entry(name).cost_model
-    if module is None:
-        raise ValueError(f"{name!r} has no cost model; it is measured only")
-    return module
+    """The cost-model module of the lab's entry ``name``; ``ValueError`` if it has none."""
+    return costs.cost_model(lab_entry(name).name)
 
 
 def tuned_lrs(path: Path = STUDY_RESULTS) -> dict[str, float]:

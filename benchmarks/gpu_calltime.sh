@@ -48,7 +48,7 @@ CONFIG=${CONFIG:-gpt2-xl}
 LAYERS=${LAYERS:-9}               # XL blocks in every call-time run (9: 54 matrices)
 PER_OPT=${PER_OPT:-22}            # seconds for each optimizer's own call-time process
 COMPILE_BACKEND=${COMPILE_BACKEND:-inductor}  # compiled check; eager: a quick CPU smoke test
-OPTIMIZERS=${OPTIMIZERS:-$("$PY" -c 'from bench.model.costmodel import OPTIMIZERS
+OPTIMIZERS=${OPTIMIZERS:-$("$PY" -c 'from bench.results.calltime import OPTIMIZERS
 print(" ".join(OPTIMIZERS))' 2>/dev/null || echo dobb dion muon adamw)}
 BASIS_METHOD=${BASIS_METHOD:-auto}  # Dobb's refresh solver; eigh where Dobb does not accept it
 SIZES=${SIZES:-100:144,400:16}    # solver table: block size:count (XL: 100 and 400)
@@ -81,7 +81,7 @@ for check in correctness captured compiled; do
 done
 phase merge-checks 20 "$PY" -m bench.gpu.check merge "$OUT/gpu_check.json" "${checks[@]}"
 
-phase calibrate 35 "$PY" -m bench.model.calibrate calibrate --device "$DEVICE" --config "$CONFIG" \
+phase calibrate 35 "$PY" -m bench.results.calibrate calibrate --device "$DEVICE" --config "$CONFIG" \
   --layers 1 --out "$OUT/calibration.json"
 phase solvers 45 "$PY" -m bench.results.eigensolve --device "$DEVICE" --sizes "$SIZES" \
   --methods "$METHODS" --repeats 3 --out "$OUT/solvers.json"

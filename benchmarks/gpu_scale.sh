@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A first look at scale: the 124M GPT-2 trained in bf16 autocast for the same wall-clock
-# budget per optimizer (Dobb, Dion, Muon, BlockMuon, AdamW), validation loss at fixed points
-# of training time (bench/timebudget/__init__.py explains the loop, schedule and record).
+# budget per optimizer (the lab's time-budget table, bench/optimizers.py), validation loss
+# at fixed points of training time (bench/timebudget/__init__.py explains the loop, schedule
+# and record).
 # Needs torch with CUDA, numpy and matplotlib (no network, no installs).
 #
 # The token data is not in git (benchmarks/gpu/data/ is ignored). Make it once, on any
@@ -33,7 +34,7 @@ CONFIG=${CONFIG:-gpt2}
 BUDGET=${BUDGET:-40}                          # training seconds per optimizer
 BATCH=${BATCH:-16}                            # sequences of the config's 1024 tokens per step
 DATA=${DATA:-benchmarks/gpu/data/code-gpt2}
-OPTIMIZERS=${OPTIMIZERS:-dobb,dion,muon,blockmuon,adamw}
+OPTIMIZERS=${OPTIMIZERS:-}                    # comma-separated; default: the lab's table
 BASIS_METHOD=${BASIS_METHOD:-auto}            # Dobb's refresh solver; eigh if not accepted
 MATMUL_PRECISION=${MATMUL_PRECISION:-highest}  # fp32 products: highest (torch default) or high (TF32)
 LIMIT=${LIMIT:-290}                           # seconds for the training phase
@@ -57,7 +58,7 @@ pick_basis_method
 start=$SECONDS rc=0
 timeout --kill-after=10 "$LIMIT" "$PY" -m bench.timebudget run --data "$DATA" \
   --device "$DEVICE" --config "$CONFIG" --budget-s "$BUDGET" --batch-size "$BATCH" \
-  --optimizers "$OPTIMIZERS" --basis-method "$BASIS_METHOD" \
+  ${OPTIMIZERS:+--optimizers "$OPTIMIZERS"} --basis-method "$BASIS_METHOD" \
   --matmul-precision "$MATMUL_PRECISION" --out "$OUT/timebudget.json" \
   2>&1 | tee -a "$LOG" || rc=$?
 log "training: exit $rc after $((SECONDS - start)) s"

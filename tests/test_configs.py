@@ -1,6 +1,6 @@
 """One config per optimizer (``dobb.optim.config``): one default per option, class and
-registry alike; a batching key that holds every option marked as changing the update; the
-docs' option tables rendered from the configs."""
+registry alike; a batching key that holds every option marked as changing the update. (The
+docs' option tables, rendered from the configs: ``tests/repo/test_docs_tables.py``.)"""
 
 import inspect
 from dataclasses import fields
@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from bench.tools.config_docs import DOCS, ROOT, render
 from dobb.registry import OPTIMIZERS, build_optimizer, recommended_lr
 
 CLASSES = sorted({e.cls for e in OPTIMIZERS.values() if hasattr(e.cls, "Config")}, key=str)
@@ -134,10 +133,3 @@ def test_groups_that_differ_in_a_math_option_never_share_a_batch(cls, name):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     alike = train(lambda gs: [cls(gs, **options)], [{}, {}])
     assert not torch.equal(together[1], alike[1])  # the option changed the update
-
-
-@pytest.mark.parametrize("doc", DOCS)
-def test_the_docs_option_tables_are_rendered_from_the_configs(doc):
-    text = (ROOT / doc).read_text()
-    assert "<!-- options " in text
-    assert render(text) == text, "stale option tables: run python -m bench.tools.config_docs"

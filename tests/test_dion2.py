@@ -4,17 +4,11 @@ import math
 
 import pytest
 import torch
-from test_normuon import ns5_float64
+from references import BATCH_BLOCKS, BATCH_SHAPES, block_sizes, ns5_float64
 
 from dobb.optim.dion2 import Dion2, dion2_update, dion2_updates, select_rows
 from dobb.optim.dion_core import shape_scale
 from dobb.optim.muon import Muon
-
-
-def block_sizes(m, parts):
-    """torch.chunk's split of m rows into ``parts`` blocks (empty blocks kept)."""
-    sizes = [len(c) for c in torch.arange(m).chunk(parts)]
-    return sizes + [0] * (parts - len(sizes))
 
 
 def dion2_reference(W, grads, *, lr, fraction, ef_decay, weight_decay, blocks):
@@ -94,12 +88,6 @@ def test_select_rows_per_block():
     # blocks of 3 and 2 rows, fraction 0.5: 2 of the first block (rows 1, 2), 1 of the second
     assert select_rows(M, [3, 2], 0.5).tolist() == [1, 2, 4]
     assert select_rows(M, [5, 0], 0.1).tolist() == [4]  # at least one row per block
-
-
-# three of one shape (two cut into 3 selection blocks, one whole: two stacks), two wide,
-# a lone tall matrix
-BATCH_SHAPES = [(18, 16)] * 3 + [(8, 24)] * 2 + [(30, 6)]
-BATCH_BLOCKS = [[6, 6, 6], [18], [6, 6, 6], [8], [8], [10, 10, 10]]
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from dobb_configs import PaperDobb
+from layers import TransposedLinear
 from torch import nn
 
 import dobb
@@ -464,17 +465,6 @@ def test_nonfinite_skip_mode_skips_the_step():
         assert torch.equal(a, b)
     train(model, opt, 1)  # the dropped statistics do not poison the next step
     assert all(torch.isfinite(p).all() for p in model.parameters())
-
-
-class TransposedLinear(nn.Module):
-    """Stores its weight as (d_in, d_out) and computes x @ W, like GPT-2's Conv1D."""
-
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = nn.Parameter(weight.clone())
-
-    def forward(self, x):
-        return x @ self.weight
 
 
 def test_transposed_layers_are_blocked_along_their_input_dim():

@@ -3,7 +3,7 @@ against a literal float64 transcription of its formula."""
 
 import pytest
 import torch
-from test_dobb import TransposedLinear
+from layers import TransposedLinear
 from torch import nn
 
 import dobb

@@ -4,13 +4,14 @@ import math
 
 import pytest
 import torch
+from references import polar_express_float64
 
 from dobb.optim import dion2 as dion2_module
 from dobb.optim import muon as muon_module
 from dobb.optim import muonbp as muonbp_module
 from dobb.optim import nordion2 as nordion2_module
 from dobb.optim import normuon as normuon_module
-from dobb.optim.muon import POLAR_EXPRESS, Muon, lr_scale, newton_schulz
+from dobb.optim.muon import Muon, lr_scale, newton_schulz
 from dobb.registry import build_optimizer
 
 SHAPES = [(64, 32), (32, 64)]  # tall (transposed inside NS) and wide
@@ -59,20 +60,6 @@ def test_newton_schulz_batched_equals_one_by_one():
 
 def test_newton_schulz_of_zero_is_zero():
     assert not newton_schulz(torch.zeros(8, 4)).any()
-
-
-def polar_express_float64(G, steps):
-    """Polar Express (arXiv 2505.16932) written out in float64: X / (1.02 ||X||_F + eps),
-    then step i's quintic from the table (later steps repeat its last)."""
-    X = G.double()
-    tall = X.shape[0] > X.shape[1]
-    X = X.T if tall else X
-    X = X / (1.02 * X.norm() + 1e-7)
-    for i in range(steps):
-        a, b, c = POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)]
-        A = X @ X.T
-        X = a * X + b * A @ X + c * A @ A @ X
-    return X.T if tall else X
 
 
 @pytest.mark.parametrize("steps", [3, 5, 7])

@@ -8,7 +8,7 @@ from torch import nn
 import dobb.optim.muon as muon_module
 import dobb.optim.muonbp as muonbp_module
 from dobb.optim.muon import Muon, lr_scale, nesterov_direction, newton_schulz
-from dobb.optim.muonbp import MuonBP, block_tiles, chunk_sizes
+from dobb.optim.muonbp import MuonBP, block_tiles, chunk_sizes, full_step_due
 from dobb.registry import build_optimizer
 
 SHAPES = [(12, 8), (8, 12)]  # tall and wide
@@ -110,6 +110,19 @@ def test_a_full_step_every_period_starting_with_the_first(monkeypatch):
     full, block = (8, 6), (2, 4, 6)  # the whole matrix; two 4 x 6 tiles in one batch
     assert shapes == [full, block, block, full, block, block, full]
     assert int(next(iter(opt.state.values()))["step"]) == 7
+
+
+def test_the_schedule_the_steps_follow_is_full_step_due(monkeypatch):
+    """The steps ``full_step_due`` marks are the full ones the optimizer takes (the first,
+    then every ``period``; none for BlockMuon): the schedule the cost model reads."""
+    assert [full_step_due(s, 3) for s in range(1, 8)] == [1, 0, 0, 1, 0, 0, 1]
+    assert [full_step_due(s, 1) for s in range(1, 4)] == [1, 1, 1]
+    assert not any(full_step_due(s, None) for s in range(1, 8))
+    for period in (2, 3, None):
+        shapes = record_newton_schulz(monkeypatch)  # one call a step: the tiles batched
+        run(lambda p, k=period: MuonBP(p, period=k, row_blocks=2, foreach=True), (8, 6), 7)
+        full = [shape == (8, 6) for shape in shapes]
+        assert full == [full_step_due(s, period) for s in range(1, 8)], period
 
 
 def exact_polar(G, steps, dtype, coefficients):

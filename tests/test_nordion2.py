@@ -5,9 +5,13 @@ import math
 
 import pytest
 import torch
-from test_dion2 import BATCH_BLOCKS, BATCH_SHAPES, block_sizes
-from test_muon import polar_express_float64
-from test_normuon import ns5_float64
+from references import (
+    BATCH_BLOCKS,
+    BATCH_SHAPES,
+    block_sizes,
+    ns5_float64,
+    polar_express_float64,
+)
 
 from dobb.optim.dion_core import shape_scale
 from dobb.optim.nordion2 import NorDion2, nordion2_update, nordion2_updates

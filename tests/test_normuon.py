@@ -4,24 +4,11 @@ import math
 
 import pytest
 import torch
+from references import ns5_float64
 
-from dobb.optim.muon import NS_A, NS_B, NS_C
 from dobb.optim.normuon import NorMuon, normuon_update, normuon_updates
 
 SHAPES = [(24, 16), (16, 24)]  # tall and wide
-
-
-def ns5_float64(G):
-    """Keller's quintic Newton-Schulz, written out in float64."""
-    X = G.double()
-    tall = X.shape[0] > X.shape[1]
-    if tall:
-        X = X.T
-    X = X / (X.norm() + 1e-7)
-    for _ in range(5):
-        A = X @ X.T
-        X = NS_A * X + (NS_B * A + NS_C * A @ A) @ X
-    return X.T if tall else X
 
 
 def normuon_reference(W, grads, *, lr, beta1, beta2, eps, weight_decay, nesterov):

@@ -3,7 +3,7 @@ for the next clean batch, and no optimizer takes another optimizer's state."""
 
 import pytest
 import torch
-from test_shared_behaviour import (
+from tinylm import (
     MATRIX_CASES,
     TinyLM,
     assert_same_params,

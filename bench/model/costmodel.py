@@ -6,16 +6,17 @@ Each optimizer call is written out as the kernels our implementation launches (o
 per op of ``dobb_update``, ``dion_update``, ``muon_update``, PyTorch's AdamW and the
 shared finite-gradient check), each with its FLOPs and the bytes it reads plus writes, and
 the collectives its distributed form issues: in ``bench.model.costs``, one module per
-optimizer family, which the lab's table names (``bench.optimizers``). This
-module prices them. A kernel costs
+optimizer family, each naming the registry entries it prices. This module prices them. A
+kernel costs
 
     launch + max(FLOPs / rate[kind], bytes / memory_bandwidth)          (a roofline per op)
 
 (factorizations: launch + latency + FLOPs / rate; ``eigh``: a + b s³ per block), a
 collective costs the α–β time of its algorithm (``Network``), and periodic work (Dobb's
-basis refresh and statistics all-reduce) is divided by its period. Rates come from a
-``Hardware`` profile: ``bench.model.calibrate`` measures one on the machine it runs
-on (CPU or GPU); ``H100`` and ``H200`` hold datasheet values times stated efficiency
+basis refresh and statistics all-reduce, MuonBP's full step) is priced on the share of the
+calls the library's schedule marks, counted over one period (``kernels.Work``). Rates
+come from a ``Hardware`` profile: ``bench.results.calibrate`` measures one on the machine it
+runs on (CPU or GPU); ``H100`` and ``H200`` hold datasheet values times stated efficiency
 assumptions.
 
 FLOPs per ``(m, n)`` matrix (``m`` local rows, ``n = d_in``) and step:
@@ -50,23 +51,20 @@ result back (all-to-all, bf16); MuonBP does so on its full steps only.
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.model.costs import entry_options, with_options
-from bench.model.costs.dobb import hook_work
+from bench.model.costs import MODELS, cost_model, entry_options, with_options
+from bench.model.costs.dobb import CPU_SOLVER, hook_work
 from bench.model.costs.kernels import FP32, Kernel, Work, matmul
 from bench.model.hardware import H100, Hardware, Network
 from bench.model.workload import ONE_DEVICE, Layout, Matrix, hidden_matrices, layout_of
-from bench.optimizers import CALL_SETTINGS, cost_model, in_table
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import AUTO_CUDA
-from dobb.registry import get_entry
+from dobb.registry import PAPER_DOBB, get_entry
 
 CATEGORIES = ("matmul", "memory", "factorization", "overhead", "comm_latency", "comm_bandwidth")
-# the optimizers the benchmarks model and time (BlockMuon: MuonBP's block step, a variant
-# row of the model and the block calls of MuonBP's timing)
-OPTIMIZERS = in_table("calltime")
 
 # The refresh Dobb's basis_method="auto" runs on CUDA when CuPy is not installed (the library's
 # one constant, read here rather than restated)
@@ -158,20 +156,23 @@ def predict(
     world: int = 1,
     layout: Layout | None = None,
     network: Network | None = None,
+    calls: str = "amortized",
     **options,
 ) -> dict[str, float]:
     """Predicted amortized seconds per call by category, plus ``"total"``.
 
     ``layout`` (default: FSDP ``Shard(0)`` over ``world`` ranks; see ``layout_of``) on
-    ``network`` (default: ``Network()``). ``options`` go to ``build_work``.
+    ``network`` (default: ``Network()``). ``calls``: ``"periodic"`` or ``"other"`` predicts
+    one call of that kind instead (Dobb's refresh or steady call, MuonBP's full or block
+    call; ``Work``). ``options`` go to ``build_work``.
     """
     layout = layout or Layout(shard=world)
     if layout.world > 1 and network is None:
         network = Network()
     # Dobb's basis_method="auto": eigh on CPU, CUDA_SOLVER on CUDA (foreach: a GPU profile)
-    options.setdefault("solver", CUDA_SOLVER if hardware.foreach else "eigh")
+    options.setdefault("solver", CUDA_SOLVER if hardware.foreach else CPU_SOLVER)
     work = build_work(name, matrices, layout=layout, foreach=hardware.foreach, **options)
-    terms = work_time(work, hardware, network)
+    terms = work_time(replace(work, calls=calls), hardware, network)
     # Python work per matrix (state lookups, building the batches), calibrated per matrix;
     # an entry the profile has not timed takes its class's (two-sided Dobb: Dobb's)
     algorithm = getattr(get_entry(name).cls, "algorithm", name)
@@ -186,7 +187,7 @@ def predict_hooks(
     tokens: int,
     hardware: Hardware,
     *,
-    num_blocks=CALL_SETTINGS["num_blocks"],
+    num_blocks: int = PAPER_DOBB["num_blocks"],
     forward_kind=None,
     low_precision: bool = False,
     share_inputs: bool = True,
@@ -231,9 +232,7 @@ def main(argv: list[str]) -> None:
     network = Network(algorithm=args.algorithm)
     matrices = hidden_matrices(args.config)
     layout = layout_of(args.layout, args.world, shard=args.shard)
-    rows = {
-        name: predict(name, matrices, hw, layout=layout, network=network) for name in OPTIMIZERS
-    }
+    rows = {name: predict(name, matrices, hw, layout=layout, network=network) for name in MODELS}
     print(f"{args.config}, {layout} on {hw.name}, {args.algorithm} collectives (ms)")
     print(format_terms(rows))
 

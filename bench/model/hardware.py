@@ -1,7 +1,7 @@
 """What an op and a collective cost: device profiles and the α–β network model.
 
 ``Hardware`` holds the effective rates of one device (FLOP/s by kernel kind, bandwidths,
-per-op and per-matrix overheads, the eigh cost per block); ``bench.model.calibrate``
+per-op and per-matrix overheads, the eigh cost per block); ``bench.results.calibrate``
 measures one, and ``H100`` / ``H200`` hold datasheet values times stated efficiency
 assumptions. ``Network`` prices a ``Collective`` on a cluster of NVLink nodes joined by
 InfiniBand (ring or two-level algorithms).

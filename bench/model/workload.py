@@ -13,6 +13,8 @@ from dobb.optim.dion_core import rank_of
 from dobb.train.model import GPT_CONFIGS, gpt_config
 from dobb.train.parallel import ROW_PARALLEL
 
+XL_WORLD = 32  # GPUs of the paper's GPT-2 XL call-time run (FSDP; arXiv 2610.39412)
+
 # Randomized Cholesky QR sketch rows: ceil(1.25 r) rounded up to a multiple of 128, as
 # dobb.optim.dion (microsoft/dion's values).
 

@@ -6,7 +6,7 @@
     python -m bench.results gpu-table FILE.json ...        # Markdown of GPU runs
 
 Measuring (``measure``): calibrate the cost model on this machine
-(``bench.model.calibrate.calibrate``), time the optimizer calls in one process
+(``bench.results.calibrate.calibrate``), time the optimizer calls in one process
 (``bench.results.calltime.run``) and sharded over gloo ranks under FSDP, HSDP and TP
 (``bench.results.calltime_sharded.run``), each into its JSON, and the run's own facts (date,
 machine, commands) into ``bench.results.report.RUN_FILE``. Rendering
@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-from bench.model import calibrate
 from bench.model.workload import hidden_matrices
-from bench.results import calltime, calltime_sharded
+from bench.results import calibrate, calltime, calltime_sharded
 from bench.results.report import CALIBRATION_FILE, CALLTIME_FILE, RUN_FILE, render
 from bench.results.sections import gpu_section
 
@@ -68,7 +67,7 @@ def measure(
     shown = out_dir.resolve()
     shown = shown.relative_to(Path.cwd()) if shown.is_relative_to(Path.cwd()) else shown
     commands = [
-        f"python -m bench.model.calibrate calibrate --config {settings['config']} --layers "
+        f"python -m bench.results.calibrate calibrate --config {settings['config']} --layers "
         f"{settings['layers']}{' --quick' if quick else ''}{thread_flag} "
         f"--out {shown / CALIBRATION_FILE}",
         f"python -m bench.results.calltime --config {settings['config']} --layers "

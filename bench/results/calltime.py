@@ -31,7 +31,7 @@ What is measured:
 Two-sided Dobb's row blocks are ``DOBB2S_ROW_BLOCKS`` per matrix (the rows of one rank
 under FSDP over 32 ranks).
 
-The cost model's ``Hardware`` profile of a machine is ``bench.model.calibrate``'s job.
+The cost model's ``Hardware`` profile of a machine is ``bench.results.calibrate``'s job.
 
 All optimizers share one set of parameters (their updates do not change the work), so
 memory is parameters + gradients + the optimizers' states. Sharded timing (FSDP2, HSDP,
@@ -53,16 +53,27 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
-from bench.optimizers import CALL_SETTINGS, DOBB2S_ROW_BLOCKS, LAB, lab_entry
+from bench.optimizers import (
+    CALL_SETTINGS,
+    DOBB2S_ROW_BLOCKS,
+    EMULATED_SHARDS,
+    LAB,
+    in_table,
+    lab_entry,
+)
 from bench.results.linear_stack import LinearStack, Progress, autocast_context, hook_overhead
 from bench.tools.markdown import markdown_table
 from bench.tools.matmul_dtype import fastest_ns_dtype
 from bench.tools.timing import spread, timed
 from dobb.optim.config import batched_by_default
 from dobb.optim.dobb import Dobb
+from dobb.optim.muonbp import MuonBP
 from dobb.registry import build_optimizer, get_entry
+
+# the optimizers timed, and modelled beside them (BlockMuon: MuonBP's block step, a variant
+# row of the model and the block calls of MuonBP's timing)
+OPTIMIZERS = in_table("calltime")
 
 
 def default_basis_method() -> str:
@@ -76,7 +87,7 @@ def optimizer_overrides(
     basis_interval: int,
     rank_fraction: float,
     period: int = CALL_SETTINGS["period"],
-    row_blocks: int = 1,
+    row_blocks: int = MuonBP.Config.row_blocks,
     basis_method: str | None = None,
 ) -> dict:
     """Constructor arguments of the comparison (everything else: registry defaults).
@@ -104,6 +115,17 @@ def calls_per_period(name: str, options: dict, calls: int) -> int:
     else ``calls``."""
     option = lab_entry(name).period_option
     return (options.get(option) if option else None) or calls
+
+
+def periodic_flags(name: str, options: dict, first: int, calls: int) -> list[bool]:
+    """Which of ``calls`` calls of ``name``, from its call ``first`` (from 1), do its periodic
+    work, as the library's schedule says (its lab entry's ``schedule`` at ``options``' value
+    of its ``period_option``); all False for an optimizer without periodic work."""
+    entry = lab_entry(name)
+    period = options.get(entry.period_option) if entry.period_option else None
+    if entry.schedule is None or period is None:
+        return [False] * calls
+    return [entry.schedule(step, period) for step in range(first, first + calls)]
 
 
 def periodic_calls(name: str) -> tuple[str, str] | None:
@@ -135,7 +157,7 @@ def time_optimizers(
     basis_interval: int = CALL_SETTINGS["basis_interval"],
     rank_fraction: float = CALL_SETTINGS["rank_fraction"],
     period: int = CALL_SETTINGS["period"],
-    row_blocks: int = 1,
+    row_blocks: int = MuonBP.Config.row_blocks,
     basis_method: str | None = None,
     autocast: bool = False,
     ns_dtype: str | None = None,
@@ -181,11 +203,23 @@ def time_optimizers(
         with torch.enable_grad(), autocast_context(device, autocast):
             stack()  # the hooks accumulate X_bᵀ X_b; the graph is dropped
 
+    made = dict.fromkeys(names, 0)  # calls of each optimizer so far
+
     def period(name: str) -> tuple[list[float], list[float]]:
         optimizer = optimizers[name]
         stats = get_entry(name).needs_statistics
         calls_s, forward_s = [], []
-        for _ in range(calls_per_period(name, kw, calls)):
+        n = calls_per_period(name, kw, calls)
+        # summarize splits a period's first call off as the periodic one: the library's
+        # schedule must mark it, and no other
+        flags = periodic_flags(name, kw, made[name] + 1, n)
+        if periodic_calls(name) and flags != [True] + [False] * (n - 1):
+            raise RuntimeError(
+                f"{name}'s calls {made[name] + 1}-{made[name] + n} do not open with its one "
+                f"periodic call ({flags}): time whole periods from its first call"
+            )
+        made[name] += n
+        for _ in range(n):
             if stats:
                 forward_s.append(timed(forward_for_statistics, device))
             calls_s.append(timed(optimizer.step, device))
@@ -220,7 +254,7 @@ def summarize(results: dict, optimizers: dict, params: list[Tensor]) -> dict:
             continue
         entry = {**res, "call_s": spread(res["amortized_s"])}
         keys = periodic_calls(name)
-        if keys:  # call 0 of every period: Dobb's refresh, MuonBP's full step
+        if keys:  # call 0 of every period (time_optimizers holds it to the library's schedule)
             first, others = keys
             entry[first] = spread([calls[0] for calls in res["period_calls"]])
             rest = [t for calls in res["period_calls"] for t in calls[1:]]
@@ -266,7 +300,7 @@ def run(
     basis_interval: int = CALL_SETTINGS["basis_interval"],
     rank_fraction: float = CALL_SETTINGS["rank_fraction"],
     period: int = CALL_SETTINGS["period"],
-    row_blocks: int = 4,
+    row_blocks: int = EMULATED_SHARDS,
     basis_method: str | None = None,
     device: str = "cpu",
     autocast: bool = False,
@@ -427,7 +461,7 @@ def format_table(record: dict) -> str:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="A cost-model profile of this machine: python -m bench.model.calibrate.",
+        epilog="A cost-model profile of this machine: python -m bench.results.calibrate.",
     )
     parser.add_argument("--config", default="gpt2-xl", help="GPT config (dobb.train.model)")
     parser.add_argument("--layers", type=int, default=1, help="transformer blocks to include")
@@ -447,7 +481,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--row-blocks",
         type=int,
-        default=4,
+        default=EMULATED_SHARDS,
         help="MuonBP's row tiles on one device (emulates FSDP over that many ranks)",
     )
     parser.add_argument(

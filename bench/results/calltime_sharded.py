@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 
-from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
 from bench.optimizers import CALL_SETTINGS, lab_entry
-from bench.results.calltime import device_name, time_optimizers
+from bench.results.calltime import OPTIMIZERS, device_name, time_optimizers
 from bench.results.linear_stack import LinearStack, forward_backward
 from bench.tools.matmul_dtype import fastest_ns_dtype
 from dobb.registry import get_entry

@@ -11,7 +11,6 @@ import math
 from bench.model import hardware
 from bench.model.costmodel import (
     CUDA_SOLVER,
-    OPTIMIZERS,
     PAPER_XL_32_H100_MS,
     build_work,
     format_terms,
@@ -19,15 +18,21 @@ from bench.model.costmodel import (
 )
 from bench.model.costs.traced import passes, solver_kernels
 from bench.model.hardware import H100, H200, Hardware, Network, captured
-from bench.model.workload import WIDTHS, Layout, hidden_matrices, transformer_matrices
-from bench.optimizers import CALL_SETTINGS
+from bench.model.workload import (
+    WIDTHS,
+    XL_WORLD,
+    Layout,
+    hidden_matrices,
+    transformer_matrices,
+)
+from bench.optimizers import CALL_SETTINGS, in_table
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
 from dobb.stats import block_stacks
 
-XL_WORLD = 32  # GPUs of the paper's GPT-2 XL run (FSDP)
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
 SETTINGS = CALL_SETTINGS  # the hyperparameters of every prediction here
+OPTIMIZERS = in_table("calltime")  # the optimizers predicted: the call-time table's
 # sensitivity rows: another option of ours, or our implementation before batching
 VARIANTS = {
     "Dobb, refresh replicated (shard_refresh=False)": ("dobb", dict(refresh="replicated")),

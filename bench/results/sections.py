@@ -11,18 +11,18 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from bench.model.costmodel import OPTIMIZERS, predict, predict_hooks, state_bytes, state_formula
+from bench.model.costmodel import predict, predict_hooks, state_bytes, state_formula
 from bench.model.hardware import H100, H200, Hardware
 from bench.model.workload import hidden_matrices
 from bench.optimizers import LAB
 from bench.results import calltime, calltime_sharded
 from bench.results.gpu_checks import checks_section, solvers_section
-from bench.results.model import XL_WORLD, ms, paper_section
+from bench.results.model import OPTIMIZERS, XL_WORLD, ms, paper_section
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import AUTO_CUDA
 
-# optimizers a call-time record may hold that the cost model cannot predict (not in
-# costmodel.OPTIMIZERS): how the check tables name them; others go by their registry name
+# optimizers a call-time record may hold that the cost model does not predict (not in
+# OPTIMIZERS, the call-time table): measured_only_note names them in the check tables
 # the bounds a check table's rows are reported within (predicted / measured)
 CHECK_BOUNDS = (1.25, 1.5, 2.0)
 
@@ -162,10 +162,6 @@ def calibration_section(hw: Hardware) -> str:
     )
 
 
-# a period no measured run reaches: the calls between periodic ones, predicted alone
-NEVER = 10**9
-
-
 def check_table(record: dict, hw: Hardware) -> tuple[str, list[float]]:
     """Predicted vs measured per-call time of the calltime workload on ``hw``: a Markdown
     table of ``check_rows`` and the ratios predicted / measured of its modelled rows."""
@@ -207,11 +203,10 @@ def check_rows(record: dict, hw: Hardware) -> list[tuple[str, float | None, floa
         options = model | calltime.optimizer_overrides(name, **knobs)  # as it was timed
         row(name, predict(name, matrices, hw, **options)["total"], entry["call_s"]["median"])
         keys = calltime.periodic_calls(name)
-        if keys and keys[0] in entry:  # the periodic call (period 1) and the others apart
-            option = LAB[name].period_option
+        if keys and keys[0] in entry:  # the periodic call and the others, each alone
             periodic, other = LAB[name].periodic_calls
-            for label, key, period in ((other, keys[1], NEVER), (periodic, keys[0], 1)):
-                predicted = predict(name, matrices, hw, **(options | {option: period}))
+            for label, key, calls in ((other, keys[1], "other"), (periodic, keys[0], "periodic")):
+                predicted = predict(name, matrices, hw, calls=calls, **options)
                 row(f"{name}, {label} call", predicted["total"], entry[key]["median"])
     kind = "gemm_bf16" if m.get("autocast") == "bf16" else "gemm_fp32"
     hooks = predict_hooks(

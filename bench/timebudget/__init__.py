@@ -11,22 +11,26 @@ package's sources, or directories of ``.py`` files) with GPT-2's BPE into ``trai
 an end-of-text token between files.
 
 ``run`` trains a fresh GPT (``dobb.train.model``, same seed and init) with each optimizer
-(``build_optimizer`` with the registry's starting lr and the paper comparison's options of
-``bench.compare.OPTIONS``) for ``budget_s`` seconds of training time: data fetch,
-forward, backward, clipping and ``opt.step()``, the device synchronized after the backward
-pass and after the step (so the optimizer's share is measured too). The learning rate of
-every group follows the budget's clock, not the step count: with ``f = t / budget_s``,
+(by default the lab's time-budget table, ``bench.optimizers.in_table("timebudget")``;
+``build_optimizer`` with the registry's starting lr and the comparisons' options,
+``bench.optimizers.LabEntry.harness_options``) for ``budget_s`` seconds of training time:
+data fetch and the harness's step (``dobb.train.trainer.train_step``: forward under bf16
+autocast, backward, clipping, ``opt.step()`` timed between device synchronizations, so the
+optimizer's share is measured too). The learning rate of every group follows the harness's
+schedule (``dobb.train.trainer.lr_multiplier``) on the budget's clock, not the step count:
+with ``f = t / budget_s``,
 
     lr(t) = lr0 * f / w                                               f < w (warmup)
-    lr(t) = lr0 * (r + (1 - r) (1 + cos(pi (f - w) / (1 - w))) / 2)   otherwise
+    lr(t) = lr0 * (1 - (1 - r) (1 - cos(pi (f - w) / (1 - w))) / 2)   otherwise
 
 (``w = warmup_frac``, ``r = min_lr_ratio``). At ``evals`` equally spaced points of training
-time the clock stops for an evaluation on the same ``eval_batches`` validation batches for
-every optimizer. The JSON (rewritten after each evaluation, so a killed run leaves what it
-finished) holds per optimizer the points ``(time_s, step, train_loss, val_loss)`` (train
-loss: mean of the steps since the previous point), a train-loss curve, steps, tokens/s and
-ms per ``opt.step()`` call. ``render`` writes ``timebudget.md`` (table) and
-``timebudget.png`` (loss against time) from the JSON alone.
+time the clock stops for the harness's evaluation (``dobb.train.trainer.evaluate``) on the
+same ``eval_batches`` validation batches for every optimizer. The JSON (rewritten after
+each evaluation, so a killed run leaves what it finished) holds per optimizer the points
+``(time_s, step, train_loss, val_loss)`` (train loss: mean of the steps since the previous
+point), a train-loss curve, steps, tokens/s and ms per ``opt.step()`` call (the rest of a
+step: ``fwd_bwd_ms``). ``render`` writes ``timebudget.md`` (table) and ``timebudget.png``
+(loss against time) from the JSON alone.
 
 ``timebudget_data`` prepares, ``timebudget_train`` trains and ``timebudget_report`` renders;
 this module is their command line.

@@ -1,37 +1,50 @@
 """The training of ``bench.timebudget``: each optimizer trains a fresh GPT for the same
 budget of training time, the learning rate on the budget's clock (the loop, the schedule and
-the record are described in ``bench.timebudget``)."""
+the record are described in ``bench.timebudget``).
+
+The step is the harness's (``dobb.train.trainer.train_step``: forward and backward, clipping,
+a timed ``opt.step()``), the schedule its ``lr_multiplier`` driven by the budget's clock
+through a ``LambdaLR``, as the harness drives it by steps, and the evaluation its
+``evaluate``; the forward passes run under bf16 autocast (``Autocast``). What is
+timebudget's own: the loop on the clock, the evaluation points and the record. The
+optimizers are the lab's time-budget table (``bench.optimizers.in_table``).
+"""
 
 import math
 import statistics
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
-from bench.compare import OPTIONS
+from bench.optimizers import in_table, lab_entry
 from bench.results.calltime import device_name, write_json
 from bench.tools.timing import synchronize
 from dobb.registry import build_optimizer, get_entry
+from dobb.train.config import TrainConfig
 from dobb.train.data import TokenStream
 from dobb.train.model import GPT, gpt_config
+from dobb.train.parallel import Parallelism
+from dobb.train.trainer import evaluate, lr_multiplier, train_step
 
-NAMES = ("dobb", "dion", "muon", "blockmuon", "adamw")
+NAMES = in_table("timebudget")
 CURVE_POINTS = 200  # train-loss curve: at most this many (time, step, loss) rows
+ONE_PROCESS = Parallelism("single", None, None)  # the harness's pieces on one device
 Progress = Callable[[str], None]
 
 
 def lr_factor(fraction: float, warmup_frac: float, min_lr_ratio: float) -> float:
-    """The schedule's multiplier at ``fraction`` (in [0, 1]) of the budget: linear warmup,
-    then cosine down to ``min_lr_ratio`` (the formula: ``bench.timebudget``)."""
-    if fraction < warmup_frac:
-        return fraction / warmup_frac
-    decay = min(1.0, (fraction - warmup_frac) / (1.0 - warmup_frac))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * decay))
+    """The harness's schedule (``lr_multiplier``) at ``fraction`` (in [0, 1]) of the budget:
+    linear warmup over its first ``warmup_frac``, then cosine down to ``min_lr_ratio`` (the
+    formula: ``bench.timebudget``)."""
+    warmed = fraction / warmup_frac if fraction < warmup_frac else 1.0
+    decayed = (fraction - warmup_frac) / (1.0 - warmup_frac)
+    return lr_multiplier(warmed, decayed, "cosine", min_lr_ratio)
 
 
 def ms_spread(seconds: list[float]) -> dict[str, float]:
@@ -41,19 +54,18 @@ def ms_spread(seconds: list[float]) -> dict[str, float]:
     return {"mean": 1e3 * statistics.fmean(seconds), "median": 1e3 * statistics.median(seconds)}
 
 
-@torch.no_grad()
-def evaluate(model: GPT, stream: TokenStream, batches: int, batch_size: int, context) -> float:
-    """Mean loss over validation batches ``0 .. batches - 1`` (the same for every run)."""
-    model.eval()
-    device = next(model.parameters()).device
-    losses = []
-    for i in range(batches):
-        x, y = stream.get_batch("val", i, batch_size, model.cfg.block_size)
-        with context():
-            _, loss = model(x.to(device), y.to(device))
-        losses.append(loss.float())
-    model.train()
-    return torch.stack(losses).mean().item()
+class Autocast(nn.Module):
+    """``model`` whose forward runs under bf16 autocast where ``enabled``; the harness's step
+    backpropagates, clips and steps outside it."""
+
+    def __init__(self, model: nn.Module, enabled: bool):
+        super().__init__()
+        self.model, self.enabled = model, enabled
+
+    def forward(self, *args):
+        device = next(self.model.parameters()).device
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.enabled):
+            return self.model(*args)
 
 
 def train_for(
@@ -73,22 +85,30 @@ def train_for(
     grad_clip: float,
     autocast: bool,
     seed: int,
+    clock: Callable[[], float] = time.perf_counter,
     on_point: Callable[[dict], None] = lambda _: None,
     progress: Progress = lambda _: None,
 ) -> dict:
     """Train a fresh ``GPT(cfg)`` with optimizer ``name`` for ``budget_s`` seconds of
-    training time (``bench.timebudget``); returns its record (``on_point`` gets it
-    after each eval)."""
-    started = time.perf_counter()
+    training time on ``clock`` (``bench.timebudget``); returns its record (``on_point``
+    gets it after each eval)."""
+    started = clock()
     torch.manual_seed(seed)
-    model = GPT(cfg).to(device)
+    gpt = GPT(cfg).to(device)
+    model = Autocast(gpt, autocast)
     model.train()
-    optimizer = build_optimizer(name, model, lr, **options)
+    optimizer = build_optimizer(name, gpt, lr, **options)
     base_lrs = [group["lr"] for group in optimizer.param_groups]
+    # the harness's step and evaluation, configured as this run: one micro-batch per step
+    run = TrainConfig(
+        batch_size=batch_size, grad_clip=grad_clip or None, eval_batches=eval_batches, seed=seed
+    )
+    train_s = 0.0  # the budget's clock: the schedule reads it after every step
 
-    def context():
-        return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+    def on_the_clock(_: int) -> float:  # LambdaLR's step count: not what this schedule reads
+        return lr_factor(train_s / budget_s, warmup_frac, min_lr_ratio)
 
+    scheduler = LambdaLR(optimizer, on_the_clock)
     record = {
         "lr": base_lrs[0],
         "group_lrs": base_lrs,
@@ -99,32 +119,20 @@ def train_for(
         "diverged": False,
     }
     eval_at = [budget_s * (i + 1) / evals for i in range(evals)]
-    train_s, eval_s, step = 0.0, 0.0, 0
+    eval_s, step = 0.0, 0
     losses, since_point, fwd_bwd, opt_calls = [], [], [], []
     while train_s < budget_s and not record["diverged"]:
-        factor = lr_factor(train_s / budget_s, warmup_frac, min_lr_ratio)
-        for group, lr0 in zip(optimizer.param_groups, base_lrs, strict=True):
-            group["lr"] = lr0 * factor
         synchronize(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         x, y = stream.get_batch("train", step, batch_size, cfg.block_size, seed=seed)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with context():
-            _, loss = model(x, y)
-        loss.backward()
-        if grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        synchronize(device)
-        t1 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        t2 = time.perf_counter()
-        train_s += t2 - t0
-        fwd_bwd.append(t1 - t0)
-        opt_calls.append(t2 - t1)
+        done = train_step(model, optimizer, x, y, run, device)  # ends on the loss's host read
+        t1 = clock()
+        train_s += t1 - t0
+        scheduler.step()
+        fwd_bwd.append(t1 - t0 - done["opt_ms"] / 1e3)  # data, forward, backward, clipping
+        opt_calls.append(done["opt_ms"] / 1e3)
         step += 1
-        value = loss.item()
+        value = done["loss"]
         losses.append((train_s, step, value))
         since_point.append(value)
         if not math.isfinite(value):
@@ -133,9 +141,9 @@ def train_for(
             progress(f"{name}: loss {value} at step {step}: stopped")
         if eval_at and (train_s >= eval_at[0] or record["diverged"]):
             eval_at = [t for t in eval_at if t > train_s]  # a long step may pass several
-            e0 = time.perf_counter()
-            val = evaluate(model, stream, eval_batches, batch_size, context)
-            eval_s += time.perf_counter() - e0
+            e0 = clock()
+            val = evaluate(model, stream, run, cfg.block_size, ONE_PROCESS, device)
+            eval_s += clock() - e0
             point = {
                 "time_s": train_s,
                 "step": step,
@@ -157,10 +165,10 @@ def train_for(
                 opt_ms=ms_spread(opt_calls),
                 fwd_bwd_ms=ms_spread(fwd_bwd),
                 curve=losses[stride - 1 :: stride],
-                wall_s=time.perf_counter() - started,
+                wall_s=clock() - started,
             )
             on_point(record)
-    del model, optimizer
+    del model, gpt, optimizer, scheduler
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return record
@@ -169,11 +177,9 @@ def train_for(
 def warm_up(cfg, device: torch.device, batch_size: int, autocast: bool) -> None:
     """One untimed forward+backward, so that the first run does not pay the device's
     start-up (context, library handles, kernel selection)."""
-    model = GPT(cfg).to(device)
+    model = Autocast(GPT(cfg).to(device), autocast)
     x = torch.zeros(batch_size, cfg.block_size, dtype=torch.long, device=device)
-    context = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
-    with context:
-        _, loss = model(x, x)
+    _, loss = model(x, x)
     loss.backward()
     synchronize(device)
 
@@ -199,12 +205,13 @@ def run(
     seed: int = 0,
     out: Path | None = None,
     command: str | None = None,
+    clock: Callable[[], float] = time.perf_counter,
     progress: Progress = lambda _: None,
 ) -> dict:
     """Train ``config`` with each of ``names`` for ``budget_s`` s; return (and write) the
     record. ``data``: a folder with ``train.bin`` and ``val.bin`` (``timebudget_data.prepare``);
     ``matmul_precision``: ``torch.set_float32_matmul_precision`` for the run ("high": TF32
-    for the fp32 products, e.g. the optimizers' own)."""
+    for the fp32 products, e.g. the optimizers' own); ``clock``: the training time's."""
     lrs = lrs or {}
     for name in (*names, *lrs):
         get_entry(name)  # ValueError naming the known optimizers
@@ -224,7 +231,7 @@ def run(
     device_ = torch.device(device)
     with torch.device("meta"):
         params = GPT(cfg).num_params()
-    options = {name: dict(OPTIONS.get(name, {})) for name in names}
+    options = {name: dict(lab_entry(name).harness_options) for name in names}
     if basis_method is not None and "dobb" in options:
         options["dobb"]["basis_method"] = basis_method
     record = {
@@ -282,6 +289,7 @@ def run(
                 grad_clip=grad_clip,
                 autocast=autocast,
                 seed=seed,
+                clock=clock,
                 on_point=lambda entry: save(name, entry),
                 progress=progress,
             )

@@ -23,7 +23,7 @@ in a child process, so any commit can be measured by this tool.
   ``class`` (decorators not counted).
 - **code_lines**: the wheel's code lines, in total and per module, as ``.ci/code_lines.py``
   counts them (not docstrings, comments or blank lines).
-- **imports**: dobb's import graph as ``tests/test_import_graph.py`` reads and layers it:
+- **imports**: dobb's import graph as ``bench.tools.import_graph`` reads and layers it:
   modules, edges, cycles among import-time imports, imports from a lower layer up.
 """
 
@@ -38,11 +38,14 @@ import sys
 import tokenize
 from pathlib import Path
 
+from bench.tools import import_graph
+
 HERE = Path(__file__).resolve().parents[2]
+DOBB_LAYERS = import_graph.LAYERS["dobb"]
 
 
 def _load(path: Path):
-    """The module at ``path``, loaded by path (``.ci`` and ``tests`` are not packages)."""
+    """The module at ``path``, loaded by path (``.ci`` is not a package)."""
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -50,7 +53,6 @@ def _load(path: Path):
 
 
 code_lines = _load(HERE / ".ci" / "code_lines.py")
-import_graph = _load(HERE / "tests" / "test_import_graph.py")
 
 
 def _introspect() -> dict:
@@ -229,8 +231,8 @@ def imports(root: Path) -> dict:
         "edges": len(inner),
         "deferred_edges": sum(not runs for runs in inner.values()),
         "cycles": import_graph.cycles([edge for edge, runs in inner.items() if runs]),
-        "upward": [list(edge) for edge in import_graph.upward(inner)],
-        "unlayered": sorted(m for m in mods if import_graph.layer(m) is None),
+        "upward": [list(edge) for edge in import_graph.upward(inner, DOBB_LAYERS)],
+        "unlayered": sorted(m for m in mods if import_graph.layer(m, DOBB_LAYERS) is None),
     }
 
 

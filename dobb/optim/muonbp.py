@@ -12,7 +12,8 @@ update and the shared-matrix exchange; the optimizer is the owner-exchange drive
 Muon's core with ``BlockSteps`` beside it (``dobb.optim.owner_groups``). This module adds
 the tiling of a local piece into blocks (``chunk_sizes``), the block step on those tiles
 (``block_muon_update``, the reference, and ``block_muon_updates``, which batches
-same-shape tiles across all matrices), and the choice of step (``BlockSteps.schedule``).
+same-shape tiles across all matrices), and the choice of step (``full_step_due``, which
+``BlockSteps`` reads).
 
 Tiling: ``chunk_sizes`` cuts a dim as FSDP2 and DTensor's ``Shard`` lay it out (18 over
 4: 5/5/5/3; 3 over 4: 1/1/1/0), and nested splits as a 2-D mesh's ``_StridedShard`` does
@@ -43,6 +44,13 @@ from dobb.optim.muon import (
 from dobb.optim.parts import Batch, Matrix, Placement, Step, local_batch, partition
 
 Tile = tuple[slice, slice]
+
+
+def full_step_due(step: int, period: int | None) -> bool:
+    """Whether a matrix's ``step``-th update (from 1) is a full step, every ``period``
+    (``P``) updates: steps 1, 1 + P, ... (``period=None``: never; the cost model's schedule
+    too)."""
+    return period is not None and (step - 1) % period == 0
 
 
 def block_tiles(shape: tuple[int, int], row_blocks, col_blocks) -> list[Tile]:
@@ -145,8 +153,8 @@ class BlockSteps(Placement):
     the core's update (Muon's) on the tiles of each local piece, each tile on its own, at
     the block steps' learning rate.
 
-    ``step``: the updates a matrix has taken (a CPU scalar, as torch.optim's AdamW's);
-    update ``k`` (from 0) is full when ``k mod period == 0``.
+    ``step``: the updates a matrix has taken (a CPU scalar, as torch.optim's AdamW's); the
+    next one is full when ``full_step_due`` says so.
     """
 
     def init_state(self, param: Tensor, config, name: str) -> dict[str, Tensor]:
@@ -161,7 +169,8 @@ class BlockSteps(Placement):
         steps = torch.stack(counters).tolist()
         torch._foreach_add_(counters, 1)
         period = [m.config.period for m in matrices]
-        return partition(matrices, [p is None or int(k) % p != 0 for k, p in zip(steps, period)])
+        block = [not full_step_due(int(k) + 1, p) for k, p in zip(steps, period)]
+        return partition(matrices, block)
 
     def step(self, matrices: list[Matrix], core: MuonCore, step: Step) -> None:
         """The core's update of every tile of the local pieces, per set of math options and

@@ -51,23 +51,34 @@ from dobb.train.resume import RUN_FILES, apply_resumed_settings, earlier_corpus,
 from dobb.train.runlog import RunLog
 
 
-def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
-    """The lr multiplier of step `s` (0-based; LambdaLR's count of steps taken so far).
+def lr_multiplier(warmed: float, decayed: float, decay: str, min_lr_ratio: float) -> float:
+    """The schedule's lr multiplier by how much of the run is done, whatever counts it
+    (`lr_schedule`: steps; the lab's time-budget runs: the clock).
 
-    1. warmup: rises linearly to 1 over `warmup_steps` steps, (s + 1) / warmup_steps;
-    2. decay: from 1 down to `min_lr_ratio` at the last step (s = steps - 1), along a
-       half cosine or a line; or stays at 1 ("constant").
+    1. warmup, while `warmed` (the share of the warmup done) is below 1: `warmed` itself,
+       a linear rise;
+    2. decay, `decayed` (the share of the decay done, clipped to [0, 1]) of the way from 1
+       down to `min_lr_ratio`, along a half cosine or a line; or 1 ("constant").
     """
+    if warmed < 1:
+        return warmed
+    if decay == "constant":
+        return 1.0
+    progress = min(1.0, max(0.0, decayed))
+    if decay == "cosine":
+        progress = 0.5 * (1.0 - math.cos(math.pi * progress))
+    return 1.0 - (1.0 - min_lr_ratio) * progress
+
+
+def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
+    """The lr multiplier of step `s` (0-based; LambdaLR's count of steps taken so far):
+    `lr_multiplier` with (s + 1) / warmup_steps of the warmup done, then the decay done by
+    its last step (s = steps - 1)."""
 
     def multiplier(s: int) -> float:
-        if s < cfg.warmup_steps:
-            return (s + 1) / cfg.warmup_steps
-        if cfg.decay == "constant":
-            return 1.0
-        progress = min(1.0, (s - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps))
-        if cfg.decay == "cosine":
-            progress = 0.5 * (1.0 - math.cos(math.pi * progress))
-        return 1.0 - (1.0 - cfg.min_lr_ratio) * progress
+        warmed = (s + 1) / cfg.warmup_steps if s < cfg.warmup_steps else 1.0
+        decayed = (s - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps)
+        return lr_multiplier(warmed, decayed, cfg.decay, cfg.min_lr_ratio)
 
     return multiplier
 

@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 
-from bench.model.costmodel import OPTIMIZERS, state_bytes
+from bench.model.costmodel import state_bytes
 from bench.model.hardware import H100
 from bench.model.workload import Matrix, hidden_matrices
 from bench.results import calltime, linear_stack
 from bench.results import sections as results_sections
+from bench.results.calltime import OPTIMIZERS
 from bench.tools.timing import spread
 
 
@@ -75,6 +76,22 @@ def test_dobb2s_refresh_call_is_periodic_as_dobbs():
     out = calltime.summarize({"dobb2s": res}, {"dobb2s": torch.optim.SGD(params)}, params)
     assert out["dobb2s"]["refresh_call_s"]["median"] == 0.5
     assert out["dobb2s"]["steady_call_s"]["median"] == pytest.approx(0.15)
+
+
+def test_each_timed_period_opens_with_the_call_the_library_schedules(monkeypatch):
+    """``periodic_flags`` reads the library's schedule (Dobb refreshes at calls 1, 1 + k,
+    ...; MuonBP's full steps at 1, 1 + P, ...; Muon has no periodic work), and a timed period
+    that would not open with its one periodic call is refused, not mislabelled."""
+    options = {"basis_interval": 3, "period": 5}
+    assert calltime.periodic_flags("dobb", options, 4, 3) == [True, False, False]
+    assert calltime.periodic_flags("dobb2s", options, 2, 3) == [False, False, True]
+    assert calltime.periodic_flags("muonbp", options, 6, 5) == [True] + [False] * 4
+    assert calltime.periodic_flags("muon", options, 1, 2) == [False, False]
+    stack = linear_stack.LinearStack([Matrix("w", 8, 16)], tokens=8)
+    linear_stack.forward_backward(stack, autocast=False)
+    monkeypatch.setattr(calltime, "periodic_flags", lambda *args: [False, True, False])
+    with pytest.raises(RuntimeError, match="do not open with its one periodic call"):
+        calltime.time_optimizers(stack, ("dobb",), repeats=1, basis_interval=3, num_blocks=4)
 
 
 def test_dobb2s_takes_dobbs_options_and_its_row_blocks():

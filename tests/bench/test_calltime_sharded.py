@@ -3,13 +3,13 @@
 import json
 
 import pytest
+from multirank import run_ranks
 from torch.distributed.tensor import Shard
 
-from bench.model.costmodel import OPTIMIZERS
 from bench.model.workload import hidden_matrices
 from bench.results import calltime_sharded
+from bench.results.calltime import OPTIMIZERS
 from bench.results.linear_stack import LinearStack
-from bench.tools.launch import run_ranks
 
 
 @pytest.mark.parametrize("layout, world", [("fsdp", 2), ("hsdp", 4), ("tp", 2)])

@@ -1,7 +1,7 @@
 """bench/tools/core_metrics.py measures this checkout, and its numbers agree with the tools
 they restate: the code lines with ``.ci/code_lines.py`` run on the modules packed as a
 wheel, the options with the configs, the hooks with the classes, the import graph with
-tests/test_import_graph.py."""
+``bench.tools.import_graph``."""
 
 import dataclasses
 import importlib

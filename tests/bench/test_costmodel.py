@@ -1,6 +1,7 @@
 """Cost model: FLOP counts against hand values and PyTorch's FLOP counter, α–β collective
 formulas, monotonicity in world size, state bytes, and the results command."""
 
+import dataclasses
 import inspect
 import json
 import math
@@ -12,16 +13,17 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import results
-from bench.model import calibrate, hardware, workload
 from bench.model import costmodel as cm
+from bench.model import hardware, workload
 from bench.model.costs import adamw as adamw_cost
 from bench.model.costs import dion as dion_cost
 from bench.model.costs import dobb as dobb_cost
 from bench.model.costs import muon as muon_cost
 from bench.model.costs import muonbp as muonbp_cost
 from bench.model.costs import traced
-from bench.optimizers import LAB, STUDIED_AS, cost_model
-from bench.results import calltime, linear_stack
+from bench.optimizers import CALL_SETTINGS, DOBB2S_ROW_BLOCKS, LAB, STUDIED_AS, cost_model
+from bench.results import calibrate, calltime, linear_stack
+from bench.results.calltime import OPTIMIZERS
 from bench.tools.opcount import OpCounter
 from dobb.eigensolve import basis_solver, jacobi_basis
 from dobb.optim.dion_core import dion_update, sketch_rows
@@ -29,7 +31,7 @@ from dobb.optim.dobb_core import dobb_update, dobb_update_batched
 from dobb.optim.muon import newton_schulz
 from dobb.optim.muonbp import block_muon_update, block_tiles
 from dobb.registry import OPTIMIZERS as REGISTRY
-from dobb.registry import build_optimizer
+from dobb.registry import PAPER_DOBB, build_optimizer
 from dobb.stats import block_stacks
 
 M = workload.Matrix("w", 8, 16)  # d_out = 8 rows, d_in = 16
@@ -133,6 +135,24 @@ def test_muonbp_block_flops_are_newton_schulz_per_tile_and_match_the_implementat
     assert sharded.comm_bytes() == pytest.approx(
         muon_cost.work(XL[:6], layout=workload.Layout(shard=8)).comm_bytes() / 5
     )
+
+
+def test_the_periodic_work_is_amortized_over_the_librarys_schedule(monkeypatch):
+    """The model counts the periodic calls of a period with the library's schedule
+    (``refresh_due``, ``full_step_due``) rather than restating it: a schedule marking two
+    calls of each period would double the refresh's share. A call of one kind is priced
+    alone with ``calls``."""
+    refresh = dobb_cost.work([M], basis_interval=10)
+    assert refresh.shares() == (1.0, 0.1)  # every call steps; one in 10 refreshes too
+    assert replace(refresh, calls="periodic").shares() == (1.0, 1.0)
+    assert replace(refresh, calls="other").shares() == (1.0, 0.0)
+    full = muonbp_cost.work([M], period=5)
+    assert full.shares() == (0.8, 0.2)  # a full step in place of a block step
+    assert replace(full, calls="periodic").shares() == (0.0, 1.0)
+    monkeypatch.setattr(dobb_cost, "refresh_due", lambda step, k: (step - 1) % k < 2)
+    assert dobb_cost.work([M], basis_interval=10).shares() == (1.0, 0.2)
+    monkeypatch.setattr(muonbp_cost, "full_step_due", lambda step, period: step in (2, 3))
+    assert muonbp_cost.work([M], period=5).shares() == (0.6, 0.4)
 
 
 def test_dobb_refresh_is_sharded_over_ranks_by_default():
@@ -284,6 +304,37 @@ def test_every_lab_entry_names_its_cost_model():
     assert cm.build_work("muonbp", XL[:6], layout=fsdp).comm_bytes() > 0
 
 
+def test_the_cost_models_defaults_are_the_librarys():
+    """A cost function's parameter named as an option of the class it prices defaults to
+    that option's default in the class's config, and so do the call-time settings (the
+    lab reads them; a restated default would go stale), Dobb's those of the paper's
+    configuration (``dobb.registry.PAPER_DOBB``, the lab's "dobb"). The one lab choice:
+    two-sided Dobb's row blocks in ``state_bytes``, the call-time runs'
+    ``DOBB2S_ROW_BLOCKS``."""
+    lab_choices = {("bench.model.costs.dobb", "state_bytes", "row_blocks"): DOBB2S_ROW_BLOCKS}
+    checked = 0
+    for name in LAB:
+        config = getattr(REGISTRY[name].cls, "Config", None)
+        if config is None:  # AdamW: torch's class
+            continue
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        if config is REGISTRY["dobb"].cls.Config:
+            defaults |= {k: v for k, v in PAPER_DOBB.items() if k != "lr"}
+        module = cost_model(name)
+        functions = ("work", "state_bytes", "hook_work")
+        for function in [getattr(module, f) for f in functions if hasattr(module, f)]:
+            for param in inspect.signature(function).parameters.values():
+                if param.name in defaults and param.default is not param.empty:
+                    key = (module.__name__, function.__name__, param.name)
+                    assert param.default == lab_choices.get(key, defaults[param.name]), key
+                    checked += 1
+    assert checked >= 10
+    for option, value in CALL_SETTINGS.items():
+        owners = [e.cls.Config for e in REGISTRY.values() if hasattr(e.cls, "Config")]
+        paper = {PAPER_DOBB[option]} if option in PAPER_DOBB else set()
+        assert value in {getattr(c, option) for c in owners if hasattr(c, option)} | paper, option
+
+
 def test_lab_table_says_which_calls_are_periodic():
     assert LAB["dobb"].period_option == "basis_interval"
     assert LAB["dobb2s"].periodic_calls == ("refresh", "steady")
@@ -332,7 +383,7 @@ def test_predictions_move_the_right_way_with_world_size():
     dion = [cm.predict("dion", XL, hardware.H100, world=p, network=net) for p in worlds]
     comm = [t["comm_latency"] + t["comm_bandwidth"] for t in dion]
     assert comm == sorted(comm)  # more ranks: more latency per all-reduce
-    for name in cm.OPTIMIZERS:  # each rank's share of the update shrinks
+    for name in OPTIMIZERS:  # each rank's share of the update shrinks
         local = [cm.predict(name, XL, hardware.H100, world=p)["memory"] for p in worlds]
         assert local == sorted(local, reverse=True), name
     adamw = [cm.predict("adamw", XL, hardware.H100, world=p)["total"] for p in worlds]

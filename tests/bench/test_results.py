@@ -4,8 +4,7 @@ import json
 import shutil
 
 from bench import results
-from bench.model import calibrate
-from bench.results import calltime, calltime_sharded
+from bench.results import calibrate, calltime, calltime_sharded
 from bench.results.report import CALIBRATION_FILE, CALLTIME_FILE, RUN_FILE
 
 

@@ -1,16 +1,22 @@
-"""Time-budget benchmark on a tiny GPT: the record's fields, the time schedule, rendering."""
+"""Time-budget benchmark on a tiny GPT: the record's fields, the time schedule, rendering.
+The budget runs on a clock that counts its readings (``TICK`` a reading), and the harness's
+step times ``opt.step()`` on a finer one, so the number of steps the budget holds is a count,
+not a measurement."""
 
+import itertools
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from bench import timebudget
-from bench.optimizers import PAPER
+from bench.optimizers import PAPER, in_table
 from bench.timebudget import report as timebudget_report
 from bench.timebudget import train as timebudget_train
 from dobb.registry import recommended_lr
+from dobb.train import trainer
 from dobb.train.data import write_bin_shard
 
 
@@ -24,22 +30,37 @@ def data_dir(tmp_path_factory):
     return path
 
 
+TICK = 0.125  # seconds a reading of the test's clock: a step, 1/8 of the 1 s budget
+
+
+def ticking_clock(tick: float):
+    """A clock that moves ``tick`` at every reading (exact in binary): what a timed span
+    lasts on it counts readings, whatever the span took."""
+    return itertools.count(0.0, tick).__next__
+
+
 @pytest.fixture(scope="module")
 def record(data_dir, tmp_path_factory):
+    """The run of the budget's tests: the loop reads its clock before and after each step,
+    so a step takes ``TICK`` of training time; the harness's step times ``opt.step()``
+    between two readings of a finer one (``TICK / 8``)."""
     out = tmp_path_factory.mktemp("run") / "timebudget.json"
-    timebudget_train.run(
-        data_dir,
-        ("dobb", "adamw"),
-        config="tiny",
-        budget_s=1.0,
-        device="cpu",
-        batch_size=4,
-        evals=2,
-        eval_batches=1,
-        lrs={"adamw": 3e-3},
-        out=out,
-        command="test",
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer, "time", SimpleNamespace(perf_counter=ticking_clock(TICK / 8)))
+        timebudget_train.run(
+            data_dir,
+            ("dobb", "adamw"),
+            config="tiny",
+            budget_s=1.0,
+            device="cpu",
+            batch_size=4,
+            evals=2,
+            eval_batches=1,
+            lrs={"adamw": 3e-3},
+            out=out,
+            command="test",
+            clock=ticking_clock(TICK),
+        )
     return json.loads(out.read_text())
 
 
@@ -50,7 +71,8 @@ def test_each_optimizer_trained_for_the_budget(record):
     assert list(record["optimizers"]) == ["dobb", "adamw"]
     for name, entry in record["optimizers"].items():
         assert entry["steps"] >= 1 and not entry["diverged"], name
-        assert 1.0 <= entry["train_s"] < 1.0 + 30  # stops at the first step past the budget
+        # stops at the first step that reaches the budget: 8 steps of 1/8 s, not a 9th
+        assert entry["steps"] == 8 and entry["train_s"] == 1.0
         assert entry["tokens_per_s"] == pytest.approx(
             entry["steps"] * 4 * 64 / entry["train_s"], rel=1e-9
         )
@@ -83,6 +105,40 @@ def test_render_writes_table_and_plot(record, tmp_path):
 def test_schedule_warms_up_then_decays_to_the_floor():
     factor = [timebudget_train.lr_factor(f, 0.1, 0.2) for f in (0.0, 0.05, 0.1, 0.55, 1.0, 1.5)]
     assert factor == pytest.approx([0.0, 0.5, 1.0, 0.6, 0.2, 0.2])
+
+
+def test_each_step_is_the_harness_step_at_the_clocks_learning_rate(data_dir, monkeypatch):
+    """The loop steps with the harness's ``train_step``, one call a step, each at the lr
+    the harness's schedule gives at the budget's clock: 4 steps of 1/8 s fill a 1/2 s
+    budget, warming up over its first half, then down the cosine towards 0.1 x."""
+    seen = []
+
+    def harness_step(model, opt, *args):
+        seen.append(opt.param_groups[0]["lr"])
+        return trainer.train_step(model, opt, *args)
+
+    monkeypatch.setattr(timebudget_train, "train_step", harness_step)
+    record = timebudget_train.run(
+        data_dir,
+        ("adamw",),
+        config="tiny",
+        budget_s=0.5,
+        device="cpu",
+        batch_size=2,
+        evals=1,
+        eval_batches=1,
+        lrs={"adamw": 1e-3},
+        warmup_frac=0.5,
+        min_lr_ratio=0.1,
+        clock=ticking_clock(TICK),
+    )
+    assert record["optimizers"]["adamw"]["steps"] == len(seen) == 4
+    assert seen == pytest.approx([0.0, 5e-4, 1e-3, 5.5e-4])  # at 0, 1/4, 1/2, 3/4 of it
+
+
+def test_the_default_optimizers_are_the_labs_time_budget_table():
+    assert timebudget_train.NAMES == in_table("timebudget")
+    assert timebudget_train.NAMES == ("dobb", "dion", "muon", "blockmuon", "adamw")
 
 
 def test_bad_inputs_name_the_fix(data_dir, tmp_path):

@@ -1,8 +1,11 @@
-"""CommRecorder counts exactly the collectives issued inside it; run_ranks fails loudly."""
+"""CommRecorder counts exactly the collectives issued inside it; the tests' rank pools
+(``tests/multirank.py``) fail loudly and start each call as on fresh ranks."""
 
 import os
+import signal
 import time
 
+import multirank
 import pytest
 import torch
 import torch.distributed as dist
@@ -145,11 +148,29 @@ def _hang_rank_0_at_a_barrier(rank, world_size):
         time.sleep(600)
 
 
-def test_run_ranks_times_out_on_a_hung_rank():
-    start = time.monotonic()
+def test_run_ranks_times_out_on_a_hung_rank(monkeypatch):
+    """A call past its timeout raises having waited for results no longer than its timeout
+    (every wait bounded by what is left of it) and having killed every rank, the hung one
+    included: it returns at its timeout, not when the hung rank would end. Counted (the
+    waits' bounds, the ranks killed), not timed."""
+    waits, ended = [], []
+    real_wait, real_close = multirank.wait, multirank.RankPool.close
+
+    def counted_wait(objects, timeout=None):
+        waits.append(timeout)
+        return real_wait(objects, timeout)
+
+    def counted_close(pool):
+        ranks = list(pool._procs)
+        real_close(pool)
+        ended.extend(rank.exitcode for rank in ranks)
+
+    monkeypatch.setattr(multirank, "wait", counted_wait)
+    monkeypatch.setattr(multirank.RankPool, "close", counted_close)
     with pytest.raises(TimeoutError, match="did not finish within 10"):
         run_ranks(_hang_rank_0_at_a_barrier, 2, timeout=10)
-    assert time.monotonic() - start < 20
+    assert waits and all(t is not None and 0 <= t <= 10 for t in waits)
+    assert ended == [-signal.SIGKILL] * 2  # both ranks killed, none left to finish
 
 
 def _pid_draw_and_dtype(rank, world_size, dtype):
@@ -182,7 +203,7 @@ def test_pooled_ranks_are_kept_and_each_call_starts_as_on_fresh_ranks():
 def test_an_interrupted_call_ends_the_pool(monkeypatch):
     """A call that ends early for any reason (here the wait for results is interrupted)
     ends the pool: the next call is served by new ranks, never the old call's results."""
-    pool = launch.RankPool(2)
+    pool = multirank.RankPool(2)
     try:
         first = {pid for pid, *_ in pool.run(_pid_draw_and_dtype, torch.float32)}
 
@@ -190,7 +211,7 @@ def test_an_interrupted_call_ends_the_pool(monkeypatch):
             raise KeyboardInterrupt
 
         with monkeypatch.context() as patch:
-            patch.setattr(launch, "wait", interrupted)
+            patch.setattr(multirank, "wait", interrupted)
             with pytest.raises(KeyboardInterrupt):
                 pool.run(_pid_draw_and_dtype, torch.float32)
         after = pool.run(_pid_draw_and_dtype, torch.float32)

@@ -10,7 +10,7 @@ import math
 
 import pytest
 from multirank import run_ranks
-from test_normuon_distributed import OPTIONS, TOLERANCE, compare
+from row_runs import OPTIONS, TOLERANCE, compare
 
 DION2 = {**OPTIONS, "fraction": 0.3, "ef_decay": 0.9}
 # layout, world -> the row shards of fc1 and fc2 (18 rows over 4: 5/5/5/3; fc2's 3: 1/1/1/0;

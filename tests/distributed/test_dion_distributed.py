@@ -12,7 +12,7 @@ on the parameters after three steps (measured: ~1e-7).
 import pytest
 import torch
 from multirank import run_ranks
-from test_muon_distributed import checkpoint_run, compare_layout
+from muon_runs import checkpoint_run, compare_layout
 
 TOLERANCE = 1e-5
 DION = {"lr": 0.05, "rank": 2, "mu": 0.9, "orthogonalize": "cholesky_qr"}

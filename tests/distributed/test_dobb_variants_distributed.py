@@ -3,9 +3,9 @@ with no collective inside ``step()`` besides the statistics average on refresh s
 
 import pytest
 from dobb_configs import PaperDobb
+from dobb_runs import compare_layout
 from layouts import MLP
 from multirank import run_ranks
-from test_dobb_distributed import compare_layout
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 

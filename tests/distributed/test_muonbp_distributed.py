@@ -16,7 +16,7 @@ import pytest
 import torch
 from layouts import LAYOUTS, MLP, full, parallelize, train_step
 from multirank import run_ranks
-from test_muon_distributed import checkpoint_run
+from muon_runs import checkpoint_run
 
 import dobb
 from dobb.optim.muonbp import MuonBP

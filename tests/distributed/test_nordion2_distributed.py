@@ -9,7 +9,7 @@ Polar Express, the default): relative error 1e-5.
 
 import pytest
 from multirank import run_ranks
-from test_normuon_distributed import OPTIONS, TOLERANCE, compare
+from row_runs import OPTIONS, TOLERANCE, compare
 
 NORDION2 = {**OPTIONS, "fraction": 0.3, "ef_decay": 0.9, "beta2": 0.9}
 # layout, world -> the row shards of fc1 (18 rows) and fc2 (3 rows): the reference's row_blocks

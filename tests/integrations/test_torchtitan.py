@@ -31,7 +31,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from titan_continuation import assert_loss_agrees, assert_step_agrees, same
+from titan_checkpoints import flatten, load_checkpoint, same
+from titan_continuation import assert_loss_agrees, assert_step_agrees
 from torch import nn
 
 RUN_TIMEOUT = 1800  # seconds for each torchrun: a guard against a hung gloo rank, not a speed limit
@@ -161,23 +162,6 @@ def runs(tmp_path_factory):
     for ranks, jobs in plan(root / "runs").items():
         torchrun(root, ranks, jobs, assets)
     return root / "runs"
-
-
-def load_checkpoint(folder: Path) -> dict:
-    """A DCP checkpoint as one flat dict, read in this (single) process."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = folder.with_suffix(".pt")
-    dcp_to_torch_save(folder, target)
-    return torch.load(target, weights_only=False)
-
-
-def flatten(tree, prefix=""):
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from flatten(value, f"{prefix}{key}.")
-    else:
-        yield prefix[:-1], tree
 
 
 def ids(jobs) -> list[str]:

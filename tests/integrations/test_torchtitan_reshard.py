@@ -66,8 +66,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_torchtitan import flatten, load_checkpoint
-from titan_continuation import assert_loss_agrees, assert_step_agrees, same
+from titan_checkpoints import flatten, load_checkpoint, same
+from titan_continuation import assert_loss_agrees, assert_step_agrees
 
 pytestmark = [pytest.mark.torchtitan, pytest.mark.timeout(1200)]  # three torchruns
 

@@ -82,6 +82,7 @@ import re
 
 import torch
 from sign_steps import sign_steps, stacks
+from titan_checkpoints import same
 
 UNIT_ROUNDOFF = 2.0**-24  # fp32
 FLIPPED = 1e-3  # fraction of a matrix's sign coefficients (or Adam entries) that may differ
@@ -275,8 +276,3 @@ def assert_loss_agrees(step: int, records: tuple[dict, dict], before: tuple[dict
         f"{bound:.3g} (rounding of the loss and the gradients, curvature {curvature:.3g})"
     )
     return loss_b - loss_a, predicted, bound
-
-
-def same(a, b) -> bool:
-    """Bit-identical tensors, or equal other values."""
-    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b

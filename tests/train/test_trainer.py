@@ -1,5 +1,6 @@
 """The training loop on the tiny GPT: every optimizer learns, logs are complete, configs parse."""
 
+import itertools
 import json
 import math
 import shutil
@@ -91,6 +92,34 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     linear = lr_schedule(TrainConfig(steps=11, warmup_steps=0, min_lr_ratio=0.0, decay="linear"))
     assert [linear(0), linear(5), linear(10)] == pytest.approx([1.0, 0.5, 0.0])
     assert lr_schedule(TrainConfig(steps=5, decay="constant"))(4) == 1.0
+
+
+def _schedule_before_lr_multiplier(cfg):
+    """``lr_schedule`` as it was written before ``lr_multiplier`` was factored out of it."""
+
+    def multiplier(s):
+        if s < cfg.warmup_steps:
+            return (s + 1) / cfg.warmup_steps
+        if cfg.decay == "constant":
+            return 1.0
+        progress = min(1.0, (s - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps))
+        if cfg.decay == "cosine":
+            progress = 0.5 * (1.0 - math.cos(math.pi * progress))
+        return 1.0 - (1.0 - cfg.min_lr_ratio) * progress
+
+    return multiplier
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_lr_schedule_is_bit_identical_to_its_form_before_lr_multiplier(decay):
+    """``dobb train``'s rates did not move when the schedule was factored into
+    ``lr_multiplier`` (shared with the lab's time-budget runs): every step of runs of
+    several lengths, warmups and floors, compared with ``==``."""
+    runs = [(1, 0), (1, 1), (7, 3), (18, 3), (350, 35), (1000, 0), (1000, 1000), (999, 998)]
+    for (steps, warmup), floor in itertools.product(runs, (0.0, 0.1, 0.25)):
+        cfg = TrainConfig(steps=steps, warmup_steps=warmup, decay=decay, min_lr_ratio=floor)
+        now, before = lr_schedule(cfg), _schedule_before_lr_multiplier(cfg)
+        assert [now(s) for s in range(steps + 3)] == [before(s) for s in range(steps + 3)]
 
 
 def test_each_optimizer_gets_the_data_parallel_group_under_its_own_argument():

@@ -5,6 +5,8 @@ import math
 from bench.model.costs.kernels import FP32, Kernel, Work, elementwise, no_launch
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
 
+ENTRIES = ("adamw",)  # the registry entries it prices (``cost_model``)
+
 
 def state_formula() -> str:
     """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words."""

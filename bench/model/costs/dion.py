@@ -14,8 +14,12 @@ from bench.model.costs.kernels import (
 from bench.model.hardware import Collective
 from bench.model.workload import ONE_DEVICE, Layout, Matrix, dion_rank
 from dobb.distributed.placement import matrix_placement
+from dobb.optim.dion import Dion
 from dobb.optim.dion_core import rank_of, sketch_rows
 
+ENTRIES = ("dion",)  # the registry entries it prices (``cost_model``)
+
+DEFAULTS = Dion.Config  # the options' defaults: the library's
 COMM_FORMULA = "per row axis (k r + 1 + r² + n r), per col axis (m r + 1 + r) fp32"
 
 
@@ -24,7 +28,7 @@ def state_formula() -> str:
     return "4 (momentum) + 4 r / d_out (Q) + 4 / (m n) (step)"
 
 
-def state_bytes(matrix: Matrix, *, rank_fraction: float = 1 / 16) -> float:
+def state_bytes(matrix: Matrix, *, rank_fraction: float = DEFAULTS.rank_fraction) -> float:
     """Bytes of state for one fp32 matrix: momentum, ``Q`` (``d_in x r``) and ``step``."""
     return (matrix.numel + matrix.d_in * dion_rank(matrix, rank_fraction) + 1) * FP32
 
@@ -33,8 +37,8 @@ def work(
     matrices: list[Matrix],
     *,
     layout: Layout = ONE_DEVICE,
-    rank_fraction: float = 1 / 16,
-    orthogonalize: str = "cholesky_qr",
+    rank_fraction: float = DEFAULTS.rank_fraction,
+    orthogonalize: str = DEFAULTS.orthogonalize,
     collectives: str = "batched",
     launches: str = "per_shape",
 ) -> Work:

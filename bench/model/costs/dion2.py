@@ -22,7 +22,9 @@ from bench.model.costs.muon import (
 from bench.model.hardware import Collective
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
 from dobb.distributed.placement import matrix_placement
-from dobb.optim.dion2 import selected_count, selection_blocks
+from dobb.optim.dion2 import Dion2, selected_count, selection_blocks
+
+ENTRIES = ("dion2",)  # the registry entries it prices (``cost_model``)
 
 COMM_FORMULA = "as Muon on the K x n selected rows, K = Σ_shards ceil(f m_shard)"
 
@@ -31,7 +33,7 @@ def work(
     matrices: list[Matrix],
     *,
     layout: Layout = ONE_DEVICE,
-    fraction: float = 0.25,
+    fraction: float = Dion2.Config.fraction,
     send_bytes: int = FP32,
     return_bytes: int = BF16,
     launches: str = "per_shape",

@@ -1,9 +1,11 @@
 """Dobb's cost model (``dobb.optim.dobb``): its state, one call's work, its statistics
 hooks, and the bytes its ``step()`` sends (registry entries ``dobb`` and ``dobb2s``)."""
 
+import dataclasses
 import math
 from collections import Counter
 
+import torch
 import torch.distributed as dist
 
 from bench.model.costs.kernels import (
@@ -18,16 +20,27 @@ from bench.model.costs.kernels import (
 )
 from bench.model.costs.traced import solver_kernels
 from bench.model.hardware import Collective
-from bench.model.workload import ONE_DEVICE, Layout, Matrix
-from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
+from bench.model.workload import ONE_DEVICE, XL_WORLD, Layout, Matrix
+from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH, resolve_method
+from dobb.optim.dobb import Dobb
 from dobb.optim.dobb_core import refresh_due
 from dobb.optim.dobb_steps import local_block_stacks
+from dobb.registry import PAPER_DOBB
 from dobb.stats import block_stacks
+
+ENTRIES = ("dobb", "dobb2s")  # the registry entries it prices (``cost_model``)
+
+# the options' defaults: the paper's configuration (dobb.registry.PAPER_DOBB, what the lab's
+# "dobb" runs), the library's for the others
+DEFAULTS = dataclasses.replace(Dobb.Config(), **{k: v for k, v in PAPER_DOBB.items() if k != "lr"})
+# the refresh Dobb's default basis_method runs on the CPU, and its default refresh layout
+CPU_SOLVER = resolve_method(DEFAULTS.basis_method, torch.device("cpu"))
+REFRESH = "sharded" if DEFAULTS.shard_refresh else "replicated"
 
 COMM_FORMULA = "refresh: Σ d_in²/B fp32 per data axis + bases all-gather Σ_s P⌈n_s/P⌉ s²; else 0"
 
 
-def state_formula(two_sided: bool = False) -> str:
+def state_formula(two_sided: bool = DEFAULTS.two_sided) -> str:
     """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words (``s``: block size;
     two-sided: ``m`` the row-block size)."""
     if two_sided:
@@ -38,16 +51,21 @@ def state_formula(two_sided: bool = False) -> str:
 
 
 def state_bytes(
-    matrix: Matrix, *, num_blocks: int = 16, two_sided: bool = False, row_blocks: int = 32
+    matrix: Matrix,
+    *,
+    num_blocks: int = DEFAULTS.num_blocks,
+    two_sided: bool = DEFAULTS.two_sided,
+    row_blocks: int = XL_WORLD,
 ) -> float:
     """Bytes of state for one fp32 matrix: momentum, per block ``C_b`` and ``Q_b``
     (``s x s`` each), ``step`` and ``stats_steps``; the statistics accumulators (another
     ``s x s`` per block) live outside the state and are not counted. Two-sided (sign
     coefficients) adds, per row block (``row_blocks`` near-equal blocks of the whole
-    matrix's ``d_out`` rows), the moments ``row_cov`` and the basis ``P_r`` (``m x m``
-    each); its row moments come from the gradient in the step (``row_stats="gradients"``),
-    so no further accumulators. (``coefficients="adam"`` would add a ``variance`` the size
-    of the matrix; not modelled.)"""
+    matrix's ``d_out`` rows; by default the call-time runs': one block per rank's rows
+    under FSDP over the paper's ``XL_WORLD`` ranks), the moments ``row_cov`` and the basis
+    ``P_r`` (``m x m`` each); its row moments come from the gradient in the step
+    (``row_stats="gradients"``), so no further accumulators. (``coefficients="adam"`` would
+    add a ``variance`` the size of the matrix; not modelled.)"""
     blocks = sum(s.count * s.size**2 for s in block_stacks(matrix.d_in, num_blocks))
     if two_sided:  # P_r and its moments, per row block
         blocks += sum(s.count * s.size**2 for s in block_stacks(matrix.d_out, row_blocks))
@@ -58,16 +76,16 @@ def work(
     matrices: list[Matrix],
     *,
     layout: Layout = ONE_DEVICE,
-    num_blocks: int = 16,
-    basis_interval: int = 10,
-    refresh: str = "sharded",
+    num_blocks: int = DEFAULTS.num_blocks,
+    basis_interval: int = DEFAULTS.basis_interval,
+    refresh: str = REFRESH,
     launches: str = "per_shape",
-    solver: str = "eigh",
-    two_sided: bool = False,
-    row_blocks: int | None = None,
+    solver: str = CPU_SOLVER,
+    two_sided: bool = DEFAULTS.two_sided,
+    row_blocks: int | None = DEFAULTS.row_blocks,
 ) -> Work:
     """Dobb's call: the statistics fold, ``dobb_update_batched`` per batch of same-shape
-    matrices, and a refresh every ``k`` calls.
+    matrices, and a refresh on the calls ``refresh_due`` marks (one in ``k``).
 
     Each rank updates its piece (its rows; under TP row-parallel, the blocks of its
     columns). The fold is a few ``torch._foreach_*`` launches for all matrices; the update
@@ -86,7 +104,7 @@ def work(
     refreshed where they live (never shared out), and under row-parallel TP its row
     moments are all-reduced over the ranks splitting the columns at a refresh.
     """
-    work = Work(period=basis_interval)
+    work = Work(due=lambda step: refresh_due(step, basis_interval), period=basis_interval)
     eigh_blocks: dict[int, int] = {}  # input blocks: shared out over the data ranks
     row_eigh_blocks: dict[int, int] = {}  # row blocks: refreshed where they live
     cov_bytes = checked = 0
@@ -293,7 +311,7 @@ def hook_work(
     matrices: list[Matrix],
     tokens: int,
     *,
-    num_blocks: int = 16,
+    num_blocks: int = DEFAULTS.num_blocks,
     low_precision: bool = False,
     share_inputs: bool = True,
 ) -> list[Kernel]:

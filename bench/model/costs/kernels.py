@@ -2,6 +2,7 @@
 the helpers that write common ops; ``bench.model.costmodel`` prices them on a ``Hardware``."""
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from bench.model.hardware import Collective
@@ -31,22 +32,51 @@ class Kernel:
     alloc: float = 0.0
 
 
+CALLS = ("amortized", "periodic", "other")  # what a Work prices (``Work.calls``)
+
+
 @dataclass
 class Work:
-    """What one optimizer call does: ``step*`` on a ``step_share`` of the calls (1: every
-    call), ``refresh*`` once every ``period`` calls."""
+    """What one optimizer call does: ``step*`` on every call (``replaces_step``: on the
+    calls without periodic work only, as MuonBP's block step), ``refresh*`` (the periodic
+    work: Dobb's refresh, MuonBP's full step) on the calls the library's schedule marks:
+    ``due(step)`` for a matrix's call ``step`` (from 1; ``dobb.optim.dobb_core.refresh_due``,
+    ``dobb.optim.muonbp.full_step_due``), a schedule that repeats every ``period`` calls.
+
+    ``calls``: ``"amortized"`` (default) prices the mean call, each part on its share of the
+    calls, counted from ``due`` over one period (``shares``); ``"periodic"`` and ``"other"``
+    price one call of that kind alone."""
 
     step: list[Kernel] = field(default_factory=list)
     step_comm: list[Collective] = field(default_factory=list)
     refresh: list[Kernel] = field(default_factory=list)
     refresh_comm: list[Collective] = field(default_factory=list)
+    due: Callable[[int], bool] | None = None
+    """None: no periodic work."""
     period: int = 1
-    step_share: float = 1.0
+    replaces_step: bool = False
+    calls: str = "amortized"
+
+    def shares(self) -> tuple[float, float]:
+        """``(share of the step, share of the periodic work)`` of the calls priced: counted
+        over one period of the schedule, or of one call of one kind."""
+        if self.calls not in CALLS:
+            raise ValueError(f"calls must be one of {CALLS}, got {self.calls!r}")
+        if self.due is None or self.calls == "other":
+            calls, periodic = 1, 0
+        elif self.calls == "periodic":
+            calls, periodic = 1, 1
+        else:  # one period of the schedule: the calls that do the periodic work
+            calls = self.period
+            periodic = sum(bool(self.due(step)) for step in range(1, calls + 1))
+        step = calls - periodic if self.replaces_step else calls
+        return step / calls, periodic / calls
 
     def parts(self):
         """``(kernels, collectives, share of the calls)`` of the step and of the refresh."""
-        yield self.step, self.step_comm, self.step_share
-        yield self.refresh, self.refresh_comm, 1.0 / self.period
+        step, refresh = self.shares()
+        yield self.step, self.step_comm, step
+        yield self.refresh, self.refresh_comm, refresh
 
     def flops(self) -> float:
         """FLOPs per call, amortized (``eigh`` excluded: its cost is fitted, not counted)."""

@@ -17,6 +17,8 @@ from bench.model.workload import ONE_DEVICE, Layout, Matrix
 from dobb.distributed.placement import matrix_placement
 from dobb.optim.muon import NS_STEPS
 
+ENTRIES = ("muon",)  # the registry entries it prices (``cost_model``)
+
 COMM_FORMULA = "m n (W-1)/W fp32 to owner + m n (W-1)/W bf16 back (DDP: m n (W-1) bf16)"
 
 

@@ -14,7 +14,9 @@ from bench.model.costs.kernels import (
 )
 from bench.model.costs.muon import newton_schulz_kernels
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
-from dobb.optim.muonbp import chunk_sizes
+from dobb.optim.muonbp import MuonBP, chunk_sizes, full_step_due
+
+ENTRIES = ("muonbp", "blockmuon")  # the registry entries it prices (``cost_model``)
 
 COMM_FORMULA = "full step (step 1, then every period): as Muon; block step: 0"
 
@@ -33,15 +35,15 @@ def work(
     matrices: list[Matrix],
     *,
     layout: Layout = ONE_DEVICE,
-    period: int | None = 5,
-    row_blocks: int = 1,
+    period: int | None = MuonBP.Config.period,
+    row_blocks: int = MuonBP.Config.row_blocks,
     launches: str = "per_shape",
     send_bytes: int = FP32,
     return_bytes: int = BF16,
 ) -> Work:
-    """MuonBP's call: a block step on ``(P - 1) / P`` of the calls, Muon's (``muon.work``,
-    with its all-to-alls on split matrices) on the other ``1 / P``; ``period=None``: block
-    steps only (BlockMuon).
+    """MuonBP's call: a block step on the calls ``full_step_due`` leaves (``(P - 1) / P`` of
+    them), Muon's (``muon.work``, with its all-to-alls on split matrices) on the others
+    (``1 / P``); ``period=None``: block steps only (BlockMuon).
 
     Block step (``block_muon_update``): momentum and direction per matrix; the rank's piece
     cut into ``row_blocks`` row tiles, equal tiles in one batched Newton-Schulz; weight decay
@@ -78,14 +80,15 @@ def work(
         step=block,
         refresh=full.step,
         refresh_comm=full.step_comm,
+        due=lambda step: full_step_due(step, period),
         period=period,
-        step_share=(period - 1) / period,
+        replaces_step=True,  # a full step is Muon's call, not a block step and more
     )
 
 
 def comm_bytes(opt, matrices, layout: str, world: int, step: int) -> int:
     """This rank's bytes in ``opt.step()``: Muon's on a full step (the first, then every
     ``period``), nothing on a block step."""
-    if any(g["period"] is None or (step - 1) % g["period"] for _, g in matrices):
+    if not all(full_step_due(step, g["period"]) for _, g in matrices):
         return 0
     return muon.comm_bytes(opt, matrices, layout, world, step)

@@ -8,6 +8,9 @@ from bench.model.costs.kernels import FP32, Kernel, Work, elementwise, no_launch
 from bench.model.costs.normuon import state_bytes, state_formula  # noqa: F401  NorMuon's state
 from bench.model.hardware import Collective
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
+from dobb.optim.nordion2 import NorDion2
+
+ENTRIES = ("nordion2",)  # the registry entries it prices (``cost_model``)
 
 COMM_FORMULA = "as Dion2 + 2 fp64 per matrix all-reduced (DDP: as Dion2)"
 
@@ -16,7 +19,7 @@ def work(
     matrices: list[Matrix],
     *,
     layout: Layout = ONE_DEVICE,
-    fraction: float = 0.25,
+    fraction: float = NorDion2.Config.fraction,
     launches: str = "per_shape",
     **exchange,
 ) -> Work:

@@ -6,6 +6,8 @@ from bench.model.costs.kernels import BF16, FP32, Kernel, Work, elementwise, no_
 from bench.model.hardware import Collective
 from bench.model.workload import ONE_DEVICE, Layout, Matrix
 
+ENTRIES = ("normuon",)  # the registry entries it prices (``cost_model``)
+
 COMM_FORMULA = "as Muon + 1 fp64 per matrix all-reduced (DDP: as Muon)"
 
 

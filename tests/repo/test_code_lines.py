@@ -5,7 +5,7 @@ import importlib.util
 from pathlib import Path
 
 SPEC = importlib.util.spec_from_file_location(
-    "code_lines", Path(__file__).resolve().parents[1] / ".ci" / "code_lines.py"
+    "code_lines", Path(__file__).resolve().parents[2] / ".ci" / "code_lines.py"
 )
 code_lines = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(code_lines)

@@ -1,7 +1,7 @@
 """A cost-model profile of this machine, measured: ``Hardware`` for ``bench.model.costmodel``.
 
-    python -m bench.model.calibrate calibrate --device cuda --out calibration.json
-    python -m bench.model.calibrate eigh --device cuda --out eigh.json
+    python -m bench.results.calibrate calibrate --device cuda --out calibration.json
+    python -m bench.results.calibrate eigh --device cuda --out eigh.json
 
 ``calibrate`` times
 the kernels the optimizers launch, at the shapes of a GPT config: fp32 and bf16 GEMMs, the
@@ -24,17 +24,23 @@ from pathlib import Path
 
 import torch
 
-from bench.model.costmodel import OPTIMIZERS, predict, predict_hooks
+from bench.model.costmodel import predict, predict_hooks
 from bench.model.costs.kernels import FP32
 from bench.model.hardware import Hardware
 from bench.model.workload import Matrix, dion_rank, hidden_matrices
 from bench.optimizers import CALL_SETTINGS
-from bench.results.calltime import device_name, optimizer_overrides, write_json
+from bench.results.calltime import OPTIMIZERS, device_name, optimizer_overrides, write_json
 from bench.results.linear_stack import LinearStack, Progress, forward_backward
 from bench.tools.timing import timed
 from dobb.optim.config import batched_by_default
 from dobb.registry import build_optimizer, get_entry
 from dobb.stats import BlockStatistics, block_stacks, statistics_hook
+
+# The lab's choice for ``framework_overhead``: square matrices this small, where the ops
+# cost almost nothing; Dobb in 4 blocks with no refresh after its first call (an interval
+# no run reaches), Dion at rank fraction 1/4, MuonBP with block steps only
+OVERHEAD_SIZE = 16
+OVERHEAD_SETTINGS = dict(num_blocks=4, basis_interval=10**9, rank_fraction=1 / 4, period=None)
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, min_total: float = 0.2, min_reps=3):
@@ -261,18 +267,18 @@ def framework_overhead(
 ) -> dict[str, float]:
     """Seconds per matrix (per layer for ``"hook"``) that a call costs beyond its ops.
 
-    Times each optimizer on ``matrices`` tiny (16 x 16) matrices, where the ops cost
-    almost nothing, and subtracts the cost model's prediction (``hardware`` without this
-    term): what remains is the Python loop, state lookups and the like, which the
-    model then charges once per matrix. Dobb runs without refreshes here (``k`` huge),
-    MuonBP with block steps only.
+    Times each optimizer on ``matrices`` tiny matrices (``OVERHEAD_SIZE`` square, with
+    ``OVERHEAD_SETTINGS``), where the ops cost almost nothing, and subtracts the cost
+    model's prediction of those calls (``hardware`` without this term; Dobb's steady call,
+    MuonBP's block call): what remains is the Python loop, state lookups and the like,
+    which the model then charges once per matrix.
     """
     device = torch.device(device)
-    mats = [Matrix(f"m{i}", 16, 16) for i in range(matrices)]
-    kw = dict(num_blocks=4, basis_interval=10**9, rank_fraction=1 / 4, period=None)
+    size, kw = OVERHEAD_SIZE, OVERHEAD_SETTINGS
+    mats = [Matrix(f"m{i}", size, size) for i in range(matrices)]
     out = {}
     for name in OPTIMIZERS:
-        stack = LinearStack(mats, 16, device=device)
+        stack = LinearStack(mats, size, device=device)
         forward_backward(stack, autocast=False)
         opt = build_optimizer(name, stack, **optimizer_overrides(name, **kw))
         times = []
@@ -285,10 +291,11 @@ def framework_overhead(
             else:
                 opt.step()
         launches = "per_shape" if batched_by_default(device) else "per_matrix"
-        modeled = predict(name, mats, hardware, launches=launches, **kw)["total"]
+        modeled = predict(name, mats, hardware, launches=launches, calls="other", **kw)["total"]
         out[name] = max(0.0, (statistics.median(times) - modeled) / matrices)
-    stack = LinearStack(mats, 16, device=device)
-    stats = [BlockStatistics(block_stacks(16, 4), torch.float32, device) for _ in mats]
+    stack = LinearStack(mats, size, device=device)
+    blocks = block_stacks(size, kw["num_blocks"])
+    stats = [BlockStatistics(blocks, torch.float32, device) for _ in mats]
     hooks = [statistics_hook(s) for s in stats]
 
     def run_hooks():
@@ -298,7 +305,7 @@ def framework_overhead(
     run_hooks()
     with torch.enable_grad():
         measured = statistics.median(timed(run_hooks, device) for _ in range(calls))
-    modeled = predict_hooks(mats, 16, hardware, num_blocks=4)["hooks_s"]
+    modeled = predict_hooks(mats, size, hardware, num_blocks=kw["num_blocks"])["hooks_s"]
     out["hook"] = max(0.0, (measured - modeled) / matrices)
     per_matrix = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in out.items())
     progress(f"framework overhead (us per matrix): {per_matrix}")
@@ -308,8 +315,8 @@ def framework_overhead(
 def main(argv: list[str]) -> None:
     """``calibrate``: measure a ``Hardware`` profile; ``eigh``: time eigh backends."""
     if not argv or argv[0] not in ("calibrate", "eigh"):
-        raise SystemExit("usage: python -m bench.model.calibrate {calibrate,eigh} [options]")
-    parser = argparse.ArgumentParser(prog="python -m bench.model.calibrate " + argv[0])
+        raise SystemExit("usage: python -m bench.results.calibrate {calibrate,eigh} [options]")
+    parser = argparse.ArgumentParser(prog="python -m bench.results.calibrate " + argv[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", type=Path)

@@ -7,7 +7,7 @@ past the formatter to meet them: no ``# fmt: skip`` or ``# fmt: off`` in ``dobb/
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = importlib.util.spec_from_file_location("code_lines", ROOT / ".ci" / "code_lines.py")
 code_lines = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(code_lines)
