@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.optimizers import COMPARED, LAB, lab_entry, tuned_lrs
+from bench.optimizers import BLOCK_OPTIONS, COMPARED, LAB, PAPER, lab_entry, tuned_lrs
 from bench.tools.markdown import markdown_table
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
@@ -80,6 +80,11 @@ ADDED_FIELDS = {"eval_ema": None}
 # inherited it through torch.optim's default filling; these classes' defaults were 0.01
 # (torch.optim.AdamW's for "adamw"), every other optimizer's 0.
 PRE_PROTOCOL_WEIGHT_DECAY = {"dion": 0.01, "dion2": 0.01, "nordion2": 0.01, "adamw": 0.01}
+# Until Dobb's defaults became the recommended configuration (issue #43) they were the
+# paper's, so a "dobb" run logged before the lab's options pinned them (one-sided, the sign,
+# statistics averaged on refresh steps) took them without naming them; its block count was
+# always named, and a block width given beside it overrode it (now the lab drops the count)
+PRE_RECOMMENDED_OPTIONS = {"dobb": {k: v for k, v in PAPER.items() if k != "num_blocks"}}
 
 
 def weight_decay_of(config: dict[str, Any]) -> dict[str, float]:
@@ -131,7 +136,9 @@ def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     """The fields of a logged config that decide what a run computes; a field added later
     and missing from an older log takes its `ADDED_FIELDS` value (the old behaviour)."""
     logged = ADDED_FIELDS | config | weight_decay_of(config)
-    options = {k: v for k, v in logged["optimizer_options"].items() if k != "weight_decay"}
+    options = PRE_RECOMMENDED_OPTIONS.get(logged["optimizer"], {}) | logged["optimizer_options"]
+    overridden = {count for count, width in BLOCK_OPTIONS if options.get(width) is not None}
+    options = {k: v for k, v in options.items() if k != "weight_decay" and k not in overridden}
     logged["optimizer_options"] = options
     return {k: v for k, v in logged.items() if k not in UNCOMPARED}
 

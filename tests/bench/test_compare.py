@@ -9,7 +9,7 @@ import torch
 
 from bench import cli as lab
 from bench import compare
-from bench.optimizers import tuned_lrs
+from bench.optimizers import tuned_lrs, with_options
 from dobb import cli
 from dobb.registry import get_entry
 
@@ -140,3 +140,25 @@ def test_the_collective_timeout_does_not_change_what_a_run_computes(tmp_path, mo
     monkeypatch.setattr(compare, "train", lambda cfg: pytest.fail("retrained a finished run"))
     for timeout in (cfg.timeout, 30.0):
         assert compare.run(replace(cfg, timeout=timeout), log=lambda *_: None)["final_val_loss"]
+
+
+@pytest.mark.parametrize(
+    "logged, now, same",
+    [
+        ({"num_blocks": 16}, {}, True),  # before the lab pinned the paper's defaults
+        ({"num_blocks": 16, "block_size": 32}, {"block_size": 32}, True),  # the width won
+        ({"num_blocks": 16, "two_sided": True}, {}, False),
+        ({"num_blocks": 16}, {"coefficients": "adam"}, False),
+    ],
+)
+def test_a_dobb_run_logged_before_the_recommended_defaults_reads_as_it_trained(
+    tmp_path, logged, now, same
+):
+    """A "dobb" run logged when the class's defaults were the paper's (one-sided, the sign,
+    averaged on refresh steps) and a block width overrode the count is the same config as
+    the lab's paper-pinned options now; a run that named another setting is not."""
+    cfg = compare.run_config(compare.base_config(quick=True), "dobb", None, tmp_path)
+    cfg = replace(cfg, optimizer_options=with_options("dobb", now))
+    old = cfg.to_dict() | {"optimizer_options": logged}
+    same_config = compare.comparable_config(old) == compare.comparable_config(cfg.to_dict())
+    assert same_config == same
