@@ -152,10 +152,13 @@ def run_config(
 # ---- running -------------------------------------------------------------------------
 
 
-def row_block_options(optimizer: str, n: int) -> dict[str, Any]:
-    """The option that sets ``n`` row blocks: none at ``OPTIONS``' own count, so the run keeps
-    its name (and is that run)."""
-    return {} if OPTIONS[optimizer].get("row_blocks") == n else {"row_blocks": n}
+def row_block_options(
+    optimizer: str, n: int, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The option that sets ``n`` row blocks on top of ``OPTIONS[optimizer] | options``: none
+    where those already have ``n``, so the run keeps its name (and is that run)."""
+    rows = (OPTIONS[optimizer] | (options or {})).get("row_blocks")
+    return {} if rows == n else {"row_blocks": n}
 
 
 def loss_of(summary: dict[str, Any]) -> float:

@@ -181,7 +181,7 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
         for i, t in enumerate(configs):
             if t.sharded() and not t.scale_rule and (i, shard_width) in sweeps:
                 lr = best_run(sweeps[(i, shard_width)])["lr"]
-                rows = row_block_options(t.optimizer, n)  # at its default: its sweep's run
+                rows = row_block_options(t.optimizer, n, t.options)  # its own: the sweep's
                 run = maker(t, shard_width, options=t.options | rows)
                 later[("shards", i, n)] = Sweep(run, [lr])
     index = {t.label: i for i, t in enumerate(configs)}

@@ -279,7 +279,12 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     assert [r["row_shards"] for r in shards["rows"]] == report["spec"]["tuning_shard_counts"]
     (run,) = (out / "runs").glob("blockmuon-row_blocks-8-lr*")
     assert shards["rows"][2]["losses"]["BlockMuon"] == summary(run.name)["final_val_loss"]
-    assert not list((out / "runs").glob("*row_blocks-4-*"))  # the default count: no new run
+    # at the harness's count no new run, but for the configuration whose own count is
+    # another: the recommended Dobb's one row block (in one process: all rows)
+    new = {r.name.split("-lr")[0] for r in (out / "runs").glob("*row_blocks-4-*")}
+    assert new == {
+        "dobb2s-block_size-None-num_blocks-1-row_blocks-4-coefficients-adam-update_scale-1.0"
+    }
     blockmuon = next(r for r in tuning["rows"] if r["label"] == "BlockMuon")
     (at,) = [e for e in blockmuon["widths"] if e["n_embd"] == shards["n_embd"]]
     assert shards["rows"][1]["losses"]["BlockMuon"] == min(at["losses"])
