@@ -56,7 +56,7 @@ PAPER_DOBB = {
 # read it (``recommended_lr``), each class's default lr is its value at width 256, and a test
 # holds it to the study's JSON. Where an lr halves with the width, wider models want less.
 TUNED_LR: dict[str, dict[int, float]] = {
-    "dobb": {128: 8e-3, 256: 4e-3},
+    "dobb": {128: 1.6e-2, 256: 4e-3},
     "dobb_paper": {128: 2e-3, 256: 2e-3},
     "dobb2s": {128: 8e-3, 256: 8e-3, 512: 4e-3},
     "dion": {128: 1e-2, 256: 1e-2},
