@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from dobb._dtensor import DTensor, local
@@ -596,3 +597,21 @@ class DobbStatistics:
 def several_ranks() -> bool:
     """Whether this process is one of several ranks of an initialized process group."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def fsdp_data_ranks(model: nn.Module) -> int:
+    """The most data ranks over which ``fully_shard`` shards a module of ``model`` (its
+    data-parallel mesh: shard and replicate axes, not tensor-parallel ones); 1 if none. A
+    pipeline stage sharded over one rank counts 1. FSDP2 keeps that mesh on a private
+    attribute; without it, the size of the mesh of the module's DTensor parameters."""
+    ranks = 1
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+        if mesh is None:
+            meshes = [p.device_mesh for p in module.parameters() if isinstance(p, DTensor)]
+            mesh = meshes[0] if meshes else None
+        ranks = max(ranks, mesh.size() if mesh is not None else 1)
+    return ranks

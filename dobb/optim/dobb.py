@@ -1,11 +1,15 @@
 """Dobb: Distributed Optimizer with Block-diagonal Eigenbases (arXiv 2610.39412).
 
-Each hidden weight ``W`` (``d_out x d_in``) is preconditioned on its input side only, with
-a block-diagonal approximation of the input-activation second moment ``E[xᵀx]``. Momentum
-is projected into each block's eigenbasis, normalized by an elementwise sign and rotated
-back. A row of the update depends only on the same row of the momentum, so row-sharded
-(FSDP, column-parallel TP) matrices are updated with no communication. The maths per
-matrix is in the class docstring.
+Each hidden weight ``W`` (``d_out x d_in``) is preconditioned on its input side with a
+block-diagonal approximation of the input-activation second moment ``E[xᵀx]``. Momentum
+is projected into each block's eigenbasis, normalized elementwise and rotated back. In the
+paper's update (one-sided, the sign: ``dobb.registry.PAPER_DOBB``) a row of the update
+depends only on the same row of the momentum, so row-sharded (FSDP, column-parallel TP)
+matrices are updated with no communication. The defaults are the configuration the study
+measured best (``docs/algorithm.md``): also the output side, by row blocks that each lie
+in one rank's rows (``two_sided``), and Adam coefficients in place of the sign; still no
+communication in ``step()`` besides the statistics' average. The maths per matrix is in
+the class docstring.
 
 Dobb's code is four modules: this one (the options, the class, each matrix's layout, old
 checkpoints), its core ``dobb.optim.dobb_core`` (the state and the maths on plain tensors),
@@ -17,9 +21,10 @@ Some options at more length than the class docstring gives them:
 
 Sharding: DTensor parameters are updated on their local shard. Row shards (FSDP
 ``Shard(0)``, column-parallel TP) need nothing; column shards (row-parallel TP ``Shard(1)``)
-must hold whole blocks, else construction raises. ``state_dict()`` averages the statistics
-first (a collective when ``stats_group`` is set), so that a checkpoint holds one consistent
-copy.
+must hold whole blocks, else construction raises. A checkpoint holds one consistent copy
+of the statistics: with ``stats_sync="refresh"`` (the default for DTensor parameters)
+``state_dict()`` averages them first, a collective; with ``"step"`` (the default for plain,
+DDP parameters) they are averaged after every step and ``state_dict()`` sends nothing.
 
 basis_method: how bases are refreshed (``dobb.eigensolve``, all blocks of a size in one
     call): ``"eigh"`` (the reference), ``"jacobi"`` (batched Jacobi sweeps warm-started
@@ -55,9 +60,10 @@ missing_stats: ``"raise"`` (default) if a Dobb matrix has no statistics at a ste
 
 two_sided: also rotate the output side (``dobb.optim.dobb_core``): row blocks ``R_r``
     with eigenbases ``P_r`` of their own second moment, and
-    ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``. Off by default (the paper's
-    update). Needs no communication in ``step()`` in any layout: a row block lies in one
-    row shard, and its moments come from ``row_stats``.
+    ``U[R_r, I_b] = P_r sign(P_rᵀ N[R_r, I_b] Q_b) Q_bᵀ``. On by default (off: the paper's
+    update). Needs no communication in ``step()`` in any layout but FSDP x TP, whose
+    strided rows it refuses: a row block lies in one row shard, and its moments come from
+    ``row_stats``.
 
 A matrix's layout (``MatrixLayout``) is derived, never checkpointed: from the parameter
 (shape, DTensor placements), its layer (the orientation: ``(d_in, d_out)`` weights such as
@@ -83,12 +89,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from dobb._dtensor import DTensor, local
@@ -124,7 +128,14 @@ from dobb.optim.dobb_core import (
 )
 from dobb.optim.dobb_steps import DobbSteps, block_state_like, param_block_stacks
 from dobb.optim.parts import Matrix, state_dtype
-from dobb.stats import BlockStack, DobbStatistics, block_stacks, layer_weights, several_ranks
+from dobb.stats import (
+    BlockStack,
+    DobbStatistics,
+    block_stacks,
+    fsdp_data_ranks,
+    layer_weights,
+    several_ranks,
+)
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
 UPDATE_SCALE = Rule(
@@ -296,7 +307,10 @@ class Layouts:
 
 
 class Dobb(MatrixOptimizer):
-    r"""Block-diagonal eigenbasis sign descent for hidden weight matrices.
+    r"""Block-diagonal eigenbasis preconditioning for hidden weight matrices.
+
+    The paper's update (``two_sided=False, coefficients="sign"``, 16 blocks); the defaults
+    also rotate the rows (``two_sided``) and take Adam coefficients (``coefficients``):
 
     .. code-block:: text
 
@@ -316,7 +330,7 @@ class Dobb(MatrixOptimizer):
     rendered from them).
 
     Sharding: each shard updates alone; column shards must hold whole blocks (else
-    construction raises). ``state_dict()`` averages the statistics first (a collective).
+    construction raises). ``state_dict()`` holds averaged statistics (``stats_sync``).
 
     Parts (``dobb.optim.base``): ``core`` a ``DobbCore``; ``placements`` ``(steps,)``, a
     ``DobbSteps`` (the step's order and its collectives); ``inputs`` its
@@ -482,15 +496,14 @@ class Dobb(MatrixOptimizer):
         The layer says the weight's orientation: a ``(d_in, d_out)`` weight (``Conv1D``)
         has its input blocks along dim 0. See ``DobbStatistics.track``.
         """
-        if not self._data_parallel_groups and several_ranks():
-            sharded = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
-            if sharded is not None:
-                raise ValueError(
-                    f"Dobb.track: the model is sharded by FSDP over {dist.get_world_size()} "
-                    "ranks, which see different tokens, but stats_group is None: each rank "
-                    "would precondition with its own statistics. Pass the FSDP mesh (its "
-                    'data axes, e.g. mesh["data_shard"]) as stats_group (docs/distributed.md).'
-                )
+        ranks = fsdp_data_ranks(model) if several_ranks() else 1
+        if not self._data_parallel_groups and ranks > 1:
+            raise ValueError(
+                f"Dobb.track: the model is sharded by FSDP over {ranks} ranks, which see "
+                "different tokens, but stats_group is None: each rank would precondition "
+                "with its own statistics. Pass the FSDP mesh (its data axes, e.g. "
+                'mesh["data_shard"]) as stats_group (docs/distributed.md).'
+            )
         configs = {p: c for g, c in self.configs() for p in g["params"]}
         layers = []
         for module, weight, spec in layer_weights(model):
@@ -551,10 +564,11 @@ class Dobb(MatrixOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """The state, statistics averaged first so that every rank saves the same ``C_b``.
 
-        With ``stats_sync="refresh"`` this is a collective between refreshes: call it on all
-        data-parallel ranks (DCP and Lightning do). Trainers that save on one rank only
-        (Hugging Face ``Trainer`` under DDP) need ``stats_sync="step"``, which keeps the
-        statistics averaged after every step so that saving communicates nothing.
+        With ``stats_sync="refresh"`` (``"auto"``'s choice for DTensor parameters) this is a
+        collective between refreshes: call it on all data-parallel ranks (DCP and Lightning
+        do). With ``"step"`` (``"auto"``'s choice for plain, DDP parameters) the statistics
+        are averaged after every step and saving communicates nothing, so a loop that saves
+        on rank 0 only (nanoGPT, Hugging Face ``Trainer``) is exact.
         """
         self.synchronize_statistics()
         return super().state_dict()

@@ -122,18 +122,25 @@ def test_data_axes_and_unsplit_inputs_are_accepted(results, case):
 
 
 def fsdp_without_stats_group(rank, world):
-    """Dobb on an FSDP-sharded model with ``stats_group`` left unset: ``track``'s outcome."""
-    model = MLP(18, 4)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_shard",))
-    for module in (model.fc1, model.fc2, model):
-        fully_shard(module, mesh=mesh)
-    opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"))
-    return _outcome(lambda: opt.track(model))
+    """Dobb with ``stats_group`` left unset on a model FSDP shards over all ranks, and on
+    one it shards over this rank alone (a pipeline stage: the ranks hold different
+    layers, no data parallelism): ``track``'s outcomes."""
+    outcomes = []
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "data_shard"))
+    for data_mesh in (mesh["pp"], mesh["data_shard"]):
+        model = MLP(18, 4)
+        for module in (model.fc1, model.fc2, model):
+            fully_shard(module, mesh=data_mesh)
+        opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"))
+        outcomes.append(_outcome(lambda: opt.track(model)))
+    return outcomes
 
 
 def test_an_fsdp_model_without_stats_group_is_refused_at_track():
     """FSDP's ranks see different tokens: without ``stats_group`` each rank would
     precondition with its own statistics (replicated DDP parameters are checked at the
-    first step: tests/distributed/test_nanogpt_loop.py)."""
-    for outcome in run_ranks(fsdp_without_stats_group, 2, timeout=120):
-        assert outcome.startswith("ValueError") and "stats_group" in outcome, outcome
+    first step: tests/distributed/test_nanogpt_loop.py). FSDP over one rank of several
+    (torchtitan's pipeline stages without data parallelism) needs none."""
+    for sharded, stage in run_ranks(fsdp_without_stats_group, 2, timeout=120):
+        assert sharded.startswith("ValueError") and "over 2 ranks" in sharded, sharded
+        assert stage == "ok", stage

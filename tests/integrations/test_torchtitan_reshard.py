@@ -3,7 +3,7 @@
 Marked ``torchtitan`` (the CI stage). Three ``torchrun`` calls (``torchtitan_reshard_rank.py``)
 of gloo ranks on CPU run the debug llama3 cut to two blocks (``titan_reshard_configs``: the
 same global batch of 8 sequences at every step whatever the world size) with Dobb
-(one-sided, and two-sided with ``row_blocks=4``), Muon and Dion:
+(the paper's, one-sided, and two-sided with ``row_blocks=4``), Muon and Dion:
 
 1. 2 ranks: each optimizer for 4 steps, a checkpoint after every step (``straight_2``);
 2. 4 ranks: the same (``straight_4``), and each resumed from ``straight_2``'s step 2;
@@ -45,7 +45,8 @@ bits (averaged over 2 or 4 ranks), and on these synthetic tokens (near-degenerat
 rotated momentum, a few dozen weights differ between the two uninterrupted runs themselves,
 resume or not (up to 64 of 196,608 weights of a matrix by ~2e-4, measured 2026-12-02).
 
-Two-sided Dobb with the default ``row_blocks=None`` keeps one row block per rank's rows:
+Two-sided Dobb with the default ``row_blocks=None`` (the recommended ``dobb``'s, here
+``dobb2s``'s) keeps one row block per rank's rows:
 its row statistics and bases are laid out by the shard and cannot be resharded. From 2
 ranks to 4, the statistics of 4 ranks' 192-row blocks of ``wqkv`` could be cut out of 2
 ranks' 384-row ones, but not the bases (eigenvectors of a 384-row block do not split into
@@ -78,7 +79,7 @@ TOKENS = GLOBAL_BATCH * 64  # terms of a step's sums: sequences of 64 tokens (ti
 MAX_NORM = 1.0  # torchtitan's training.max_norm (its default): gradients clipped to it
 # registry name and optimizer.options of each optimizer resumed across world sizes
 OPTIMIZERS = {
-    "dobb": "{}",
+    "dobb_paper": "{}",
     "dobb2s": '{"row_blocks": 4}',  # 4 row blocks tile the rows of 2 and of 4 shards
     "muon": "{}",
     "dion": "{}",
@@ -89,7 +90,7 @@ PER_RANK = ("train_state.ntokens_seen",)
 # optimizers whose steps after a resume are held entry by entry to the run the checkpoint
 # came from (titan_continuation.assert_step_agrees: Dobb's signs, bases, momenta,
 # statistics, Adam's group), their losses by titan_continuation.assert_loss_agrees
-WHOLE_STATE = ("dobb", "dobb2s")
+WHOLE_STATE = ("dobb_paper", "dobb2s")
 # (rtol, atol) of the losses of the others (the layout tests' in tests/distributed): their
 # updates are smooth in the momentum (no sign), so runs that differ in the order of their
 # sums stay within rounding; measured on two CPU kinds (issue #43), no failure
