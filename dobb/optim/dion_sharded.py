@@ -62,6 +62,7 @@ from dobb.optim.dion_core import (
     shape_scale,
     sketch,
 )
+from dobb.optim.experts import is_experts
 from dobb.optim.parts import Matrix, Placement, Step, partition
 
 
@@ -207,7 +208,7 @@ class ShardedSteps(Placement):
         """The ``sync_groups`` along which ``param`` is copied (compressed sync): those not
         splitting it; derived once per parameter, as its placement (a plain tensor, an
         expert's view included, is copied along all of them)."""
-        if not isinstance(param, DTensor):
+        if not isinstance(param, DTensor) or is_experts(param):  # whole on this rank
             return tuple(self.sync_groups)
         if param not in self._data_groups:
             placement = self.placement_of(param)

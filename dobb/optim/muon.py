@@ -272,7 +272,7 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
         if group["algorithm"] != self.algorithm:
             return
         for p in group["params"]:
-            if not isinstance(p, DTensor):
+            if not isinstance(p, DTensor) or is_experts(p):  # experts: whole on each rank
                 continue
             placement = matrix_placement(p)  # rejects Partial placements
             if self.core.whole_rows and len(placement.cols) != p.shape[1]:

@@ -1,7 +1,9 @@
-"""Expert stacks under DDP (2 gloo ranks) equal one process, for every optimizer that steps
-experts (``dobb.optim.experts``): each replica steps every expert where it is, beside a 2-D
-matrix that the replicas share out (Muon's family: the owner exchange; Dion: its
-compressed sync), and the experts take no part in that exchange.
+"""Expert stacks on 2 gloo ranks equal one process, for every optimizer that steps experts
+(``dobb.optim.experts``). Under DDP each replica steps every expert where it is, beside a
+2-D matrix that the replicas share out (Muon's family: the owner exchange; Dion: its
+compressed sync), and the experts take no part in that exchange. Under FSDP2 (the stack
+split along ``E``, 2 + 2 or 2 + 1 experts) each rank steps its own experts; their state is
+placed as the stack and resumes from DCP. The workers: ``experts_runs``.
 
 Tolerance: the replicas hold the same gradients (DDP's average, here given alike), so each
 expert's update is the one process's ops on the same numbers: equal. The 2-D matrix goes
@@ -14,8 +16,10 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from experts_runs import fsdp_run
 from multirank import run_ranks
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from dobb.registry import get_entry
 
@@ -57,3 +61,22 @@ def _compare(rank: int, world: int, name: str) -> list[float]:
 def test_experts_under_ddp_equal_one_process(name):
     for experts, dense in run_ranks(_compare, 2, name, timeout=110):
         assert experts == 0.0 and dense <= TOLERANCE
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("experts", [4, 3, 1])  # 3: 2 and 1 experts; 1: 1 and none
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_experts_under_fsdp_equal_one_process(name, experts):
+    """FSDP2 splits the stack along ``E``: each rank steps its whole experts alone (no
+    collective in the step), its state placed as the stack (``Shard(0)``)."""
+    for alone, sharded, placements in run_ranks(fsdp_run, 2, name, experts, timeout=110):
+        assert torch.equal(alone, sharded)
+        assert set(placements.values()) == {(Shard(0),)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["muon", "dion"])
+def test_experts_resume_from_dcp_under_fsdp(tmp_path, name):
+    run_ranks(fsdp_run, 2, name, 3, str(tmp_path), "save", timeout=110)
+    for alone, resumed, _ in run_ranks(fsdp_run, 2, name, 3, str(tmp_path), "load", timeout=110):
+        assert torch.equal(alone, resumed)
