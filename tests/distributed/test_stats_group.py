@@ -132,7 +132,7 @@ def fsdp_without_stats_group(rank, world):
         for module in (model.fc1, model.fc2, model):
             fully_shard(module, mesh=data_mesh)
         opt = dobb.Dobb(dobb.param_groups(model, exclude="^$"))
-        outcomes.append(_outcome(lambda: opt.track(model)))
+        outcomes.append(_outcome(lambda opt=opt, model=model: opt.track(model)))
     return outcomes
 
 
