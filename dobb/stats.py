@@ -600,18 +600,17 @@ def several_ranks() -> bool:
 
 
 def fsdp_data_ranks(model: nn.Module) -> int:
-    """The most data ranks over which ``fully_shard`` shards a module of ``model`` (its
-    data-parallel mesh: shard and replicate axes, not tensor-parallel ones); 1 if none. A
+    """The most data ranks over which ``fully_shard`` shards a module of ``model`` (the mesh
+    it shards over: its shard and replicate axes, never tensor-parallel ones); 1 if none. A
     pipeline stage sharded over one rank counts 1. FSDP2 keeps that mesh on a private
-    attribute; without it, the size of the mesh of the module's DTensor parameters."""
+    attribute of each module that holds parameters of its own; a module without (a root
+    whose parameters all belong to its children, or a torch that renamed the attribute)
+    counts 1: the first step's check of the ranks' statistics still refuses a drift."""
     ranks = 1
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
         group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
         mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
-        if mesh is None:
-            meshes = [p.device_mesh for p in module.parameters() if isinstance(p, DTensor)]
-            mesh = meshes[0] if meshes else None
         ranks = max(ranks, mesh.size() if mesh is not None else 1)
     return ranks

@@ -84,6 +84,8 @@ import torch
 from sign_steps import sign_steps, stacks
 from titan_checkpoints import same
 
+from dobb.optim.dobb_core import update_alpha, update_scale_of
+
 UNIT_ROUNDOFF = 2.0**-24  # fp32
 FLIPPED = 1e-3  # fraction of a matrix's sign coefficients (or Adam entries) that may differ
 SIGN_SLACK = 0.1  # a sign step is ±1 within this (rounding: below 1e-2, module docstring)
@@ -143,9 +145,10 @@ def dobb_sign_steps(before: dict, after: dict, fqn: str) -> torch.Tensor:
     bases (as the step used them) and ``lr`` of this step (``before``'s param group, saved
     after the schedule moved to it)."""
     lr, decay = group(before, fqn, "lr"), group(before, fqn, "weight_decay")
-    alpha = group(before, fqn, "update_scale")
     assert group(before, fqn, "coefficients") == "sign" and lr > 0, fqn
     w0, w1 = parameters(before)[fqn], parameters(after)[fqn]
+    scale = update_scale_of(group(before, fqn, "update_scale"), "sign")  # None: the sign's
+    alpha = update_alpha(scale, w0.shape[1])
     return sign_steps(w0, w1, *bases(before, fqn), lr=lr, weight_decay=decay, alpha=alpha)
 
 
