@@ -29,8 +29,9 @@ def param_groups(
     matrix_options: dict[str, Any] | None = None,
     scalar_algorithm: str = "adamw",
     scalar_options: dict[str, Any] | None = None,
+    experts: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Named parameter groups: ``[{matrix...}, {algorithm: scalar...}]``, for any of dobb's
+    r"""Named parameter groups: ``[{matrix...}, {algorithm: scalar...}]``, for any of dobb's
     matrix optimizers (``dobb.Muon(dobb.param_groups(model))``): the matrix group takes the
     optimizer's own algorithm unless ``algorithm`` names one; the scalar group takes AdamW
     (``scalar_algorithm``) at its own learning rate (1e-3 unless ``scalar_options`` sets
@@ -40,15 +41,22 @@ def param_groups(
         exclude: regex searched in each parameter's name; matching layer weights go to the
             scalar group. Pass your model's head/embedding names if they differ.
         matrix_options / scalar_options: extra keys for each group (e.g. ``{"lr": 3e-3}``).
+        experts: regex searched in the names of 3-D parameters, ``(E, d_out, d_in)`` stacks
+            of a mixture of experts' weights (torchtitan's ``GroupedExperts``:
+            ``r"experts\.w[123]$"``): matching ones go to the matrix group, each expert
+            stepped as its own matrix (``dobb.optim.experts``; not by Dobb yet). None:
+            every 3-D parameter goes to the scalar group.
     """
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     matrices = {id(weight) for _, weight, _ in layer_weights(model)}
     pattern = re.compile(exclude)
+    expert = re.compile(experts) if experts is not None else None
     matrix, scalar = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         is_matrix = id(p) in matrices and id(p) not in tied and not pattern.search(name)
+        is_matrix |= p.ndim == 3 and expert is not None and bool(expert.search(name))
         (matrix if is_matrix else scalar).append((name, p))
     groups = []
     if matrix:

@@ -67,6 +67,7 @@ from torch import Tensor
 from dobb._dtensor import local
 from dobb.optim.batching import each
 from dobb.optim.config import OptimizerConfig
+from dobb.optim.experts import expert_matrices, experts_refusal, is_experts, stacked_state
 from dobb.optim.parts import COUNTERS, Core, Group, Local, Matrix, Placement, Step
 from dobb.optim.scalar import (
     SCALAR_ALGORITHMS,
@@ -100,6 +101,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
     core: Core
     placements: tuple[Placement, ...] = (Local(),)
     inputs = None  # what a step consumes besides gradients (Dobb's statistics)
+    supports_experts = True  # steps (E, d_out, d_in) expert stacks (dobb.optim.experts)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -169,11 +171,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
             return
         self.config.for_group(group)
         for p in group["params"]:
-            if p.ndim != 2:
+            if is_experts(p):
+                name, supported = self.name_of(p), self.supports_experts
+                refusal = experts_refusal(p, name, self.algorithm, supported)
+                if refusal is not None:
+                    raise ValueError(refusal)
+            elif p.ndim != 2:
                 raise ValueError(
                     f"{self.name_of(p)} has {p.ndim} dimension(s), but algorithm="
-                    f"{self.algorithm!r} needs 2-D weight matrices; put it in a group with "
-                    "algorithm='adamw' (dobb.param_groups does this for a model)"
+                    f"{self.algorithm!r} needs 2-D weight matrices (or (E, d_out, d_in) "
+                    "stacks of experts); put it in a group with algorithm='adamw' "
+                    "(dobb.param_groups does this for a model)"
                 )
 
     def _matrix_groups(self) -> list[Group]:
@@ -230,6 +238,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 self._scalar_step(group)
         if configs:
             matrices = [m._replace(state=self._state_of(m)) for m in matrices]
+            matrices = [e for m in matrices for e in self._experts_of(m)]
             step = Step({p: config for g, config in configs for p in g["params"]}, self._live)
             self._matrix_step(matrices, step)
         return loss
@@ -238,11 +247,23 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """``matrix``'s state, made on its first step (the core's and each placement's)."""
         state = self.state[matrix.param]
         if not state:
-            param, config, name = matrix.param, matrix.config, matrix.name
-            state.update(self.core.init_state(param, config, name))
-            for placement in self.placements:
-                state.update(placement.init_state(param, config, name))
+            config = matrix.config
+
+            def init(param: Tensor, name: str) -> dict[str, Any]:
+                state = self.core.init_state(param, config, name)
+                for placement in self.placements:
+                    state.update(placement.init_state(param, config, name))
+                return state
+
+            param, name = matrix.param, matrix.name
+            experts = is_experts(param)
+            state.update(stacked_state(param, name, init) if experts else init(param, name))
         return state
+
+    @staticmethod
+    def _experts_of(matrix: Matrix) -> list[Matrix] | tuple[Matrix]:
+        """An expert stack's matrices (``dobb.optim.experts``); any other matrix alone."""
+        return expert_matrices(matrix) if is_experts(matrix.param) else (matrix,)
 
     def _matrix_step(self, matrices: list[Matrix], step: Step) -> None:
         """Each placement claims its matrices from those the ones before it left, then each

@@ -61,6 +61,7 @@ from dobb.optim.dion_core import (
     shape_scale,
 )
 from dobb.optim.dion_sharded import ShardedSteps
+from dobb.optim.experts import is_experts
 from dobb.optim.parts import Core, Local, state_dtype
 
 
@@ -211,7 +212,8 @@ class Dion(MatrixOptimizer):
         if group["algorithm"] != self.algorithm:
             return
         for p in group["params"]:
-            self.sharded.placement_of(p)  # rejects Partial placements now rather than mid-step
+            if not is_experts(p):  # experts: whole on each rank (dobb.optim.experts)
+                self.sharded.placement_of(p)  # rejects Partial placements now, not mid-step
 
     def state_dict(self) -> dict[str, Any]:
         """The state; under compressed sync the replicas' momenta are averaged first (a

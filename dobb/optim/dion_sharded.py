@@ -62,6 +62,7 @@ from dobb.optim.dion_core import (
     shape_scale,
     sketch,
 )
+from dobb.optim.experts import is_experts
 from dobb.optim.parts import Matrix, Placement, Step, partition
 
 
@@ -205,7 +206,10 @@ class ShardedSteps(Placement):
 
     def data_groups(self, param: Tensor) -> tuple:
         """The ``sync_groups`` along which ``param`` is copied (compressed sync): those not
-        splitting it; derived once per parameter, as its placement."""
+        splitting it; derived once per parameter, as its placement (a plain tensor, an
+        expert's view included, is copied along all of them)."""
+        if not isinstance(param, DTensor) or is_experts(param):  # whole on this rank
+            return tuple(self.sync_groups)
         if param not in self._data_groups:
             placement = self.placement_of(param)
             splitting = () if placement is None else placement.row_groups + placement.col_groups

@@ -339,6 +339,8 @@ class Dobb(MatrixOptimizer):
     """
 
     algorithm = "dobb"
+    # an expert's statistics must come from its routed tokens: not yet (dobb.optim.experts)
+    supports_experts = False
     core = DobbCore()
     # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
     data_parallel_option = "stats_group"

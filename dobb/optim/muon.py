@@ -29,6 +29,7 @@ from dobb.distributed.placement import matrix_placement
 from dobb.optim.base import MatrixOptimizer
 from dobb.optim.batching import foreach_mul_, group_by, stack_apply
 from dobb.optim.config import BOOL, COUNT, UNIT, inherit, one_of, option
+from dobb.optim.experts import is_experts
 from dobb.optim.owner_groups import ExchangeCore, OwnerExchangeConfig, OwnerExchanges
 from dobb.optim.parts import Local, Placement, state_dtype
 
@@ -261,7 +262,9 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
             self._plan_exchanges()
 
     def _plan_exchanges(self) -> None:
-        self.exchanges.plan({p: config for g, config in self.configs() for p in g["params"]})
+        configs = {p: config for g, config in self.configs() for p in g["params"]}
+        # experts are stepped where they are (dobb.optim.experts), never exchanged
+        self.exchanges.plan({p: c for p, c in configs.items() if not is_experts(p)})
         self._planned = True
 
     def _validate_group(self, group) -> None:
@@ -269,7 +272,7 @@ class OwnerExchangeOptimizer(MatrixOptimizer):
         if group["algorithm"] != self.algorithm:
             return
         for p in group["params"]:
-            if not isinstance(p, DTensor):
+            if not isinstance(p, DTensor) or is_experts(p):  # experts: whole on each rank
                 continue
             placement = matrix_placement(p)  # rejects Partial placements
             if self.core.whole_rows and len(placement.cols) != p.shape[1]:

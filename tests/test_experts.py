@@ -1,0 +1,124 @@
+"""Expert stacks ``(E, d_out, d_in)`` are ``E`` matrices (``dobb.optim.experts``).
+
+Every registry optimizer that steps experts, on one stack fed per-expert gradients, equals
+the same optimizer on ``E`` separate matrices fed the same gradients, tensor for tensor
+(both computed here, in float64, with the same ops: ``torch.equal``). An update computed
+across ``E`` (one orthogonalization or normalization of the stack, a state shared by the
+experts) fails it. The state is stacked per key, and a checkpoint resumes exactly.
+"""
+
+import copy
+
+import pytest
+import torch
+from optim_db import SMALL_INPUTS, over_foreach
+from torch import nn
+
+import dobb
+from dobb.registry import OPTIMIZERS, get_entry
+
+EXPERTS, D_OUT, D_IN, STEPS = 3, 12, 8, 6
+MATRIX = [n for n in OPTIMIZERS if hasattr(get_entry(n).cls, "supports_experts")]
+STEPPED = sorted(n for n in MATRIX if get_entry(n).cls.supports_experts)
+REFUSED = sorted(n for n in MATRIX if n not in STEPPED)
+
+
+def cases():
+    return over_foreach([pytest.param(n, SMALL_INPUTS[n][-1], id=n) for n in STEPPED])
+
+
+def make(name: str, params: list[tuple[str, nn.Parameter]], options: dict, foreach: bool):
+    entry = get_entry(name)
+    options = entry.hyperparameters | options
+    options = {k: v for k, v in options.items() if k != "lr"}
+    return entry.cls([{"params": params}], lr=0.02, foreach=foreach, **options)
+
+
+def gradients(step: int) -> torch.Tensor:
+    """The stack's gradient at ``step``: expert ``e``'s own, of another scale each (a
+    normalization across the stack would show)."""
+    g = torch.randn(EXPERTS, D_OUT, D_IN, generator=torch.Generator().manual_seed(step))
+    return g * torch.tensor([1.0, 10.0, 0.1]).view(-1, 1, 1).double()
+
+
+def train(opt, params, steps, first=0):
+    for step in range(first, first + steps):
+        grad = gradients(step)
+        if len(params) == 1:
+            params[0].grad = grad.clone()
+        else:
+            for e, p in enumerate(params):
+                p.grad = grad[e].clone()
+        opt.step()
+
+
+@pytest.mark.parametrize("name, options, foreach", cases())
+def test_a_stack_steps_as_its_experts_one_by_one(name, options, foreach):
+    torch.manual_seed(0)
+    weights = torch.randn(EXPERTS, D_OUT, D_IN, dtype=torch.float64)
+    stack = nn.Parameter(weights.clone())
+    experts = [nn.Parameter(weights[e].clone()) for e in range(EXPERTS)]
+    stacked = make(name, [("w", stack)], options, foreach)
+    separate = make(name, [(f"w[{e}]", p) for e, p in enumerate(experts)], options, foreach)
+    train(stacked, [stack], STEPS)
+    train(separate, experts, STEPS)
+    for e, p in enumerate(experts):
+        assert torch.equal(stack.detach()[e], p.detach()), (name, e)
+    state = stacked.state[stack]
+    for key, value in state.items():  # each key one (E, ...) tensor: expert e's slice
+        for e, p in enumerate(experts):
+            assert torch.equal(value[e], separate.state[p][key]), (name, key, e)
+
+
+@pytest.mark.parametrize("name", STEPPED)
+def test_a_stack_resumes_from_its_state_dict(name):
+    torch.manual_seed(0)
+    weights = torch.randn(EXPERTS, D_OUT, D_IN, dtype=torch.float64)
+    options = SMALL_INPUTS[name][-1]
+    straight = nn.Parameter(weights.clone())
+    opt = make(name, [("w", straight)], options, False)
+    train(opt, [straight], STEPS)
+    first = nn.Parameter(weights.clone())
+    opt = make(name, [("w", first)], options, False)
+    train(opt, [first], STEPS // 2)
+    saved = copy.deepcopy(opt.state_dict())
+    resumed = nn.Parameter(first.detach().clone())
+    opt = make(name, [("w", resumed)], options, False)
+    opt.load_state_dict(saved)
+    train(opt, [resumed], STEPS - STEPS // 2, first=STEPS // 2)
+    assert torch.equal(resumed.detach(), straight.detach())
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_dobb_refuses_a_stack_with_the_reason(name):
+    stack = nn.Parameter(torch.randn(EXPERTS, D_OUT, D_IN))
+    with pytest.raises(ValueError, match=r"w is a stack of 3 expert matrices.*routed tokens"):
+        get_entry(name).cls([{"params": [("w", stack)]}])
+
+
+class MoE(nn.Module):
+    """A router, shared projections and an expert stack, named as torchtitan names them."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D_IN, EXPERTS, bias=False)
+        self.experts = nn.Module()
+        self.experts.w1 = nn.Parameter(torch.randn(EXPERTS, D_OUT, D_IN))
+        self.shared = nn.Linear(D_IN, D_IN)
+
+
+def test_param_groups_routes_expert_stacks_only_when_asked():
+    model = MoE()
+    names = lambda groups: [[n for n, _ in g["params"]] for g in groups]  # noqa: E731
+    matrix, scalar = names(dobb.param_groups(model))
+    assert "experts.w1" in scalar and "experts.w1" not in matrix
+    matrix, scalar = names(dobb.param_groups(model, experts=r"experts\.w[123]$"))
+    assert matrix == ["router.weight", "experts.w1", "shared.weight"]
+    assert scalar == ["shared.bias"]
+    opt = dobb.Muon(dobb.param_groups(model, experts=r"experts\."), lr=0.02)
+    x = torch.randn(4, D_IN)
+    (model.router(x).sum() + model.shared(x).sum() + model.experts.w1.square().sum()).backward()
+    before = model.experts.w1.detach().clone()
+    opt.step()
+    assert opt.state[model.experts.w1]["momentum"].shape == (EXPERTS, D_OUT, D_IN)
+    assert not torch.equal(before, model.experts.w1.detach())
