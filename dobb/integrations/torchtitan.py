@@ -39,6 +39,10 @@ SPMD_BACKENDS = ("partial_dtensor", "full_dtensor")
 # Name segments of wrapper modules: activation checkpointing's (torchtitan strips it from
 # its FQNs too) and ``torch.compile(module)``'s (torchtitan compiles blocks in place).
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
+# torchtitan's routed experts (``GroupedExperts``: ``w1_EFD``, ``w2_EDF``, ``w3_EFD``), each an
+# (E, d_out, d_in) stack: the matrix group of an optimizer that steps experts
+# (``dobb.optim.experts``; Dobb does not yet, so for it they stay with AdamW)
+EXPERT_WEIGHTS = r"\.w[123]_E[DF]{2}$"
 
 
 def part_mesh(model: nn.Module):
@@ -223,6 +227,7 @@ def build(
         exclude=config.exclude,
         scalar_algorithm=config.scalar_algorithm,
         scalar_options={"lr": scalar_lr, "weight_decay": config.scalar_weight_decay},
+        experts=EXPERT_WEIGHTS if entry.cls.supports_experts else None,
     )
     optimizer = entry.cls(named_groups(groups), **kwargs)
     if entry.needs_statistics and kwargs.get("basis_source", "activations") == "activations":

@@ -35,6 +35,8 @@ from titan_checkpoints import flatten, load_checkpoint, same
 from titan_continuation import assert_loss_agrees, assert_step_agrees
 from torch import nn
 
+from dobb.registry import get_entry
+
 RUN_TIMEOUT = 1800  # seconds for each torchrun: a guard against a hung gloo rank, not a speed limit
 # the module's first test sets up both torchruns (pytest-timeout's 300 s would cut it short on a
 # loaded machine): the same kind of guard
@@ -52,7 +54,10 @@ LAYOUTS = {
     "hsdp": ["--parallelism.data_parallel_replicate_degree", "2"],
     "fsdp_tp": ["--parallelism.tensor_parallel_degree", "2"],
     "pp_fsdp": PIPELINE,
+    "fsdp_moe": [],  # FSDP over 2 ranks, on titan_configs.qwen3_moe_cpu
 }
+# the config of each layout's jobs (titan_configs), where not llama3_cpu
+CONFIGS = {"fsdp_moe": "qwen3_moe_cpu"}
 # (optimizer, layout, state every hidden matrix of that optimizer holds), run with their
 # resumed twins: on 2 ranks, and on 4
 # ("dobb": the recommended configuration, the library's default; "dobb_paper": the paper's,
@@ -69,8 +74,11 @@ JOBS = [
     ("dobb_paper", "pp", "input_basis_0"),
 ]
 JOBS_4 = [("dobb_paper", "hsdp", "input_basis_0"), ("dobb_paper", "fsdp_tp", "input_basis_0")]
+# optimizers run on the mixture of experts (layout "fsdp_moe"), with their resumed twins
+MOE_JOBS = ["muon"]
 RANKS = {**{layout: 2 for _, layout, _ in JOBS}, **{layout: 4 for _, layout, _ in JOBS_4}}
 RANKS["pp_fsdp"] = 4
+RANKS["fsdp_moe"] = 2
 # jobs run again with torchtitan's compile switch on, as (optimizer, layout)
 COMPILED = [("dobb", "fsdp"), ("muon", "fsdp")]
 # the model's blocks and the loss; aot_eager: Dynamo and AOTAutograd as with inductor, the
@@ -87,8 +95,8 @@ TOKENS = 2 * 2 * 64  # a step's global batch: 2 FSDP ranks x 2 sequences x 64 to
 MAX_NORM = 1.0  # torchtitan's training.max_norm (its default): gradients clipped to it
 # what the stage costs, counted: optimizer steps times ranks over every job, which the
 # plan below must not exceed (each 2-rank job of 4 steps is 8, a resumed one 4; the
-# plan is 168)
-RANK_STEP_BUDGET = 170
+# plan is 180)
+RANK_STEP_BUDGET = 180
 
 
 def job_args(out: Path, name: str, layout: str, resume: bool = False, **kw) -> list:
@@ -100,7 +108,8 @@ def job_args(out: Path, name: str, layout: str, resume: bool = False, **kw) -> l
     suffix = "_resumed" if resume else "_compiled" if compiled else ""
     suffix = f"_from_{source}" if source else suffix
     folder = out / f"{name}_{layout}"
-    args = ["--module", "titan_configs", "--config", "llama3_cpu", "--optimizer.name", name]
+    config = CONFIGS.get(layout, "llama3_cpu")
+    args = ["--module", "titan_configs", "--config", config, "--optimizer.name", name]
     args += [*LAYOUTS[layout], *(COMPILE if compiled else []), "--debug.seed", "0"]
     args += ["--training.steps", str(STEPS), "--comm.init_timeout_seconds", "120"]
     interval = 1 if (name, layout) in EVERY_STEP else SAVE_EVERY
@@ -118,7 +127,8 @@ def job_args(out: Path, name: str, layout: str, resume: bool = False, **kw) -> l
 
 def plan(out: Path) -> dict[int, list[list]]:
     """Every job's command line, by the number of ranks of its torchrun."""
-    twins = [(n, lay, r) for n, lay, _ in JOBS + JOBS_4 for r in (False, True)]
+    jobs = [(n, lay) for n, lay, _ in JOBS + JOBS_4] + [(n, "fsdp_moe") for n in MOE_JOBS]
+    twins = [(n, lay, r) for n, lay in jobs for r in (False, True)]
     jobs = {2: [], 4: []}
     for name, layout, resume in twins:
         jobs[RANKS[layout]].append(job_args(out, name, layout, resume))
@@ -191,6 +201,26 @@ def test_resume_gives_a_bit_identical_checkpoint(runs, name, layout, state_key):
     for weight in ("layers.0.attention.wo.weight", "layers.5.feed_forward.w2.weight"):
         assert f"optimizer.state.{weight}.{state_key}" in a
         assert not torch.equal(first[weight], a[weight])
+
+
+@pytest.mark.parametrize("name", MOE_JOBS)
+def test_routed_experts_are_stepped_as_matrices_and_resume_bit_identical(runs, name):
+    """torchtitan's MoE (qwen3, ``titan_configs.EXPERTS`` routed experts a block, FSDP over 2 ranks,
+    each rank holding whole experts): each expert stack goes to the matrix optimizer, its
+    state one ``(E, d_out, d_in)`` tensor per key (``dobb.optim.experts``), and a resumed
+    run's step-4 checkpoint equals the uninterrupted one bit for bit."""
+    a = step_checkpoint(runs / f"{name}_fsdp_moe")
+    b = step_checkpoint(runs / f"{name}_fsdp_moe_resumed")
+    assert a.keys() == b.keys()
+    differ = [key for key in a if not same(a[key], b[key])]
+    assert not differ, f"{len(differ)} entries differ after a resume, e.g. {differ[:5]}"
+    first = step_checkpoint(runs / f"{name}_fsdp_moe", SAVE_EVERY)
+    for block in (0, 1):
+        for weight in ("w1_EFD", "w2_EDF", "w3_EFD"):
+            fqn = f"layers.{block}.moe.routed_experts.inner_experts.{weight}"
+            assert a[f"optimizer.state.{fqn}.momentum"].shape == a[fqn].shape, fqn
+            assert a[fqn].ndim == 3 and f"optimizer.state.{fqn}.exp_avg" not in a
+            assert not torch.equal(first[fqn], a[fqn])
 
 
 def records(folder: Path) -> list[dict]:
@@ -352,6 +382,27 @@ def test_the_scalar_group_takes_its_own_weight_decay(titan, name):
         (opt,) = optimizers.optimizers
         assert [g["weight_decay"] for g in opt.param_groups] == [0.3, scalar]
         assert "lm_head.weight" in opt.param_groups[1]["param_names"]
+
+
+@pytest.mark.parametrize(
+    "name, experts_group", [("muon", "muon"), ("dion", "dion"), ("dobb", "adamw")]
+)
+def test_routed_experts_go_to_a_matrix_optimizer_that_steps_them(titan, name, experts_group):
+    """torchtitan's ``GroupedExperts`` stacks (named ``w1_EFD``, ``w2_EDF``, ``w3_EFD``) go
+    to the matrix group of an optimizer that steps experts, to AdamW for Dobb."""
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.moe import GroupedExperts
+
+    integration, _ = titan
+    set_spmd_backend("partial_dtensor")
+    model = nn.Module()
+    model.attention = nn.Linear(16, 16, bias=False)
+    config = GroupedExperts.Config(dim=16, hidden_dim=8, num_experts=4)
+    model.experts = config.build()
+    groups = names_by_algorithm(container(integration, model, name=name))
+    stacks = ["experts.w1_EFD", "experts.w2_EDF", "experts.w3_EFD"]
+    assert set(stacks) <= set(groups[experts_group])
+    assert "attention.weight" in groups[get_entry(name).cls.algorithm]
 
 
 def test_config_selects_any_registry_optimizer_from_the_command_line(titan):

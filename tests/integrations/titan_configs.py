@@ -11,12 +11,15 @@ import os
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
-from dobb.integrations.torchtitan import llama3_debugmodel
+from dobb.integrations.torchtitan import llama3_debugmodel, use_dobb
+
+# the small mixture of experts (qwen3_moe_cpu): experts, tokens each goes to, their width
+EXPERTS, TOP_K, EXPERT_HIDDEN = 8, 2, 64
 
 
-def llama3_cpu():
+def on_cpu(config):
+    """``config`` made small enough for two CPU ranks (the module docstring)."""
     assets = os.environ["TITAN_ASSETS"]
-    config = llama3_debugmodel()
     # FlexAttention has no backward on CPU; SDPA's causal mask replaces its per-document one
     for _, _, parent, attr in config.model_spec.model.traverse(FlexAttention.Config):
         if isinstance(parent, list):
@@ -32,3 +35,25 @@ def llama3_cpu():
     config.training.mixed_precision_param = "float32"
     config.validator.enable = False
     return config
+
+
+def llama3_cpu():
+    return on_cpu(llama3_debugmodel())
+
+
+def qwen3_moe_cpu():
+    """torchtitan's qwen3 MoE debug model cut to 2 blocks of ``EXPERTS`` routed experts
+    (top ``TOP_K``, hidden width ``EXPERT_HIDDEN``), with dobb's optimizers."""
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    config = use_dobb(qwen3_moe_debug(), "muon")
+    model = config.model_spec.model
+    model.layers = model.layers[:2]
+    for layer in model.layers:
+        moe = layer.moe
+        experts, dispatcher = moe.routed_experts.inner_experts, moe.routed_experts.token_dispatcher
+        moe.num_experts = experts.num_experts = dispatcher.num_experts = EXPERTS
+        moe.router.num_experts, moe.router.gate.out_features = EXPERTS, EXPERTS
+        moe.router.top_k = dispatcher.top_k = TOP_K
+        experts.hidden_dim = EXPERT_HIDDEN
+    return on_cpu(config)

@@ -13,6 +13,10 @@ torchtitan targets accelerators. On a CPU-only machine it needs, before it build
   the timeouts after step 1: the timeouts are kept;
 - attention: the test's config selects SDPA instead of FlexAttention (see
   ``titan_configs.py``);
+- grouped GEMMs: ``torch._grouped_mm``'s backward fails on CPU in torch 2.13 (``Invalid
+  strides/sizes``), so the routed experts (``GroupedExperts._grouped_mm``, torchtitan's own
+  seam for other kernels) run one matmul per expert over its rows between consecutive
+  offsets (the same product; rows past the last offset, padding, are zeros);
 - pipeline schedules: torchtitan 0.3 hands its microbatches, already split, to
   ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=)``, a signature newer than torch
   2.13's, whose ``step`` splits a whole batch itself (and would take those three lists for
@@ -152,6 +156,22 @@ def _step_with_microbatches(schedule_class) -> None:
     schedule_class.step = step
 
 
+def _grouped_mm_per_expert() -> None:
+    """``GroupedExperts._grouped_mm`` as a loop: ``A[offs[e-1]:offs[e]] @ B_t[e]``."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    def per_expert(self, *, A, B_t, offs):
+        ends = offs.tolist()
+        starts = [0, *ends[:-1]]
+        out = A.new_zeros(A.shape[0], B_t.shape[-1])
+        for e, (start, end) in enumerate(zip(starts, ends)):
+            if end > start:
+                out[start:end] = A[start:end] @ B_t[e]
+        return out
+
+    GroupedExperts._grouped_mm = per_expert
+
+
 def install() -> None:
     """Apply the shim in this process (idempotent)."""
     if getattr(install, "done", False):
@@ -167,4 +187,5 @@ def install() -> None:
 
     for schedule_class in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
         _step_with_microbatches(schedule_class)
+    _grouped_mm_per_expert()
     install.done = True
