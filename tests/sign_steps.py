@@ -46,8 +46,16 @@ def rotate(x: Tensor, input_bases, row_bases=(), *, into: bool = True) -> Tensor
     return x
 
 
-def sign_steps(before: Tensor, after: Tensor, input_bases, row_bases=(), *, lr: float,
-               weight_decay: float, alpha: float) -> Tensor:  # fmt: skip
+def sign_steps(
+    before: Tensor,
+    after: Tensor,
+    input_bases,
+    row_bases=(),
+    *,
+    lr: float,
+    weight_decay: float,
+    alpha: float,
+) -> Tensor:
     """``-P_rᵀ (W_after - W_before (1 - lr wd)) Q_b / (lr alpha)``: a step of Dobb with
     sign coefficients, in the bases it used and in units of ``lr alpha`` (``±1``)."""
     step = after.double() - before.double() * (1 - lr * weight_decay)

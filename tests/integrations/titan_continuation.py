@@ -167,8 +167,9 @@ def weight_distance(a: dict, b: dict) -> tuple[float, float]:
     return diff**0.5, norm**0.5
 
 
-def assert_step_agrees(before: tuple[dict, dict], after: tuple[dict, dict], *, steps: int,
-                       tokens: int, skip=()) -> dict:  # fmt: skip
+def assert_step_agrees(
+    before: tuple[dict, dict], after: tuple[dict, dict], *, steps: int, tokens: int, skip=()
+) -> dict:
     """Bounds 1 to 5 on one step of runs A and B (``before``/``after``: their flat
     checkpoints); ``steps`` since their states were equal; ``skip``: prefixes of entries not
     compared (the caller says why). Returns what was measured (the largest gaps against
@@ -177,8 +178,11 @@ def assert_step_agrees(before: tuple[dict, dict], after: tuple[dict, dict], *, s
     assert a1.keys() == b1.keys() == a0.keys() == b0.keys()
     distance, norm = weight_distance(a0, b0)
     state_bound = steps * rounding(tokens) + RESPONSE * distance / norm
-    dobb = {k.removeprefix("optimizer.state.").removesuffix(".input_basis_0")
-            for k in a1 if k.endswith(".input_basis_0")}  # fmt: skip
+    dobb = {
+        k.removeprefix("optimizer.state.").removesuffix(".input_basis_0")
+        for k in a1
+        if k.endswith(".input_basis_0")
+    }
     step = int(a1["train_state.step"])
     for fqn in dobb:
         interval = group(a0, fqn, "basis_interval")
@@ -252,9 +256,15 @@ def gradients(before: dict, after: dict, grad_norm: float, max_norm: float) -> d
     return grads
 
 
-def assert_loss_agrees(step: int, records: tuple[dict, dict], before: tuple[dict, dict],
-                       after: tuple[dict, dict], *, tokens: int,
-                       max_norm: float) -> tuple[float, float, float]:  # fmt: skip
+def assert_loss_agrees(
+    step: int,
+    records: tuple[dict, dict],
+    before: tuple[dict, dict],
+    after: tuple[dict, dict],
+    *,
+    tokens: int,
+    max_norm: float,
+) -> tuple[float, float, float]:
     """Bound 6 on step ``step``'s loss in runs A and B (``records``: their ``{"losses",
     "grad_norms"}`` by step; ``before``, ``after``: their flat checkpoints at the step's
     start and end; ``max_norm``: torchtitan's clipping norm). Returns ``(difference,
