@@ -122,3 +122,33 @@ def test_param_groups_routes_expert_stacks_only_when_asked():
     opt.step()
     assert opt.state[model.experts.w1]["momentum"].shape == (EXPERTS, D_OUT, D_IN)
     assert not torch.equal(before, model.experts.w1.detach())
+
+
+def initial(device: str = "cpu") -> nn.Parameter:
+    """A stack drawn on the CPU (the same values on any device) and moved to ``device``."""
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(EXPERTS, D_OUT, D_IN, generator=generator, dtype=torch.float64)
+    return nn.Parameter(weights.to(device))
+
+
+@pytest.mark.parametrize("name", STEPPED)
+def test_a_stack_steps_on_fake_cuda_as_on_the_cpu(name):
+    """The CUDA path without a GPU (``tests/fake_cuda.py``): a stack's views, gradient
+    slices and stacked state stay on its device (no mismatch, counters on the host), and
+    its twin equals the CPU run of the same steps (foreach on: same-shape experts stacked)."""
+    from fake_cuda import FakeCuda, twin
+
+    options = SMALL_INPUTS[name][-1]
+    cpu = initial()
+    train(make(name, [("w", cpu)], options, True), [cpu], 3)
+    with FakeCuda():
+        stack = initial("cuda:0")  # drawn inside the fake mode, so that it has a twin
+        opt = make(name, [("w", stack)], options, True)
+        for step in range(3):
+            stack.grad = gradients(step).to("cuda:0")
+            opt.step()
+        devices = {key: value.device.type for key, value in opt.state[stack].items()}
+        values = twin(stack.detach())
+    assert {d for k, d in devices.items() if k != "step"} == {"cuda"}, devices
+    assert devices.get("step", "cpu") == "cpu"
+    assert torch.equal(values, cpu.detach())
