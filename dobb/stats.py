@@ -434,6 +434,189 @@ def output_gradient_hook(stats: BlockStatistics):
     return hook
 
 
+class ExpertStatistics:
+    """Running sums per expert of one ``(E, d_out, d_in)`` expert stack's inputs: ``A_e,b +=
+    X_e,bᵀ X_e,b`` and ``n_e += N_e``, where ``X_e`` are the ``N_e`` rows a grouped GEMM
+    multiplies by expert ``e`` (the tokens routed to it).
+
+    ``sums``: one ``(E_seen, count, size, size)`` tensor per stack of input blocks,
+    ``tokens``: ``(E_seen,)``, made at the first call, where ``E_seen`` is the number of
+    experts the module's grouped GEMM sees: this rank's (one process, DDP, expert
+    parallelism) or every expert (FSDP, which gathers the whole stack for the forward while
+    each rank keeps some experts' state: the sums are then added over the ranks splitting
+    the stack before the fold, ``dobb.optim.dobb_steps``). An expert that got no rows adds
+    nothing and its count stays. ``seen`` as ``BlockStatistics``' (host).
+
+    Cost: one host read of the offsets per call (torchtitan's token dispatch reads the same
+    counts), and per expert with rows one ``bmm`` per stack. Eager only: a compiled model
+    runs this hook outside its graphs (``torch.compiler.disable``).
+    """
+
+    def __init__(self, stacks: tuple[BlockStack, ...], dtype: torch.dtype, device):
+        self.stacks, self.dtype, self.device = stacks, dtype, device
+        self.width = stacks[-1].stop - stacks[0].start
+        self.sums: list[Tensor] | None = None
+        self.tokens: Tensor | None = None
+        self.seen = False
+
+    def observe(self, x: Tensor, offsets: Tensor) -> None:
+        """Add ``x`` (``(N, width)`` rows sorted by expert) split at ``offsets``
+        (``(E_seen,)`` cumulative row counts: expert ``e``'s rows end at ``offsets[e]``), as
+        a forward input: not in an activation-checkpoint recompute, nor without grad
+        outside a reentrant checkpoint's forward (``BlockStatistics.gated``)."""
+        if in_backward():
+            return
+        if torch.is_grad_enabled() or in_reentrant_checkpoint_forward():
+            self.add(x, offsets)
+
+    @torch.no_grad()
+    def add(self, x: Tensor, offsets: Tensor) -> None:
+        """Accumulate every expert's rows of ``x`` (see ``observe``)."""
+        x = x.detach().reshape(-1, x.shape[-1])
+        if x.shape[-1] != self.width:
+            raise ValueError(f"expert input has {x.shape[-1]} features, expected {self.width}")
+        experts = offsets.shape[0]
+        if self.sums is None:
+            self.sums = [
+                torch.zeros(experts, s.count, s.size, s.size, dtype=self.dtype, device=x.device)
+                for s in self.stacks
+            ]
+            self.tokens = torch.zeros(experts, dtype=self.dtype, device=x.device)
+        if self.tokens.shape[0] != experts:
+            raise ValueError(
+                f"a grouped GEMM saw {experts} experts where it saw {self.tokens.shape[0]} before"
+            )
+        compute_dtype = gram_dtype(x.device, self.dtype)
+        ends = offsets.tolist()  # the one host read
+        for e, (start, stop) in enumerate(zip([0, *ends[:-1]], ends)):
+            if stop > start:
+                grams = block_grams(x[start:stop], self.stacks, compute_dtype, self.dtype)
+                torch._foreach_add_([total[e] for total in self.sums], grams)
+        self.tokens += torch.diff(offsets, prepend=offsets.new_zeros(1)).to(self.dtype)
+        self.seen = True
+
+    def reset(self) -> None:
+        """Zero the sums and the token counts."""
+        if self.sums is not None:
+            torch._foreach_zero_([*self.sums, self.tokens])
+        self.seen = False
+
+
+class ExpertSlice:
+    """One expert's part of an ``ExpertStatistics`` (``of``), as Dobb's fold reads a layer's
+    ``BlockStatistics``: ``sums`` (``(count, size, size)`` views), ``tokens`` (a 0-d view),
+    ``seen`` and ``reset`` (the whole stack's). The expert is ``index`` of this rank's
+    ``count`` experts, ``first + index`` globally: its row of the sums is ``index`` where
+    the grouped GEMM saw this rank's experts, ``first + index`` where it saw them all."""
+
+    def __init__(self, of: ExpertStatistics, index: int, first: int, count: int):
+        self.of, self.index, self.first, self.count = of, index, first, count
+
+    @property
+    def row(self) -> int:
+        return self.index + (self.first if self.of.tokens.shape[0] > self.count else 0)
+
+    @property
+    def seen(self) -> bool:
+        return self.of.seen
+
+    @seen.setter
+    def seen(self, value: bool) -> None:
+        self.of.seen = value
+
+    @property
+    def sums(self) -> list[Tensor]:
+        return [total[self.row] for total in self.of.sums]
+
+    @property
+    def tokens(self) -> Tensor:
+        return self.of.tokens[self.row]
+
+    def reset(self) -> None:
+        self.of.reset()
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """How a grouped-experts module multiplies its stacks (``register_experts``)."""
+
+    calls: tuple[str, ...]
+    method: str = "_grouped_mm"
+
+
+_EXPERT_MODULES: dict[type[nn.Module], ExpertsSpec] = {}
+
+
+def register_experts(module_type: type[nn.Module], calls, method: str = "_grouped_mm") -> None:
+    """Let ``Dobb.track`` gather per-expert statistics in ``module_type``'s modules.
+
+    The protocol: a forward of such a module calls ``self.<method>(A, B_t, offs)`` (or with
+    those keywords) once per expert stack, in the order of ``calls`` (the stacks' attribute
+    names), where ``A`` is ``(N, d_in)`` rows sorted by expert, ``B_t`` the stack's
+    ``(E, d_in, d_out)`` transpose (any dtype) and ``offs`` the ``(E,)`` cumulative row
+    counts; it returns the ``(N, d_out)`` products (torchtitan's ``GroupedExperts``:
+    ``calls=("w1_EFD", "w3_EFD", "w2_EDF")``, method ``_grouped_mm``).
+    """
+    _EXPERT_MODULES[module_type] = ExpertsSpec(tuple(calls), method)
+
+
+def expert_modules(model: nn.Module) -> Iterator[tuple[nn.Module, ExpertsSpec]]:
+    """``(module, spec)`` of every module of ``model`` of a registered experts type."""
+    for module in model.modules():  # a subclass's registration before its base's
+        spec = next(
+            (_EXPERT_MODULES[t] for t in type(module).__mro__ if t in _EXPERT_MODULES), None
+        )
+        if spec is not None:
+            yield module, spec
+
+
+class GroupedMatmulHook:
+    """Feeds each stack's ``ExpertStatistics`` the left operand of its grouped GEMM.
+
+    It shadows ``module.<method>`` with a wrapper on the instance (the class's method, read
+    at each call, still computes: a shim installed later is used), and counts the calls of a
+    forward (a forward pre-hook resets the count) to tell the stacks apart by ``calls``. The
+    right operand's shape is checked against the stack's, so that a module computing in
+    another order raises rather than mixes its experts' statistics. ``remove`` undoes both.
+    """
+
+    def __init__(self, module: nn.Module, spec: ExpertsSpec, stats: dict[str, ExpertStatistics]):
+        self.module, self.spec, self.stats, self.call = module, spec, stats, 0
+        self._reset = module.register_forward_pre_hook(self._start)
+        setattr(module, spec.method, self._wrapped)
+
+    def _start(self, module, args) -> None:
+        self.call = 0
+
+    @torch.compiler.disable
+    def _observe(self, name: str, a: Tensor, b_t: Tensor, offs: Tensor) -> None:
+        stack = getattr(self.module, name)
+        expected = (stack.shape[-1], stack.shape[-2])
+        if tuple(b_t.shape[-2:]) != expected:
+            raise RuntimeError(
+                f"{type(self.module).__name__}.{self.spec.method} call {self.call} multiplies by "
+                f"a {tuple(b_t.shape)} operand, but the registered order {self.spec.calls} "
+                f"names {name}, whose transpose is (E, {expected[0]}, {expected[1]}); register "
+                "the module's stacks in the order its forward multiplies by them "
+                "(dobb.stats.register_experts)"
+            )
+        self.stats[name].observe(a, offs)
+
+    def _wrapped(self, *args, **kwargs) -> Tensor:
+        names = ("A", "B_t", "offs")
+        bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        name = self.spec.calls[self.call % len(self.spec.calls)]
+        self.call += 1
+        if self.module.training and name in self.stats:
+            self._observe(name, bound["A"], bound["B_t"], bound["offs"])
+        return getattr(type(self.module), self.spec.method)(self.module, *args, **kwargs)
+
+    def remove(self) -> None:
+        self._reset.remove()
+        if self.module.__dict__.get(self.spec.method) == self._wrapped:
+            delattr(self.module, self.spec.method)
+
+
 # A hooked side's source: what a missing one is called, its hook, where the hook goes.
 HOOKS = {
     "activations": ("activation", statistics_hook, "register_forward_pre_hook"),
@@ -455,6 +638,7 @@ class DobbStatistics:
     def __init__(self, *, name_of, layouts):
         self.name_of, self.layouts = name_of, layouts
         self._stats: dict[Tensor, dict[str, BlockStatistics]] = {}  # param -> side -> sums
+        self._experts: dict[Tensor, ExpertStatistics] = {}  # expert stack -> its sums
         self._gram_cache = GramCache()  # layers fed one input tensor (q, k, v) share X_bᵀ X_b
         self._hooks: list[RemovableHandle] = []
         self._replicas_checked = False  # _check_replicas ran (once per optimizer)
@@ -482,12 +666,37 @@ class DobbStatistics:
             if hooked:
                 self._stats[weight] = hooked
         self._hooks += handles
-        if not handles:
-            raise ValueError(
-                "track() found no layer whose weight is in a Dobb group; known layer types: "
-                f"{[t.__name__ for t in tracked_layers()]}"
-            )
         return handles
+
+    def track_experts(self, modules: list[tuple]) -> list:
+        """Hook each ``(module, spec, stacks)``'s grouped GEMMs (``GroupedMatmulHook``):
+        ``stacks`` maps a stack's attribute name to ``(stack, experts, layout)``, its
+        parameter, this rank's experts' views (``dobb.optim.experts.ExpertViews``) and an
+        expert's ``MatrixLayout``. Each expert's view reads its slice of the stack's sums."""
+        handles = []
+        for module, spec, stacks in modules:
+            by_name = {}
+            for name, (stack, experts, layout) in stacks.items():
+                if stack in self._experts:
+                    raise ValueError(f"{self.name_of(stack)} is already tracked")
+                dtype = torch.promote_types(stack.dtype, torch.float32)  # the state's dtype
+                stats = ExpertStatistics(layout.input.stacks, dtype, local(stack).device)
+                self._experts[stack] = by_name[name] = stats
+                first = experts[0][1] if experts else 0
+                for e, (view, _) in enumerate(experts):
+                    self._stats[view] = {"input": ExpertSlice(stats, e, first, len(experts))}
+            handles.append(GroupedMatmulHook(module, spec, by_name))
+        self._hooks += handles
+        return handles
+
+    def reset_experts(self) -> None:
+        """Zero every expert stack's sums, the rows of experts other ranks hold included."""
+        for stats in self._experts.values():
+            stats.reset()
+
+    def expert_statistics(self) -> list[tuple[Tensor, ExpertStatistics]]:
+        """``(stack, sums)`` of every tracked expert stack, in the order tracked."""
+        return list(self._experts.items())
 
     def untrack(self) -> None:
         """Remove every hook ``track`` added and drop the pending statistics."""
@@ -495,6 +704,7 @@ class DobbStatistics:
             handle.remove()
         self._hooks.clear()
         self._stats.clear()
+        self._experts.clear()
         self._gram_cache.clear()
 
     def sums(self, param: Tensor, side) -> BlockStatistics | None:
@@ -510,14 +720,18 @@ class DobbStatistics:
         names = ("input", "row")
         return [(p, s[name]) for name in names for p, s in self._stats.items() if name in s]
 
+    def _accumulators(self) -> list[tuple[Tensor, "BlockStatistics | ExpertStatistics"]]:
+        """``(param, sums)`` of every layer's and every expert stack's accumulators."""
+        return [*self._hooked(), *self._experts.items()]
+
     def pending(self) -> list[tuple[Tensor, Tensor]]:
         """``(param, sum)`` of every accumulator holding this step's tokens (to check that
         they are finite before anything changes)."""
-        return [(p, t) for p, s in self._hooked() if s.seen for t in s.sums]
+        return [(p, t) for p, s in self._accumulators() if s.seen for t in s.sums]
 
     def discard(self) -> None:
         """Drop this step's accumulated statistics (a skipped or failed step)."""
-        for _, stats in self._hooked():
+        for _, stats in self._accumulators():
             stats.reset()
 
     def check(self, matrices: list) -> None:
@@ -533,18 +747,26 @@ class DobbStatistics:
         for m in matrices:
             if not isinstance(m.config.lr, Tensor) and m.config.lr == 0:
                 continue
-            hooked = self._stats.get(m.param, {})
-            sides = [s for s in self.layouts(m.param, m.config).sides if s.hooked]
-            missing = [s for s in sides if s.name not in hooked or not hooked[s.name].seen]
+            if m.param.ndim == 3:  # an expert stack: its input side, from its grouped GEMMs
+                stats = self._experts.get(m.param)
+                hooked = {} if stats is None else {"input": stats}
+                sides = [("input", "activations")] if m.config.basis_source in HOOKS else []
+            else:
+                hooked = self._stats.get(m.param, {})
+                layout = self.layouts(m.param, m.config)
+                sides = [(s.name, s.source) for s in layout.sides if s.hooked]
+            missing = [s for s in sides if s[0] not in hooked or not hooked[s[0]].seen]
             if not missing:
                 continue
-            what = HOOKS[missing[0].source][0]
-            if missing[0].name not in hooked:
+            what = HOOKS[missing[0][1]][0]
+            if missing[0][0] not in hooked:
                 raise RuntimeError(
                     f"{m.name} has no {what} statistics for this step. "
                     "Call opt.track(model) before the forward pass (it hooks nn.Linear "
-                    "layers) and backward through the layer, route the parameter to "
-                    "algorithm='adamw', or construct Dobb with missing_stats='identity'."
+                    "layers and registered grouped-experts modules: "
+                    "dobb.stats.register_experts) and backward through the layer, route the "
+                    "parameter to algorithm='adamw', or construct Dobb with "
+                    "missing_stats='identity'."
                 )
             raise RuntimeError(
                 f"{m.name} has no {what} statistics for this step, although opt.track() "

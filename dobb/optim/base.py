@@ -67,7 +67,7 @@ from torch import Tensor
 from dobb._dtensor import local
 from dobb.optim.batching import each
 from dobb.optim.config import OptimizerConfig
-from dobb.optim.experts import expert_matrices, experts_refusal, is_experts, stacked_state
+from dobb.optim.experts import ExpertViews, experts_refusal, is_experts, stacked_state
 from dobb.optim.parts import COUNTERS, Core, Group, Local, Matrix, Placement, Step
 from dobb.optim.scalar import (
     SCALAR_ALGORITHMS,
@@ -118,6 +118,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self.skipped_steps: int | Tensor = 0
         self._live: Tensor | None = None  # capturable: 1.0 if this step's inputs are finite
         self._names: dict[Tensor, str] = {}
+        self.expert_views = ExpertViews()  # each expert stack's matrices (dobb.optim.experts)
         super().__init__(params, {"algorithm": self.algorithm, **config.defaults()})
 
     # ----------------------------------------------------------------- groups
@@ -256,14 +257,15 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 return state
 
             param, name = matrix.param, matrix.name
-            experts = is_experts(param)
-            state.update(stacked_state(param, name, init) if experts else init(param, name))
+            if is_experts(param):
+                state.update(stacked_state(param, name, init, self.expert_views.weights(param)))
+            else:
+                state.update(init(param, name))
         return state
 
-    @staticmethod
-    def _experts_of(matrix: Matrix) -> list[Matrix] | tuple[Matrix]:
+    def _experts_of(self, matrix: Matrix) -> list[Matrix] | tuple[Matrix]:
         """An expert stack's matrices (``dobb.optim.experts``); any other matrix alone."""
-        return expert_matrices(matrix) if is_experts(matrix.param) else (matrix,)
+        return self.expert_views.matrices(matrix) if is_experts(matrix.param) else (matrix,)
 
     def _matrix_step(self, matrices: list[Matrix], step: Step) -> None:
         """Each placement claims its matrices from those the ones before it left, then each

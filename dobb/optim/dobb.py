@@ -127,14 +127,17 @@ from dobb.optim.dobb_core import (
     side_keys,
 )
 from dobb.optim.dobb_steps import DobbSteps, block_state_like, param_block_stacks
+from dobb.optim.experts import expert_of, is_experts, stack_groups
 from dobb.optim.parts import Matrix, state_dtype
 from dobb.stats import (
     BlockStack,
     DobbStatistics,
     block_stacks,
+    expert_modules,
     fsdp_data_ranks,
     layer_weights,
     several_ranks,
+    tracked_layers,
 )
 
 UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
@@ -249,7 +252,9 @@ def side_stacks(param: Tensor, dim: int, count, width, name: str, rows: bool = F
     return block_stacks(mine, -(-mine // (width or BLOCK_WIDTH))) if mine else ()
 
 
-def matrix_layout(param: Tensor, input_dim: int, config, data_groups: tuple, name: str):
+def matrix_layout(
+    param: Tensor, input_dim: int, config, data_groups: tuple, name: str, shared: bool = True
+):
     """The ``MatrixLayout`` of ``param`` (named ``name``), a Dobb matrix whose input features
     lie along ``input_dim``, with ``config``'s options and ``data_groups`` the ranks that see
     other tokens.
@@ -261,13 +266,14 @@ def matrix_layout(param: Tensor, input_dim: int, config, data_groups: tuple, nam
     ``row_blocks`` over the rows, or blocks of at most ``row_block_size`` rows within this
     rank's rows; their ``C`` is averaged over the data ranks (``row_stats="outputs"``, which
     refuses rows split over them) or over the ranks holding the other columns of the same
-    rows (``"gradients"``).
+    rows (``"gradients"``). ``shared``: every rank of ``data_groups`` holds this matrix (not
+    so for an expert of a stack split along its experts).
     """
     width = param.shape[input_dim]
     check_stats_group(data_groups, param, input_dim, name)
     source = sources(config)
     cols = side_stacks(param, input_dim, config.num_blocks, config.block_size, name)
-    columns = Side(INPUT, input_dim, cols, source[INPUT], tuple(data_groups), shared=True)
+    columns = Side(INPUT, input_dim, cols, source[INPUT], tuple(data_groups), shared=shared)
     dim = 1 - input_dim
     if not config.two_sided:
         return MatrixLayout(input_dim, width, columns, Side(ROW, dim, (), source[ROW]))
@@ -301,8 +307,11 @@ class Layouts:
         dim = self._input_dims.get(param, 1)
         key = (id(param), dim, *(getattr(config, o) for o in config.layout_options()))
         if key not in self._layouts:
-            name = self.name_of(param)
-            self._layouts[key] = matrix_layout(param, dim, config, self.data_groups, name)
+            name, expert = self.name_of(param), expert_of(param)
+            groups, shared = self.data_groups, True
+            if expert is not None:  # its statistics are added up before the fold, not after
+                groups, shared = (), not stack_groups(expert.stack)[0]
+            self._layouts[key] = matrix_layout(param, dim, config, groups, name, shared)
         return self._layouts[key]
 
 
@@ -339,8 +348,6 @@ class Dobb(MatrixOptimizer):
     """
 
     algorithm = "dobb"
-    # an expert's statistics must come from its routed tokens: not yet (dobb.optim.experts)
-    supports_experts = False
     core = DobbCore()
     # the argument that takes a job's data-parallel ranks (see dobb.distributed.groups)
     data_parallel_option = "stats_group"
@@ -488,7 +495,16 @@ class Dobb(MatrixOptimizer):
         ):
             raise NotImplementedError("basis_source='gradients' supports unsharded matrices only")
         for p in group["params"]:
-            self.layouts(p, config)
+            if not is_experts(p):
+                self.layouts(p, config)
+                continue
+            if config.two_sided and config.row_stats == "outputs":
+                raise NotImplementedError(
+                    f"{self.name_of(p)} is a stack of experts: row_stats='outputs' has no "
+                    "per-expert output gradients (the grouped GEMM's); use row_stats='gradients'"
+                )
+            for view in self.expert_views.weights(p)[:1]:  # one expert's layout checks all
+                self.layouts(view, config)
 
     def track(self, model: nn.Module) -> list[RemovableHandle]:
         """Hook every layer of ``model`` whose weight is in a Dobb group whose statistics
@@ -513,7 +529,29 @@ class Dobb(MatrixOptimizer):
             if config is not None and hooked(config):
                 self.layouts.orient(weight, spec.input_dim)
                 layers.append((module, weight, self.layouts(weight, config)))
-        return self.statistics.track(layers)
+        experts = []
+        for module, spec in expert_modules(model):
+            stacks = {}
+            for name in spec.calls:
+                stack = getattr(module, name, None)
+                config = configs.get(stack)
+                if config is None or not hooked(config):
+                    continue
+                views = self.expert_views.weights(stack)
+                template = views[0] if views else torch.empty(stack.shape[1:], device="meta")
+                first = expert_of(views[0]).first if views else 0
+                experts_here = [(view, first) for view in views]
+                stacks[name] = (stack, experts_here, self.layouts(template, config))
+            if stacks:
+                experts.append((module, spec, stacks))
+        handles = self.statistics.track(layers) + self.statistics.track_experts(experts)
+        if not handles:
+            raise ValueError(
+                "track() found no layer whose weight is in a Dobb group; known layer types: "
+                f"{[t.__name__ for t in tracked_layers()]}, and grouped-experts modules "
+                "registered with dobb.stats.register_experts"
+            )
+        return handles
 
     def untrack(self) -> None:
         """Remove every hook ``track`` added and drop the pending statistics."""
@@ -521,12 +559,14 @@ class Dobb(MatrixOptimizer):
 
     def _held(self) -> list[tuple[Matrix, MatrixLayout]]:
         """``(matrix, layout)`` of every matrix with state."""
-        return [
-            (Matrix(p, self.state[p], c, self.name_of(p)), self.layouts(p, c))
+        held = [
+            Matrix(p, self.state[p], c, self.name_of(p))
             for g, c in self.configs()
             for p in g["params"]
             if p in self.state
         ]
+        matrices = [e for m in held for e in self._experts_of(m)]
+        return [(m, self.layouts(m.param, m.config)) for m in matrices]
 
     def synchronize_statistics(self) -> None:
         """Average every ``C_b`` folded since its last average (a collective under DP).

@@ -445,6 +445,37 @@ def update_alpha(scale: float | str, d_in: int) -> float:
     return {"adamw": 0.2, "lion": 1.0}.get(scale, scale)
 
 
+EXPERT_TOKENS = "expert_tokens"  # an expert's state: its tokens seen, n_hat
+
+
+def expert_weights(counts: list[Tensor], seen: list[Tensor], beta: float, live=None) -> list:
+    """An expert's fold weights, its ``C`` being a token-weighted EMA of its routed tokens'
+    moments: for expert ``e`` with ``n_e`` tokens this step and ``n_hat_e`` seen before
+    (``seen``, 0-d, updated in place)::
+
+        gamma_e = (1 - beta) n_e / (beta n_hat_e + (1 - beta) n_e)     (0 if n_e = 0)
+        C_e <- C_e + gamma_e (S_e - C_e)
+        n_hat_e <- n_e (the first tokens), beta n_hat_e + (1 - beta) n_e (later ones),
+                   unchanged (none)
+
+    ``n_hat`` is the EMA of the expert's token counts, and a step's tokens weigh ``(1 -
+    beta) n_e`` against the ``beta n_hat_e`` of the past: an expert's first tokens give
+    ``gamma = 1`` (``C <- S``, as a layer's first statistics); equal counts every step give
+    ``gamma = 1 - beta`` (a layer's EMA, up to rounding); a step with few tokens moves
+    ``C`` little, so a routing imbalance cannot swing a basis onto a handful of tokens; an
+    idle expert keeps ``C`` and ``n_hat``. ``live`` (capturable): where 0, every gamma is 0 and
+    ``n_hat`` stays. Returns the ``gamma_e``, 0-d tensors."""
+    n, n_hat = torch.stack(counts), torch.stack(seen)
+    scaled = n * (1 - beta)
+    total = n_hat * beta + scaled
+    gamma = torch.where(n > 0, scaled / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
+    grown = torch.where(n > 0, torch.where(n_hat > 0, total, n), n_hat)
+    if live is not None:
+        gamma, grown = gamma * live, torch.where(live.bool(), grown, n_hat)
+    torch._foreach_copy_(seen, list(grown.unbind(0)))
+    return list(gamma.unbind(0))
+
+
 def fold(first: tuple[list, list], later: dict[float, tuple[list, list]], live=None) -> None:
     """Fold this step's moments ``S`` into the second moments ``C``, in place:
     ``C <- S`` for the pairs ``first = (Cs, Ss)`` (a matrix's first statistics), and

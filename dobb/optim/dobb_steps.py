@@ -36,19 +36,23 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dobb._dtensor import DTensor, Replicate, Shard, local
+from dobb.distributed.groups import shared_axis
 from dobb.distributed.placement import matrix_placement
 from dobb.distributed.reduce import all_reduce_
 from dobb.eigensolve import refresh_bases
 from dobb.optim.batching import each, group_by
 from dobb.optim.dobb_core import (
+    EXPERT_TOKENS,
     DobbBatch,
     DobbCore,
+    expert_weights,
     fold,
     gradient_moments,
     refresh_due,
     rotation_dtype,
 )
-from dobb.optim.parts import COUNTERS, Matrix, Placement, Step, local_state
+from dobb.optim.experts import expert_of, stack_groups
+from dobb.optim.parts import COUNTERS, Matrix, Placement, Step, local_state, state_dtype
 from dobb.stats import BlockStack, block_stacks
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
@@ -153,11 +157,24 @@ def split_over_ranks(fn, *stacks: Tensor, group) -> Tensor:
     return gathered[:n]
 
 
+def unseen_expert(state: dict) -> Tensor | None:
+    """For an expert's ``state``, whether it has had no tokens yet (0-d, on its device: its
+    refresh keeps the basis it has, and solves ``C = I`` in place of its ``C = 0``, which a
+    Cholesky QR would count as a failure); None for a layer's."""
+    return local(state[EXPERT_TOKENS]) == 0 if EXPERT_TOKENS in state else None
+
+
+def identity_like(covs: Tensor) -> Tensor:
+    """The identity in the shape of a ``(count, s, s)`` stack of ``C``."""
+    return torch.eye(covs.shape[-1], dtype=covs.dtype, device=covs.device).expand_as(covs)
+
+
 def averaged_every_step(matrix: Matrix) -> bool:
     """Whether ``matrix``'s statistics are averaged at every step (``stats_sync``: "step",
     or "auto" for a plain parameter, replicated as under DDP), else on refresh steps."""
-    sync = matrix.config.stats_sync
-    return sync == "step" or (sync == "auto" and not isinstance(matrix.param, DTensor))
+    sync, expert = matrix.config.stats_sync, expert_of(matrix.param)
+    param = matrix.param if expert is None else expert.stack  # an expert: as its stack
+    return sync == "step" or (sync == "auto" and not isinstance(param, DTensor))
 
 
 class DobbSteps(Placement):
@@ -183,6 +200,8 @@ class DobbSteps(Placement):
         state = {}
         for side in self.layouts(param, config).sides:
             state.update(side.init_state(param, name))
+        if expert_of(param) is not None:  # an expert's tokens seen (dobb_core.expert_weights)
+            state[EXPERT_TOKENS] = torch.zeros((), dtype=state_dtype(param), device=param.device)
         return state
 
     def step(self, matrices: list[Matrix], core: DobbCore, step: Step) -> None:
@@ -229,9 +248,11 @@ class DobbSteps(Placement):
 
     def _fold(self, matrices, layouts, stats_steps: list, live) -> list:
         """Fold this step's moments into ``C`` for every matrix that has them on every side
-        (``dobb_core.fold``); returns each matrix's ``stats_steps`` after the fold. A
-        matrix missing a hooked side's moments folds nothing (its sums are dropped)."""
+        (``dobb_core.fold``; an expert's, weighted by its tokens: ``expert_weights``);
+        returns each matrix's ``stats_steps`` after the fold. A matrix missing a hooked
+        side's moments folds nothing (its sums are dropped)."""
         stats_steps = list(stats_steps)
+        self._add_expert_sums()
         pairs = [
             (i, side)
             for i, layout in enumerate(layouts)
@@ -245,7 +266,8 @@ class DobbSteps(Placement):
             matrices[0].config.batched,
         )
         moments = {(i, side.name): found for (i, side), found in zip(pairs, moments)}
-        folding, sums, tokens = [], [], []  # (index, sources); hook sums and token counts
+        folding, sums, tokens, used = [], [], [], []  # (index, sources); hook sums and counts
+        counts = {}  # an expert's index -> its tokens this step
         for i, (m, layout) in enumerate(zip(matrices, layouts)):
             sources = self._sources(i, m, layout, moments)
             hooks = [src for _, src in sources if not isinstance(src, list)]
@@ -255,34 +277,76 @@ class DobbSteps(Placement):
                         h.reset()
                 continue
             folding.append((i, sources))
+            used += hooks
             for h in hooks:
                 sums += h.sums
                 tokens += [h.tokens] * len(h.sums)
-                h.seen = False
+            if EXPERT_TOKENS in m.state and hooks:  # this step's n, kept from the reset below
+                counts[i] = hooks[0].tokens.clone()
+        for h in used:  # after the loop: the experts of a stack share one flag
+            h.seen = False
         if not folding:
             return stats_steps
-        hook_means = iter(torch._foreach_div(sums, tokens) if sums else [])  # device n
+        # S = A / n; an expert without tokens has A = 0 and n = 0 (its weight is 0)
+        hook_means = iter(
+            torch._foreach_div(sums, torch._foreach_clamp_min(tokens, 1.0)) if sums else []
+        )
         if sums:
             torch._foreach_zero_([*sums, *dict.fromkeys(tokens)])  # each counter once
         self.statistics.clear_cache()
-        first, later = ([], []), {}  # (Cs, Ss) to copy; beta -> (Cs, Ss) to lerp
+        self.statistics.reset_experts()  # every expert's rows: others' too (FSDP's)
+        first, later, weighted = ([], []), {}, {}  # (Cs, Ss) copied; lerped by beta; experts'
         for i, sources in folding:
+            m = matrices[i]
             covs = [cov for side, _ in sources for cov in side]
             means = [
                 mean
                 for side, src in sources
                 for mean in (src if isinstance(src, list) else [next(hook_means) for _ in side])
             ]
-            beta = matrices[i].config.stats_beta
-            target = first if stats_steps[i] == 0 else later.setdefault(beta, ([], []))
-            target[0].extend(covs)
-            target[1].extend(means)
+            beta = m.config.stats_beta
+            if i in counts:  # an expert's tokens: its token-weighted EMA
+                entry = weighted.setdefault(beta, ([], [], [], [], []))
+                values = (covs, means, [counts[i]], [m.state[EXPERT_TOKENS]], [len(covs)])
+                for part, value in zip(entry, values):
+                    part.extend(value)
+            else:
+                target = first if stats_steps[i] == 0 else later.setdefault(beta, ([], []))
+                target[0].extend(covs)
+                target[1].extend(means)
             stats_steps[i] += 1
-            self._unsynced.add(id(matrices[i].param))
+            self._unsynced.add(id(m.param))
         fold(first, later, live)
+        for beta, (covs, means, ns, seen, widths) in weighted.items():
+            gammas = expert_weights(ns, seen, beta, live)
+            weights = [g for g, k in zip(gammas, widths) for _ in range(k)]
+            torch._foreach_lerp_(covs, means, weights)
         counters = [matrices[i].state["stats_steps"] for i, _ in folding]
         torch._foreach_add_(counters, 1.0 if live is None else each(live, counters))
         return stats_steps
+
+    def _add_expert_sums(self) -> None:
+        """Add up each expert stack's sums over the ranks that saw other tokens for the same
+        experts, so that every rank holding an expert folds all of its tokens (one process's
+        statistics): the data-parallel replicas of the stack (DDP's ranks, HSDP's replicate
+        axis), and where the stack is split along its experts but its grouped GEMM saw
+        every expert (FSDP gathers the stack for the forward), the ranks splitting it. Under
+        expert parallelism each rank sees its own experts' routed tokens and nothing moves.
+        One all-reduce per group and step (``dobb.stats.ExpertStatistics``)."""
+        tensors, groups = [], []
+        for stack, stats in self.statistics.expert_statistics():
+            if not stats.seen:
+                continue
+            split, _ = stack_groups(stack)
+            data = self.layouts.data_groups
+            over = tuple(g for g in data if not split or shared_axis((g,), split) is None)
+            if split and stats.tokens.shape[0] > local(stack).shape[0]:
+                over += split
+            if over:
+                tensors += [*stats.sums, stats.tokens]
+                groups += [over] * (len(stats.sums) + 1)
+        if tensors:
+            all_reduce_(tensors, groups)
 
     def _sources(self, i: int, matrix: Matrix, layout, moments: dict) -> list[tuple]:
         """``(Cs, source)`` for each side of a matrix that has moments: ``source`` is the
@@ -336,11 +400,20 @@ class DobbSteps(Placement):
                 continue
             targets = [local(state[b]) for state, _, b in keys]
             covs = [local(state[c]) for state, c, _ in keys]
+            unseen = [unseen_expert(state) for state, _, _ in keys]
+            covs = [
+                c if u is None else torch.where(u, identity_like(c), c)
+                for c, u in zip(covs, unseen)
+            ]
             run = None
             if shared and self.refresh_group is not None:
                 run = functools.partial(split_over_ranks, group=self.refresh_group)
             solver = dict(failures=self.failures, capturable=due[0][0].config.capturable)
-            torch._foreach_copy_(targets, refresh_bases(covs, targets, method, run, **solver))
+            bases = refresh_bases(covs, targets, method, run, **solver)
+            bases = [
+                b if u is None else torch.where(u, t, b) for b, t, u in zip(bases, targets, unseen)
+            ]
+            torch._foreach_copy_(targets, bases)
         if due:  # refill the stacked copies where a captured steady step reads them
             for bases, stacked in self._basis_stacks.values():
                 stacked.copy_(torch.stack(bases))

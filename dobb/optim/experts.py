@@ -21,12 +21,18 @@ default sharding of a stack, expert parallelism), where each rank holds whole ex
 steps its own with no communication; their stacked state is a DTensor placed as the
 parameter, so that DCP saves and reshards it. Refused at construction with the reason: a
 stack split inside its experts (``Shard(1)``, ``Shard(2)``: tensor parallelism of the
-experts) and Dobb, whose expert statistics must come from each expert's routed tokens
-(issue #42).
+experts).
+
+The views are made once per stack (``ExpertViews``) and kept while the stack's local tensor
+and its state's tensors are the same objects, so that an expert is the same tensor at every
+step: what keys a matrix's layout, statistics and host counts keys an expert too, and
+``expert_of`` says which stack and expert a view is (Dobb's per-expert statistics,
+``dobb.stats.ExpertStatistics``).
 """
 
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -51,9 +57,7 @@ def experts_refusal(param: Tensor, name: str, algorithm: str, supported: bool) -
     if not supported:
         return (
             f"{name} is a stack of {param.shape[0]} expert matrices, which algorithm="
-            f"{algorithm!r} does not step yet (its statistics must come from each expert's "
-            "routed tokens); put it in a group with algorithm='adamw', or use Muon, NorMuon, "
-            "MuonBP, Dion, Dion2 or NorDion2 for it"
+            f"{algorithm!r} does not step; put it in a group with algorithm='adamw'"
         )
     if isinstance(param, DTensor) and not all(
         p == Shard(0) or isinstance(p, Replicate) for p in param.placements
@@ -93,14 +97,15 @@ def placed_like(stack: Tensor, param: Tensor) -> Tensor:
 
 
 def stacked_state(
-    param: Tensor, name: str, init: Callable[[Tensor, str], dict[str, Any]]
+    param: Tensor, name: str, init: Callable[[Tensor, str], dict[str, Any]], weights: list
 ) -> dict[str, Tensor]:
-    """The state of this rank's experts of ``param``, ``init(w_e, name_e)`` each (``e``
-    global), stacked along a new leading dim and placed as ``param``: ``{key: (E, *shape)}``."""
-    weights, first = local(param).detach(), first_expert(param)
-    states = [init(weights[e], expert_name(name, first + e)) for e in range(weights.shape[0])]
+    """The state of this rank's experts of ``param`` (``weights``: their views,
+    ``ExpertViews.weights``), ``init(w_e, name_e)`` each (``e`` global), stacked along a new
+    leading dim and placed as ``param``: ``{key: (E, *shape)}``."""
+    first = first_expert(param)
+    states = [init(weight, expert_name(name, first + e)) for e, weight in enumerate(weights)]
     if not states:  # an uneven split can leave a rank without experts: keys and shapes
-        template = weights.new_zeros(weights.shape[1:])
+        template = local(param).new_zeros(param.shape[1:])
         alike = init(template, expert_name(name, first))
         stacked = {key: value.new_empty((0, *value.shape)) for key, value in alike.items()}
     else:
@@ -108,19 +113,96 @@ def stacked_state(
     return {key: placed_like(value, param) for key, value in stacked.items()}
 
 
-def expert_matrices(matrix: Matrix) -> list[Matrix]:
-    """``matrix`` (an ``(E, d_out, d_in)`` parameter with its stacked state) as ``E``
-    matrices: views of its weights with their gradients' views as ``.grad``, and views of
-    its state (a step's in-place writes land in the parameter and its state)."""
-    weights, grad = local(matrix.param).detach(), local(matrix.param.grad)
-    states, first = (
-        {key: local(value) for key, value in matrix.state.items()},
-        first_expert(matrix.param),
-    )
-    experts = []
-    for e in range(weights.shape[0]):
-        weight = weights[e]
-        weight.grad = grad[e]
-        state = {key: value[e] for key, value in states.items()}
-        experts.append(Matrix(weight, state, matrix.config, expert_name(matrix.name, first + e)))
-    return experts
+class Expert(NamedTuple):
+    """Which expert a view is: of ``stack`` (the parameter), its ``index`` on this rank
+    (``first`` + ``index`` globally, ``first_expert``)."""
+
+    stack: Tensor
+    index: int
+    first: int
+
+
+# id(view) -> (a weak reference to the view, its Expert); by identity (a tensor's == is
+# elementwise), dropped when the view is freed
+_EXPERTS: dict[int, tuple[weakref.ref, Expert]] = {}
+
+
+def _register(view: Tensor, expert: Expert) -> None:
+    key = id(view)
+
+    def drop(dead: weakref.ref) -> None:
+        if _EXPERTS.get(key, (None,))[0] is dead:
+            del _EXPERTS[key]
+
+    _EXPERTS[key] = (weakref.ref(view, drop), expert)
+
+
+def expert_of(weight: Tensor) -> Expert | None:
+    """The stack and expert of ``weight`` if it is an expert's view (``ExpertViews``)."""
+    ref, expert = _EXPERTS.get(id(weight), (None, None))
+    return expert if ref is not None and ref() is weight else None
+
+
+def where(t: Tensor) -> tuple:
+    """What identifies a tensor's memory: its address, shape and strides (a DTensor's local
+    tensor is a new view object at each ``to_local``, over the same memory)."""
+    return t.data_ptr(), tuple(t.shape), t.stride()
+
+
+class ExpertViews:
+    """Each stack's per-expert views, made once and kept (the module docstring): the
+    weights' while the stack's local memory is the same, the state's while its tensors'
+    are."""
+
+    def __init__(self):
+        self._weights: dict[Tensor, tuple[tuple, list[Tensor]]] = {}
+        self._states: dict[Tensor, tuple[tuple, list[dict[str, Any]]]] = {}
+
+    def weights(self, stack: Tensor) -> list[Tensor]:
+        """This rank's experts of ``stack``, ``(d_out, d_in)`` views of its local tensor."""
+        tensor = local(stack)
+        held = self._weights.get(stack)
+        if held is None or held[0] != where(tensor):
+            detached, first = tensor.detach(), first_expert(stack)
+            views = [detached[e] for e in range(detached.shape[0])]
+            for e, view in enumerate(views):
+                _register(view, Expert(stack, e, first))
+            held = self._weights[stack] = (where(tensor), views)
+        return held[1]
+
+    def states(self, stack: Tensor, state: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each expert's state: views of ``state``'s stacked tensors."""
+        tensors = {key: local(value) for key, value in state.items()}
+        memory = tuple((key, where(t)) for key, t in tensors.items())
+        held = self._states.get(stack)
+        if held is None or held[0] != memory:
+            count = local(stack).shape[0]
+            views = [{key: t[e] for key, t in tensors.items()} for e in range(count)]
+            held = self._states[stack] = (memory, views)
+        return held[1]
+
+    def matrices(self, matrix: Matrix) -> list[Matrix]:
+        """``matrix`` (an ``(E, d_out, d_in)`` parameter with its stacked state) as ``E``
+        matrices: the experts' views with their gradients' views as ``.grad`` (None
+        without a gradient), and their
+        state's views (a step's in-place writes land in the parameter and its state)."""
+        grad, first = local(matrix.param.grad), first_expert(matrix.param)
+        weights = self.weights(matrix.param)
+        states = self.states(matrix.param, matrix.state)
+        experts = []
+        for e, (weight, state) in enumerate(zip(weights, states, strict=True)):
+            weight.grad = None if grad is None else grad[e]
+            name = expert_name(matrix.name, first + e)
+            experts.append(Matrix(weight, state, matrix.config, name))
+        return experts
+
+
+def stack_groups(stack: Tensor) -> tuple[tuple, tuple]:
+    """The process groups of the mesh axes that split ``stack`` along its experts, and of
+    those that copy it (``Replicate``); ``((), ())`` for a plain tensor."""
+    if not isinstance(stack, DTensor):
+        return (), ()
+    mesh, split, copied = stack.device_mesh, [], []
+    for axis, placement in enumerate(stack.placements):
+        (split if placement == Shard(0) else copied).append(mesh.get_group(axis))
+    return tuple(split), tuple(copied)
