@@ -180,3 +180,31 @@ def test_a_stack_without_statistics_is_refused_before_anything_changes():
     with pytest.raises(RuntimeError, match="w1 has no activation statistics.*register_experts"):
         opt.step()
     assert torch.equal(model.w1, before) and not opt.state
+
+
+def test_a_capturable_step_with_an_idle_expert_reads_nothing():
+    """Capturable (``docs/gpu.md``): with an expert idle, steady steps and refresh steps
+    read nothing on the host (the token counts stay on the device: the fold's weights and
+    the refresh's keep are ``torch.where``s), and train as the default step does, bit for
+    bit (two-sided Dobb with the sign: Adam coefficients' bias correction would take the
+    device counters there and the host's floats here, which round differently)."""
+    from opcount import OpCounter
+
+    schedule = [[4, 3, 5], [6, 0, 6], [6, 0, 6], [2, 7, 3]]
+    options = CONFIGS["dobb2s"] | {"basis_interval": 2, "basis_method": "cholqr", "foreach": True}
+    finals = []
+    for capturable in (False, True):
+        extra = {"capturable": True, "nonfinite": "skip"} if capturable else {}
+        model, opt = stacked(options | extra)
+        reads = []
+        for step, counts in enumerate(schedule):  # steps 3 (idle expert) and 4: refresh, steady
+            x, n, target = batch(step, counts)
+            opt.zero_grad()
+            (model(x, n) * target).sum().backward()
+            with OpCounter() as counter:
+                opt.step()
+            reads.append(counter.host_reads)
+        if capturable:
+            assert reads[1:] == [0, 0, 0], reads  # the first builds the state, eagerly
+        finals.append(torch.cat([model.w1.detach().flatten(), model.w2.detach().flatten()]))
+    assert torch.equal(*finals)
