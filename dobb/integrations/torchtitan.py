@@ -23,12 +23,13 @@ from torch import nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.distributed.utils import get_spmd_backend
+from torchtitan.models.common.moe import GroupedExperts
 
 from dobb._dtensor import DTensor
 from dobb.groups import DEFAULT_EXCLUDE, param_groups
 from dobb.optim.scalar import SCALAR_ALGORITHMS
 from dobb.registry import get_entry, without_algorithm
-from dobb.stats import layer_weights
+from dobb.stats import layer_weights, register_experts
 
 TESTED_VERSION = "0.3.0"
 # Mesh axes (torchtitan's names) whose ranks see different tokens, and the one that splits
@@ -41,8 +42,11 @@ SPMD_BACKENDS = ("partial_dtensor", "full_dtensor")
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
 # torchtitan's routed experts (``GroupedExperts``: ``w1_EFD``, ``w2_EDF``, ``w3_EFD``), each an
 # (E, d_out, d_in) stack: the matrix group of an optimizer that steps experts
-# (``dobb.optim.experts``; Dobb does not yet, so for it they stay with AdamW)
+# (``dobb.optim.experts``), every registry optimizer's
 EXPERT_WEIGHTS = r"\.w[123]_E[DF]{2}$"
+# Its forward multiplies the routed tokens by w1, then w3, then (their product) by w2,
+# each through its ``_grouped_mm``: Dobb's expert statistics hook there (dobb.stats)
+register_experts(GroupedExperts, ("w1_EFD", "w3_EFD", "w2_EDF"))
 
 
 def part_mesh(model: nn.Module):
