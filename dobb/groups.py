@@ -44,8 +44,9 @@ def param_groups(
         experts: regex searched in the names of 3-D parameters, ``(E, d_out, d_in)`` stacks
             of a mixture of experts' weights (torchtitan's ``GroupedExperts``:
             ``r"experts\.w[123]$"``): matching ones go to the matrix group, each expert
-            stepped as its own matrix (``dobb.optim.experts``; not by Dobb yet). None:
-            every 3-D parameter goes to the scalar group.
+            stepped as its own matrix (``dobb.optim.experts``; Dobb's statistics come from
+            each expert's routed tokens: ``dobb.stats.register_experts``). None: every 3-D
+            parameter goes to the scalar group.
     """
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     matrices = {id(weight) for _, weight, _ in layer_weights(model)}

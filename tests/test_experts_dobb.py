@@ -208,3 +208,17 @@ def test_a_capturable_step_with_an_idle_expert_reads_nothing():
             assert reads[1:] == [0, 0, 0], reads  # the first builds the state, eagerly
         finals.append(torch.cat([model.w1.detach().flatten(), model.w2.detach().flatten()]))
     assert torch.equal(*finals)
+
+
+def test_the_example_of_docs_algorithm_runs():
+    """docs/algorithm.md's "Experts" example, run as written: one step with an idle
+    expert."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "algorithm.md").read_text()
+    section = doc[doc.index("## Experts: statistics from the routed tokens") :]
+    code = section[section.index("```python\n") + 10 : section.index("\n```\n")]
+    scope = {}
+    exec(compile(code, "docs/algorithm.md", "exec"), scope)
+    state = scope["opt"].state[scope["model"].w1]
+    assert state[EXPERT_TOKENS].tolist() == [5.0, 0.0, 4.0, 3.0]

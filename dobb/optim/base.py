@@ -36,8 +36,8 @@ interface:
   the gradients, and a refused or skipped step must leave every state, the scalar groups'
   included, as it was. For that reason too ``check`` holds the one collective outside the
   placements: once per optimizer, a multi-rank job with no ``stats_group`` compares its
-  ranks' statistics (``dobb.stats.DobbStatistics``) and is refused if its replicas would
-  drift apart.
+  ranks' statistics (``dobb.optim.dobb_statistics.DobbStatistics``) and is refused if its
+  replicas would drift apart.
 
 A step, in order: the non-finite check of the gradients and ``inputs.pending()`` (skip or
 raise: ``inputs.discard()``); ``inputs.check``; AdamW/Lion on the other groups; then the

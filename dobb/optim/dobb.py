@@ -11,12 +11,13 @@ in one rank's rows (``two_sided``), and Adam coefficients in place of the sign; 
 communication in ``step()`` besides the statistics' average. The maths per matrix is in
 the class docstring.
 
-Dobb's code is four modules: this one (the options, the class, each matrix's layout, old
+Dobb's code is five modules: this one (the options, the class, each matrix's layout, old
 checkpoints), its core ``dobb.optim.dobb_core`` (the state and the maths on plain tensors),
-its placement ``dobb.optim.dobb_steps`` (the step's order, its collectives, the batches)
-and ``dobb.stats`` (the hooks and their statistics), beside the solvers of
-``dobb.eigensolve``. ``Dobb`` is the driver (``dobb.optim.base``) over ``DobbCore``, with
-``DobbSteps`` as its only placement and its ``DobbStatistics`` as the step's ``inputs``.
+its placement ``dobb.optim.dobb_steps`` (the step's order, its collectives, the batches),
+its inputs ``dobb.optim.dobb_statistics`` (the hooks it holds and their checks) and
+``dobb.stats`` (the hooks and their sums), beside the solvers of ``dobb.eigensolve``.
+``Dobb`` is the driver (``dobb.optim.base``) over ``DobbCore``, with ``DobbSteps`` as its
+only placement and its ``DobbStatistics`` as the step's ``inputs``.
 Some options at more length than the class docstring gives them:
 
 Sharding: DTensor parameters are updated on their local shard. Row shards (FSDP
@@ -126,12 +127,12 @@ from dobb.optim.dobb_core import (
     DobbCore,
     side_keys,
 )
+from dobb.optim.dobb_statistics import DobbStatistics
 from dobb.optim.dobb_steps import DobbSteps, block_state_like, param_block_stacks
 from dobb.optim.experts import expert_of, is_experts, stack_groups
 from dobb.optim.parts import Matrix, state_dtype
 from dobb.stats import (
     BlockStack,
-    DobbStatistics,
     block_stacks,
     expert_modules,
     fsdp_data_ranks,
