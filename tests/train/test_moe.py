@@ -1,14 +1,18 @@
 """The mixture of experts of `dobb.train.model` (`MoE`, `GroupedExperts`): the layer against
 a per-token float64 reference, the `_grouped_mm` call protocol that hooks rely on, the
-load-balancing loss and the init."""
+load-balancing loss, the init, and `dobb train` routing the expert stacks and training."""
 
+import math
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dobb.registry import OPTIMIZERS, build_optimizer, get_entry
+from dobb.train.config import ConfigError, load_config
 from dobb.train.model import EXPERT_WEIGHTS, GPT, MLP, GroupedExperts, MoE, gpt_config
+from dobb.train.trainer import train
 
 C, E = 16, 4
 
@@ -202,3 +206,48 @@ def test_the_stacks_are_named_by_expert_weights():
         == expert_stacks(model)
         == {f"blocks.{i}.mlp.experts.w{j}" for i in range(2) for j in (1, 2)}
     )
+
+
+def test_muon_steps_the_stacks_with_the_hidden_matrices_adamw_with_its_hidden_group():
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", n_experts=E))
+    stacks = expert_stacks(model)
+    muon = build_optimizer("muon", model, experts=EXPERT_WEIGHTS)
+    matrix, scalar = muon.param_groups
+    assert matrix["algorithm"] == "muon" and stacks <= set(matrix["param_names"])
+    assert "blocks.0.mlp.router.weight" in matrix["param_names"]  # a hidden nn.Linear
+    assert not stacks & set(scalar["param_names"])
+    adamw = build_optimizer("adamw", model, experts=EXPERT_WEIGHTS, weight_decay=0.1)
+    hidden, rest = adamw.param_groups
+    assert stacks <= set(hidden["param_names"]) and hidden["weight_decay"] == 0.1
+    assert not stacks & set(rest["param_names"]) and rest["weight_decay"] == 0.0
+    no_regex = build_optimizer("muon", model)  # without the regex: with the scalars
+    assert stacks <= set(no_regex.param_groups[-1]["param_names"])
+
+
+def tiny_moe(tmp_path, optimizer: str, steps: int = 2):
+    overrides = [f"optimizer={optimizer}", f"steps={steps}", f"out_dir={tmp_path}"]
+    return load_config("configs/tiny-moe.yaml", overrides + ["progress=false"])
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_dobb_train_runs_the_tiny_moe_config(tmp_path, optimizer):
+    cfg = tiny_moe(tmp_path, optimizer)
+    assert cfg.model_overrides["n_experts"] > 0
+    summary = train(cfg)
+    assert math.isfinite(summary["final_val_loss"])
+    assert summary["num_params"] > GPT(gpt_config("tiny")).num_params()
+
+
+def test_training_the_tiny_moe_reduces_the_loss(tmp_path):
+    summary = train(tiny_moe(tmp_path, "muon", steps=12))
+    assert summary["final_val_loss"] < math.log(256) - 0.3
+
+
+REFUSING = sorted(n for n in OPTIMIZERS if not getattr(get_entry(n).cls, "supports_experts", True))
+
+
+@pytest.mark.parametrize("optimizer", REFUSING)
+def test_an_optimizer_that_cannot_step_experts_is_refused_naming_the_stack(tmp_path, optimizer):
+    with pytest.raises(ConfigError, match=r"blocks\.0\.mlp\.experts\.w1 is a stack of 4 expert"):
+        train(tiny_moe(tmp_path, optimizer))
