@@ -33,12 +33,13 @@ def _ranking(report: dict, key: str) -> str:
 
 
 def ordering_sentence(report: dict) -> str:
-    """Whether the dense ordering of (a) holds with experts, both rankings spelled out."""
+    """Whether the dense ordering of (a) holds with experts, both rankings spelled out (no
+    closing full stop)."""
     verdict = "holds" if report["holds"] else "does not hold"
     return (
         f"Mixture of experts ({report['n_experts']} experts, top {report['expert_top_k']}, "
         f"width {report['n_embd']}): the dense ordering {verdict}. With experts: "
-        f"{_ranking(report, 'order')}; dense, (a): {_ranking(report, 'dense_order')}."
+        f"{_ranking(report, 'order')}; dense, (a): {_ranking(report, 'dense_order')}"
     )
 
 
