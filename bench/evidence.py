@@ -34,6 +34,7 @@ from bench.results.model import (
 from bench.results.report import CALIBRATION_FILE, CALLTIME_FILE, RUN_FILE
 from bench.results.sections import check_rows
 from bench.study.format import fmt_loss, in_words
+from bench.study.moe_report import ordering_sentence
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "evidence.md"
@@ -298,6 +299,7 @@ def study_bullet(bench: Path) -> str:
     sentences += [
         moves(tuning["rows"], a, b) for a, b in zip(widths, widths[1:]) if b not in narrow
     ]
+    sentences += [f"(g) {ordering_sentence(study['moe'])}"] if "moe" in study else []
     return f"""\
 - [benchmarks/STUDY.md](../benchmarks/STUDY.md) (`python -m bench study`): learning-rate
   grids per optimizer, seeds at the best rates, Dobb's ablations (blocks, refresh interval,

@@ -168,6 +168,7 @@ def build_optimizer(
     scalar_lr: float | None = None,
     scalar_algorithm: str = "adamw",
     scalar_weight_decay: float = 0.0,
+    experts: str | None = None,
     **overrides: Any,
 ) -> torch.optim.Optimizer:
     """Build optimizer ``name`` for ``model`` (and hook Dobb's statistics to it).
@@ -180,6 +181,9 @@ def build_optimizer(
         scalar_weight_decay: decoupled weight decay of that group (default none), for
             every optimizer alike; ``weight_decay=`` (an override) is the hidden matrices'.
             For ``"adamw"`` the same two groups are made, so its scalars follow this too.
+        experts: regex of a mixture of experts' ``(E, d_out, d_in)`` stacks, stepped with
+            the hidden matrices (``dobb.param_groups``; an optimizer that cannot step them,
+            Dobb for now, refuses them); None: every 3-D parameter with the scalars.
         overrides: further constructor arguments, e.g. ``rank_fraction=0.25`` for Dion.
     """
     entry = get_entry(name)
@@ -189,13 +193,14 @@ def build_optimizer(
     kwargs = {**entry.hyperparameters, "lr": lr, **overrides}
     if not scalar_weight_decay >= 0:
         raise ValueError(f"scalar_weight_decay must be >= 0, got {scalar_weight_decay!r}")
+    decay = {"weight_decay": scalar_weight_decay}
     if not entry.is_matrix:
         if scalar_lr is not None or scalar_algorithm != "adamw":
             raise ValueError(
                 f"{name!r} has one learning rate for every parameter; drop "
                 "scalar_lr/scalar_algorithm (scalar_weight_decay applies)"
             )
-        groups = param_groups(model, scalar_options={"weight_decay": scalar_weight_decay})
+        groups = param_groups(model, scalar_options=decay, experts=experts)
         return entry.cls([without_algorithm(g) for g in groups], **kwargs)
     if scalar_algorithm not in SCALAR_ALGORITHMS:
         raise ValueError(
@@ -205,10 +210,8 @@ def build_optimizer(
         model,
         entry.cls.algorithm,
         scalar_algorithm=scalar_algorithm,
-        scalar_options={
-            "lr": entry.scalar_lr if scalar_lr is None else scalar_lr,
-            "weight_decay": scalar_weight_decay,
-        },
+        scalar_options={"lr": entry.scalar_lr if scalar_lr is None else scalar_lr, **decay},
+        experts=experts,
     )
     optimizer = entry.cls(groups, **kwargs)
     if entry.needs_statistics and kwargs.get("basis_source", "activations") == "activations":

@@ -1,10 +1,11 @@
 """The optimizer study, ``python -m bench study``: tuned comparison with seeds, Dobb
-ablations, width trend, MuonBP's period -> STUDY.md.
+ablations, width trend, MuonBP's period, closing the gap, tuning at every width, a mixture of
+experts -> STUDY.md.
 
     python -m bench study                          # 1-2 h on 2 CPU cores (budget.yaml)
     python -m bench study --tiny --out /tmp/study  # the whole pipeline on a tiny GPT
 
-Five parts, every run trained by `bench.compare.run` (so a finished run is never
+Seven parts, every run trained by `bench.compare.run` (so a finished run is never
 repeated and an interrupted one resumes from its checkpoint: re-running the command after a
 kill finishes the study; each run's ``code.json`` and each line of ``invocations.jsonl``
 name the commit that trained it):
@@ -27,12 +28,17 @@ name the commit that trained it):
     and the width trend of the best variants.
 (f) Every optimizer tuned at every width (``bench.study.tuning``): its own lr grid at each
     width, seeds at each tuned lr, whether the tuned lr transfers across width.
+(g) A mixture of experts (``bench.study.moe``): the GPT of (a) with each MLP a mixture of
+    experts, each optimizer of ``moe_optimizers`` on its own lr grid with seeds, beside its
+    dense numbers of (a): whether the dense ordering holds for experts.
 
 ``bench.study.runs`` plans and runs the training runs (``bench.study.gap``: those of (e),
-and their analysis; ``bench.study.tuning``: those of (f)); ``bench.study.analysis`` turns
+and their analysis; ``bench.study.tuning``: those of (f); ``bench.study.moe``: those of
+(g)); ``bench.study.analysis`` turns
 them into numbers (seed statistics: ``bench.study.stats``), ``bench.study.findings`` into
 statements and ``bench.study.report`` (with ``bench.study.plots``, ``bench.study.format``,
-``bench.study.gap_report`` and ``bench.study.tuning_report``) into the document.
+``bench.study.gap_report``, ``bench.study.tuning_report`` and ``bench.study.moe_report``)
+into the document.
 """
 
 import json
@@ -44,6 +50,7 @@ from typing import Any
 
 from bench.study.analysis import analyse
 from bench.study.gap import run_gap
+from bench.study.moe import run_moe
 from bench.study.report import write_document
 from bench.study.runs import Runner, base_config, code_version, load_spec, run_study
 from bench.study.tuning import run_tuning
@@ -76,6 +83,7 @@ def study(
         results = run_study(spec, base, out, runner, log)
         results["gap"] = run_gap(spec, base, out, runner, results["best_lr"], log)
         results["tuning"] = run_tuning(spec, base, out, runner, results["best_lr"], log)
+        results["moe"] = run_moe(spec, base, out, runner, results["best_lr"], log)
     command = command or " ".join(["dobb", *sys.argv[1:]])
     invocation = {
         "started": started.isoformat(timespec="seconds"),

@@ -11,6 +11,7 @@ from typing import Any
 from bench import compare
 from bench.compare import OPTIMIZERS, read_metrics
 from bench.study import gap as study_gap
+from bench.study import moe as study_moe
 from bench.study import tuning as study_tuning
 from bench.study.runs import (
     StudySpec,
@@ -98,6 +99,11 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
         **(
             {"tuning": study_tuning.analyse_tuning(results["tuning"])}
             if "tuning" in results
+            else {}
+        ),
+        **(
+            {"moe": study_moe.analyse_moe(results["moe"], spec, _dense(results, seeds))}
+            if results.get("moe", {}).get("sweeps")
             else {}
         ),
         "compute": {
@@ -190,6 +196,19 @@ def _width_rows(spec: StudySpec, results: dict, noise: float) -> list[dict[str, 
     return widths
 
 
+def _dense(results: dict, seeds: dict) -> dict[str, dict[str, Any]]:
+    """(a)'s numbers of each optimizer of (g): tuned lr, sweep and seed statistics."""
+    return {
+        name: {
+            "lr": results["best_lr"][name],
+            "lrs": [s["lr"] for s in results["main"][name]],
+            "losses": [loss_of(s) for s in results["main"][name]],
+            "seeds": seeds[name],
+        }
+        for name in results["moe"]["sweeps"]
+    }
+
+
 def _all_runs(results: dict) -> list[list[dict]]:
     return [
         *results["main"].values(),
@@ -199,4 +218,5 @@ def _all_runs(results: dict) -> list[list[dict]]:
         *results["widths"].values(),
         *(study_gap.all_runs(results["gap"]) if "gap" in results else []),
         *(study_tuning.all_runs(results["tuning"]) if "tuning" in results else []),
+        *(study_moe.all_runs(results["moe"]) if "moe" in results else []),
     ]

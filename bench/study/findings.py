@@ -7,6 +7,7 @@ from typing import Any
 from bench.study.analysis import BASELINES, check_key
 from bench.study.format import NOISE, fmt_loss, label, title
 from bench.study.gap_report import gap_findings
+from bench.study.moe_report import moe_findings
 from bench.study.runs import base_alpha, is_one_column
 from bench.study.stats import NOISE_FACTOR
 from bench.study.tuning_report import tuning_findings
@@ -26,6 +27,7 @@ def findings(report: dict[str, Any]) -> list[str]:
         *_ablation_findings(report, "muonbp"),
         *(gap_findings(report["gap"]) if "gap" in report else []),
         *(tuning_findings(report["tuning"]) if "tuning" in report else []),
+        *(moe_findings(report["moe"]) if "moe" in report else []),
         *_scope_findings(report),
     ]
 

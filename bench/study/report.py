@@ -12,6 +12,7 @@ from bench import compare
 from bench.study.findings import findings
 from bench.study.format import NOISE, fmt_loss, options_text, table, title
 from bench.study.gap_report import gap_section
+from bench.study.moe_report import moe_section
 from bench.study.plots import plot_ablations, plot_widths
 from bench.study.runs import defaults
 from bench.study.stats import NOISE_FACTOR
@@ -46,7 +47,8 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
 
     lines = [
         "# Optimizer study: tuned comparison, Dobb ablations, width trend, MuonBP's period, "
-        "closing the gap to Muon, every optimizer tuned at every width",
+        "closing the gap to Muon, every optimizer tuned at every width"
+        + (", a mixture of experts" if "moe" in report else ""),
         "",
         *_header(report, model, link),
         "",
@@ -165,6 +167,11 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         *(gap_section(report["gap"], spec, out, link, table) if "gap" in report else []),
         "",
         *(tuning_section(report["tuning"], spec, out, link, table) if "tuning" in report else []),
+        *(
+            ["", *moe_section(report["moe"], spec, report["info"], out, link, table)]
+            if "moe" in report
+            else []
+        ),
     ]
     doc.write_text("\n".join(lines))
 

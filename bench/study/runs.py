@@ -26,7 +26,7 @@ from bench.optimizers import lab_entry, with_options
 from dobb.optim.dobb_core import update_alpha, update_scale_of
 from dobb.registry import get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
-from dobb.train.model import gpt_config
+from dobb.train.model import GPTConfig, gpt_config
 
 DEFAULT_CONFIG = Path(__file__).with_name("budget.yaml")  # the lab's: not in the wheel
 PER_RUN = (*compare.PER_RUN, "seed")  # set by the study for each run
@@ -58,6 +58,11 @@ class StudySpec:
     tuning_wide_seeded: int = 0
     tuning_scale_rules: bool = False
     tuning_shard_counts: list[int] = field(default_factory=list)
+    moe_optimizers: list[str] = field(default_factory=list)
+    moe_model: dict[str, Any] = field(default_factory=dict)
+    moe_lr_factors: list[float] = field(default_factory=lambda: [0.25, 0.5, 1, 2, 4])
+    moe_max_extensions: int = 2
+    moe_seeds: int = 2
     workers: int = 2
     threads: int = 1
 
@@ -79,6 +84,11 @@ class StudySpec:
             "tuning_max_extensions": self.tuning_max_extensions >= 0,
             "tuning_seeds": self.tuning_seeds >= 2,
             "tuning_wide_seeded": self.tuning_wide_seeded >= 0,
+            "moe_optimizers": set(self.moe_optimizers) <= set(OPTIMIZERS),
+            "moe_model": not self.moe_optimizers or self.moe_model.get("n_experts", 0) > 0,
+            "moe_lr_factors": len(self.moe_lr_factors) >= 2 and min(self.moe_lr_factors) > 0,
+            "moe_max_extensions": self.moe_max_extensions >= 0,
+            "moe_seeds": self.moe_seeds >= 2,
             "workers": self.workers >= 1,
             "threads": self.threads >= 1,
         }
@@ -88,6 +98,10 @@ class StudySpec:
         fixed = [k for k in self.train if k in PER_RUN]
         if fixed:
             raise ConfigError(f"study config: the study sets {fixed} per run")
+        try:  # (g)'s model: GPTConfig fields on top of the study's
+            moe_config(self)
+        except ValueError as e:
+            raise ConfigError(f"study config: moe_model={self.moe_model!r}: {e}") from None
         return self
 
 
@@ -105,6 +119,12 @@ def load_spec(path: str | Path | None = None, tiny: bool = False) -> StudySpec:
     if unknown:
         raise ConfigError(f"study config: unknown keys {sorted(unknown)}")
     return StudySpec(**spec).validate()
+
+
+def moe_config(spec: StudySpec) -> GPTConfig:
+    """The GPT of (g): the study's model (``train``) with ``moe_model``'s fields on top."""
+    overrides = spec.train.get("model_overrides", {}) | spec.moe_model
+    return gpt_config(spec.train.get("model", TrainConfig.model), **overrides)
 
 
 def base_config(spec: StudySpec) -> TrainConfig:
@@ -125,16 +145,19 @@ def run_config(
     width: int | None = None,
     seed: int = 0,
     train: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
 ) -> TrainConfig:
     """`base` for one run, logging under `out/runs/<name>`; the name spells what differs.
 
     Runs of (a) at seed 0 are named as `python -m bench compare` names them (`dobb-lr0.002`).
-    `train`: TrainConfig fields set for this run (e.g. `eval_ema`).
+    `train`: TrainConfig fields set for this run (e.g. `eval_ema`); `model`: GPTConfig
+    fields on top of `base.model_overrides` (e.g. (g)'s `n_experts`), named first.
     """
-    options, train = dict(options or {}), dict(train or {})
-    tags = [f"{k}-{v}" for k, v in {**options, **train}.items()] + ([f"w{width}"] if width else [])
+    options, train, model = dict(options or {}), dict(train or {}), dict(model or {})
+    tags = [f"{k}-{v}" for k, v in {**model, **options, **train}.items()]
+    tags += [f"w{width}"] if width else []
     name = "-".join([optimizer, *tags, f"lr{lr:.4g}"]) + (f"-s{seed}" if seed else "")
-    overrides = dict(base.model_overrides) | ({"n_embd": width} if width else {})
+    overrides = dict(base.model_overrides) | model | ({"n_embd": width} if width else {})
     return replace(
         base,
         **train,

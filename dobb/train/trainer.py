@@ -45,7 +45,7 @@ from dobb.train.data import TokenStream
 from dobb.train.ema import WeightEMA
 from dobb.train.errors import RunError, RunWarning
 from dobb.train.lock import OutDirLock
-from dobb.train.model import GPT, gpt_config
+from dobb.train.model import EXPERT_WEIGHTS, GPT, gpt_config
 from dobb.train.parallel import Parallelism, init_distributed, parallelize
 from dobb.train.resume import RUN_FILES, apply_resumed_settings, earlier_corpus, start_point
 from dobb.train.runlog import RunLog
@@ -377,6 +377,7 @@ def _build_optimizer(cfg: TrainConfig, model: nn.Module, par: Parallelism) -> to
             scalar_lr=cfg.scalar_lr,
             weight_decay=cfg.weight_decay,
             scalar_weight_decay=cfg.scalar_weight_decay,
+            experts=EXPERT_WEIGHTS,  # a mixture of experts' stacks (a dense GPT has none)
             **cfg.optimizer_options,
             **distributed_options(cfg.optimizer, par),
         )

@@ -123,6 +123,32 @@ def test_spec_rejects_per_run_keys(tmp_path):
         study_runs.load_spec(path)
 
 
+@pytest.mark.parametrize(
+    "moe, message",
+    [
+        ({"moe_optimizers": ["adamw", "sgd"]}, r"moe_optimizers=\['adamw', 'sgd'\] is invalid"),
+        ({"moe_model": {"expert_top_k": 2}}, r"moe_model=\{'expert_top_k': 2\} is invalid"),
+        ({"moe_model": {"n_experts": 4, "experts": 2}}, r"moe_model=.*unknown GPTConfig fields"),
+        ({"moe_seeds": 1}, r"moe_seeds=1 is invalid"),
+    ],
+)
+def test_spec_refuses_a_bad_moe_part_naming_the_key(tmp_path, moe, message):
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps({"full": study_runs.load_spec().__dict__ | moe}))
+    with pytest.raises(ConfigError, match=message):
+        study_runs.load_spec(path)
+
+
+def test_a_runs_model_fields_are_named_first_and_set_on_top_of_the_study_model(tmp_path):
+    base = study_runs.base_config(study_runs.load_spec())
+    moe = {"n_experts": 8, "expert_top_k": 2}
+    cfg = study_runs.run_config(base, tmp_path, "muon", 0.02, seed=1, model=moe)
+    assert Path(cfg.out_dir).name == "muon-n_experts-8-expert_top_k-2-lr0.02-s1"
+    assert cfg.model_overrides == base.model_overrides | moe
+    plain = study_runs.run_config(base, tmp_path, "muon", 0.02)  # (a)'s names are unchanged
+    assert Path(plain.out_dir).name == "muon-lr0.02" and "n_experts" not in plain.model_overrides
+
+
 def test_a_diverged_run_is_recorded_and_not_repeated(tmp_path, monkeypatch):
     cfg = TrainConfig(optimizer="dobb", lr=10.0, out_dir=str(tmp_path / "dobb-lr10"))
 
@@ -162,6 +188,7 @@ def test_an_invocation_records_the_code_it_started_with(tmp_path, monkeypatch):
     monkeypatch.setattr(study, "run_study", lambda *a: {"best_lr": {}})
     monkeypatch.setattr(study, "run_gap", lambda *a: {})
     monkeypatch.setattr(study, "run_tuning", lambda *a: stages.append("trained") or {})
+    monkeypatch.setattr(study, "run_moe", lambda *a: {})
     monkeypatch.setattr(study, "analyse", lambda *a: {})
     monkeypatch.setattr(study, "write_document", lambda *a: None)
     monkeypatch.setattr(study, "code_version", lambda: {"commit": str(len(stages)), "dirty": 0})
@@ -308,6 +335,8 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
         f"{pair['welch_t']:.2f}): {verdict} the noise."
     )
     assert f"- {sentence}" in text and f"- (f) {sentence}" in text  # section and summary
+    # (g): the mixture of experts, each optimizer tuned on its own grid, beside (a)'s dense
+    _check_moe(report, text, out, summary)
     assert report["compute"]["runs"] == report["new_runs"] == len(list((out / "runs").iterdir()))
     for run in (out / "runs").iterdir():  # each run names the code that trained it
         (start,) = json.loads((run / "code.json").read_text())
@@ -323,6 +352,40 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     (out / "runs" / report["seeds"]["muon"]["runs"][1] / "summary.json").unlink()
     again = study.study(out, tiny=True, log=lambda *_: None)
     assert again["new_runs"] == 1 and len(again["invocations"]) == 3
+
+
+def _check_moe(report: dict, text: str, out: Path, summary) -> None:
+    """Section (g): every number from the runs' own JSON, every run a mixture of experts."""
+    moe, spec = report["moe"], report["spec"]
+    assert "## (g) Mixture of experts" in text and (out / "moe.png").exists()
+    assert [r["optimizer"] for r in moe["rows"]] == spec["moe_optimizers"]
+    assert moe["n_experts"] == spec["moe_model"]["n_experts"] and moe["expert_hidden"] > 0
+    for row in moe["rows"]:
+        name = row["optimizer"]
+        assert row["best_lr"] == row["lrs"][row["losses"].index(min(row["losses"]))]
+        grid = {study_runs.round_lr(report["best_lr"][name] * f) for f in spec["moe_lr_factors"]}
+        assert grid <= set(row["lrs"])  # its own grid around its tuned lr of (a)
+        losses = [summary(run)["final_val_loss"] for run in row["seeds"]["runs"]]
+        assert row["seeds"]["n"] == spec["moe_seeds"] and row["seeds"]["losses"] == losses
+        assert summary(row["seeds"]["runs"][0])["lr"] == row["best_lr"]
+        assert row["seeds"]["mean"] == pytest.approx(np.mean(losses))
+        for run in row["runs"] + row["seeds"]["runs"]:
+            config = json.loads((out / "runs" / run / "run.json").read_text())["config"]
+            assert config["model_overrides"]["n_experts"] == moe["n_experts"]
+            assert config["optimizer"] == name
+            assert config["optimizer_options"] == compare.OPTIONS[name]
+        assert row["dense"]["seeds"] == report["seeds"][name]  # (a)'s, at the same width
+        assert row["dense"]["lr"] == report["best_lr"][name]
+        mean, dense = row["seeds"]["mean"], row["dense"]["seeds"]["mean"]
+        assert f"{mean:.4f} ± {row['seeds']['std']:.4f}" in text
+        assert f"{mean - dense:+.4f}" in text
+    means = {r["optimizer"]: r["seeds"]["mean"] for r in moe["rows"]}
+    assert moe["order"] == sorted(means, key=means.get)
+    assert moe["holds"] == (moe["order"] == moe["dense_order"])
+    verdict = "holds" if moe["holds"] else "does not hold"
+    assert f"the dense ordering {verdict}. With experts: " in text and ").." not in text
+    for pair in moe["pairs"]:
+        assert pair["moe"]["diff"] == pytest.approx(means[pair["a"]] - means[pair["b"]])
 
 
 def _label_row(tuning: dict, label: str) -> dict:

@@ -1,3 +1,4 @@
+import hashlib
 import math
 
 import pytest
@@ -57,6 +58,25 @@ def test_layout_names_and_tied_head():
     for n, p in model.named_parameters():
         if p.ndim == 2 and n not in ("wte.weight", "wpe.weight"):
             assert id(p) in linear_weights, n
+
+
+def fingerprint(model: GPT) -> tuple[str, float]:
+    """sha256 of the parameters' names and float32 bytes in `named_parameters()` order, and
+    the loss on a fixed batch (generator seed 1)."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().numpy().tobytes())
+    idx = torch.randint(0, 256, (2, 2, 64), generator=torch.Generator().manual_seed(1))
+    return digest.hexdigest(), model(idx[0], idx[1])[1].item()
+
+
+def test_the_dense_model_is_the_one_before_experts():
+    # `fingerprint(tiny())` by dobb/train/model.py at commit 38760f7, before the mixture of
+    # experts: the same parameters bit for bit, in the same order, and the same loss
+    digest, loss = fingerprint(tiny(n_experts=0))
+    assert digest == "1cc7ebae87506023f1daf95e21756b4303cd1aa67844601590840414022ffd18"
+    assert loss == pytest.approx(5.5444016456604, abs=1e-5)
 
 
 def test_gpt2_init_scales_residual_projections():

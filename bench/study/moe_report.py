@@ -1,0 +1,142 @@
+"""Section (g) of STUDY.md, from the numbers of `bench.study.moe.analyse_moe`: the mixture
+of experts' tuned lrs and seeds beside the dense ones of (a), both orderings, each pair's
+difference against the seed noise, and the lr sweeps' plot."""
+
+import math
+from pathlib import Path
+
+from bench.study.format import NOISE, fmt_loss, in_words, options_text, title
+from bench.study.stats import NOISE_FACTOR
+
+
+def _stats(s: dict) -> str:
+    """Seed statistics as ``mean ± std``."""
+    return f"{fmt_loss(s['mean'])} ± {s['std']:.4f}"
+
+
+def _pair(p: dict) -> str:
+    """A difference of means against its seed noise."""
+    verdict = "beyond" if p["exceeds"] else "within"
+    return (
+        f"{p['diff']:+.4f} ({NOISE} pooled std {NOISE_FACTOR * p['pooled_std']:.4f}, Welch t "
+        f"{p['welch_t']:.2f}: {verdict} the noise)"
+    )
+
+
+def _ranking(report: dict, key: str) -> str:
+    """The optimizers of ``report[key]`` (an ordering) with their mean losses."""
+    means = {
+        r["optimizer"]: (r["seeds"] if key == "order" else r["dense"]["seeds"])["mean"]
+        for r in report["rows"]
+    }
+    return " < ".join(f"{title(n)} ({fmt_loss(means[n])})" for n in report[key])
+
+
+def ordering_sentence(report: dict) -> str:
+    """Whether the dense ordering of (a) holds with experts, both rankings spelled out (no
+    closing full stop)."""
+    verdict = "holds" if report["holds"] else "does not hold"
+    return (
+        f"Mixture of experts ({report['n_experts']} experts, top {report['expert_top_k']}, "
+        f"width {report['n_embd']}): the dense ordering {verdict}. With experts: "
+        f"{_ranking(report, 'order')}; dense, (a): {_ranking(report, 'dense_order')}"
+    )
+
+
+def pair_sentence(pair: dict) -> str:
+    """One pair's difference of means with experts and dense."""
+    a, b = title(pair["a"]), title(pair["b"])
+    return f"{a} - {b}: with experts {_pair(pair['moe'])}; dense {_pair(pair['dense'])}."
+
+
+def moe_findings(report: dict) -> list[str]:
+    """The summary of (g) for "What the data show"."""
+    return [
+        f"(g) {ordering_sentence(report)}.",
+        *[f"(g) {pair_sentence(p)}" for p in report["pairs"]],
+    ]
+
+
+def plot_moe(out: Path, report: dict) -> str:
+    """Final val loss against lr: each optimizer with experts (solid) and dense, (a)
+    (dashed), in one colour."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    for i, row in enumerate(report["rows"]):
+        colour = f"C{i}"
+        for lrs, losses, style, kind in (
+            (row["lrs"], row["losses"], "o-", "experts"),
+            (row["dense"]["lrs"], row["dense"]["losses"], "s--", "dense"),
+        ):
+            finite = [x if math.isfinite(x) else math.nan for x in losses]
+            ax.plot(lrs, finite, style, color=colour, label=f"{title(row['optimizer'])}, {kind}")
+    ax.set_xscale("log")
+    ax.set_xlabel("lr (hidden matrices; all parameters for AdamW)")
+    ax.set_ylabel("final val loss (seed 0)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(out / "moe.png", dpi=100)
+    return "moe.png"
+
+
+def moe_section(report: dict, spec: dict, info: dict, out: Path, link, table) -> list[str]:
+    """The lines of section (g); ``info``: the study's header numbers (the dense model's
+    parameter count)."""
+    plot = plot_moe(out, report)
+    rows = report["rows"]
+    k, hidden = report["expert_top_k"], report["expert_hidden"]
+    seeds = spec["moe_seeds"]
+    return [
+        "## (g) Mixture of experts",
+        "",
+        f"The GPT of (a) ({report['n_layer']} layers, n_embd {report['n_embd']}) with each "
+        f"block's MLP a mixture of {report['n_experts']} experts, each token routed to its top "
+        f"{k} by a linear router (`dobb.train.model.MoE`): scores a softmax over the chosen "
+        f"{k}, each expert's hidden width {hidden} ({k} x {hidden} = {k * hidden} per token "
+        f"against the dense MLP's {report['dense_hidden']}), no capacity limit, the Switch "
+        f"load-balancing loss x {report['router_aux_loss_coef']:g} added to the training "
+        f"loss (validation: cross-entropy only); {rows[0]['num_params']:,} parameters "
+        f"against the dense {info['num_params']:,}. The expert stacks are stepped with the "
+        "hidden matrices (each expert its own matrix, `dobb.optim.experts`), the router as a "
+        f"hidden `nn.Linear`. Each optimizer runs its own lr grid, {spec['moe_lr_factors']} x "
+        f"its tuned lr of (a), extended by one point at a time (up to "
+        f"{spec['moe_max_extensions']}) while the best lr sits at an edge; {in_words(seeds)} "
+        "seeds at the best lr (seed 0 is the sweep's own run). Beside it the dense model's "
+        "numbers of (a): its tuned lr and seeds. Tokens/s: the seeds' mean training "
+        "throughput as they ran (one torch thread each, on a machine shared with other "
+        "work), not a controlled timing.",
+        "",
+        table(
+            "optimizer|options|tuned lr, experts|final val loss, experts (mean ± std)|per seed|"
+            "tuned lr, dense (a)|final val loss, dense (a)|experts - dense|tokens/s, experts|"
+            "tokens/s, dense",
+            [
+                f"{r['optimizer']}|{options_text(r['optimizer'])}|{r['best_lr']:.4g}"
+                + ("; at the grid's edge" if r["at_edge"] else "")
+                + f"|{_stats(r['seeds'])}|{', '.join(map(fmt_loss, r['seeds']['losses']))}|"
+                f"{r['dense']['lr']:.4g}|{_stats(r['dense']['seeds'])} "
+                f"({in_words(r['dense']['seeds']['n'])} seeds)|"
+                f"{r['seeds']['mean'] - r['dense']['seeds']['mean']:+.4f}|"
+                f"{r['seeds']['tokens_per_s']:,.0f}|{r['dense']['seeds']['tokens_per_s']:,.0f}"
+                for r in rows
+            ],
+        ),
+        "",
+        f"- {ordering_sentence(report)}.",
+        *[f"- {pair_sentence(p)}" for p in report["pairs"]],
+        "",
+        "Learning-rate sweeps with experts (final val loss, seed 0):",
+        "",
+        table(
+            "optimizer|lr|final val loss|best",
+            [
+                f"{r['optimizer']}|{lr:.4g}|{fmt_loss(loss)}|{'yes' if lr == r['best_lr'] else ''}"
+                for r in rows
+                for lr, loss in zip(r["lrs"], r["losses"])
+            ],
+        ),
+        "",
+        f"![final loss against lr, experts and dense]({link(plot)})",
+    ]
