@@ -182,8 +182,9 @@ def build_optimizer(
             every optimizer alike; ``weight_decay=`` (an override) is the hidden matrices'.
             For ``"adamw"`` the same two groups are made, so its scalars follow this too.
         experts: regex of a mixture of experts' ``(E, d_out, d_in)`` stacks, stepped with
-            the hidden matrices (``dobb.param_groups``; an optimizer that cannot step them,
-            Dobb for now, refuses them); None: every 3-D parameter with the scalars.
+            the hidden matrices (``dobb.param_groups``; Dobb's statistics per expert need
+            their module registered: ``dobb.stats.register_experts``); None: every 3-D
+            parameter with the scalars.
         overrides: further constructor arguments, e.g. ``rank_fraction=0.25`` for Dion.
     """
     entry = get_entry(name)

@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from dobb.stats import register_experts
+
 
 @dataclass
 class GPTConfig:
@@ -128,6 +130,10 @@ class GroupedExperts(nn.Module):
         = N). A loop of matmuls: `torch._grouped_mm`'s backward fails on CPU (torch 2.13)."""
         bounds = [0, *offs.tolist()]
         return torch.cat([A[bounds[e] : bounds[e + 1]] @ B_t[e] for e in range(len(B_t))])
+
+
+# Dobb's per-expert statistics hook `_grouped_mm` (the protocol of dobb.stats)
+register_experts(GroupedExperts, GroupedExperts.grouped_mm_calls)
 
 
 class MoE(nn.Module):

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dobb.registry import OPTIMIZERS, build_optimizer, get_entry
-from dobb.train.config import ConfigError, load_config
+from dobb.registry import build_optimizer
+from dobb.train.config import load_config
 from dobb.train.model import EXPERT_WEIGHTS, GPT, MLP, GroupedExperts, MoE, gpt_config
 from dobb.train.trainer import train
 
@@ -244,10 +244,14 @@ def test_training_the_tiny_moe_reduces_the_loss(tmp_path):
     assert summary["final_val_loss"] < math.log(256) - 0.3
 
 
-REFUSING = sorted(n for n in OPTIMIZERS if not getattr(get_entry(n).cls, "supports_experts", True))
+@pytest.mark.parametrize("optimizer", ["dobb", "dobb_paper"])
+def test_dobb_trains_the_tiny_moe_with_each_experts_statistics(tmp_path, optimizer):
+    """Dobb's statistics of each expert come from its routed rows (the stacks' grouped
+    GEMMs hooked: ``GroupedExperts`` is registered), and the loss falls."""
+    summary = train(tiny_moe(tmp_path, optimizer, steps=12))
+    assert summary["final_val_loss"] < math.log(256) - 0.3
+    from dobb.stats import expert_modules
 
-
-@pytest.mark.parametrize("optimizer", REFUSING)
-def test_an_optimizer_that_cannot_step_experts_is_refused_naming_the_stack(tmp_path, optimizer):
-    with pytest.raises(ConfigError, match=r"blocks\.0\.mlp\.experts\.w1 is a stack of 4 expert"):
-        train(tiny_moe(tmp_path, optimizer))
+    assert [type(m) for m, _ in expert_modules(GPT(gpt_config("tiny", n_experts=4)))] == [
+        GroupedExperts
+    ] * 2
