@@ -17,21 +17,24 @@ tensor per key and parameter, and a step writes each expert's slice in place.
 Where the experts are: plain tensors (one process; DDP, where every replica steps every
 expert: the owner exchange that splits 2-D matrices over replicas does not take experts),
 or DTensors split along ``E`` only (``Shard(0)`` and ``Replicate`` placements: FSDP2's
-default sharding of a stack, expert parallelism), where each rank holds whole experts and
-steps its own with no communication; their stacked state is a DTensor placed as the
-parameter, so that DCP saves and reshards it. Refused at construction with the reason: a
+default sharding of a stack, expert parallelism; and FSDP2 over an expert-parallel stack,
+whose placements are ``(_StridedShard(0), Shard(0))``), where each rank holds whole experts
+and steps its own with no communication; their stacked state is a DTensor placed as the
+parameter, so that DCP saves and reshards it. Each local expert is named by its global
+index (``expert_indices``). Refused at construction with the reason: a
 stack split inside its experts (``Shard(1)``, ``Shard(2)``: tensor parallelism of the
 experts) and Dobb, whose expert statistics must come from each expert's routed tokens
 (issue #42).
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dobb._dtensor import DTensor, Replicate, Shard, local
+from dobb._dtensor import DTensor, Replicate, Shard, StridedShard, local
 from dobb.optim.parts import Matrix
 
 
@@ -55,29 +58,41 @@ def experts_refusal(param: Tensor, name: str, algorithm: str, supported: bool) -
             "routed tokens); put it in a group with algorithm='adamw', or use Muon, NorMuon, "
             "MuonBP, Dion, Dion2 or NorDion2 for it"
         )
-    if isinstance(param, DTensor) and not all(
-        p == Shard(0) or isinstance(p, Replicate) for p in param.placements
-    ):
+    if isinstance(param, DTensor) and not all(map(along_experts, param.placements)):
         return (
             f"{name} is a stack of expert matrices split inside its experts "
             f"({param.placements}); an expert stack may be split along its experts only "
-            "(Shard(0): FSDP2's default, expert parallelism), so that each rank holds whole "
-            "experts"
+            "(Shard(0): FSDP2's default, expert parallelism, FSDP2 over expert parallelism), "
+            "so that each rank holds whole experts"
         )
     return None
 
 
-def first_expert(param: Tensor) -> int:
-    """The global index of this rank's first expert of ``param`` (0 unless a DTensor split
-    along ``E``; torch's own chunking of the shards)."""
-    if not isinstance(param, DTensor):
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
+def along_experts(placement) -> bool:
+    """Whether ``placement`` leaves each expert of a stack whole: ``Replicate``, or a split
+    along ``E`` (``Shard(0)``; ``_StridedShard(0)``, FSDP2's shard of an ``E`` already
+    split by expert parallelism)."""
+    return isinstance(placement, Replicate) or (
+        isinstance(placement, (Shard, StridedShard)) and placement.dim == 0
     )
-    return offset[0]
+
+
+def expert_indices(param: Tensor) -> list[int]:
+    """The global index of each of this rank's experts of ``param``, in local order
+    (``range(E)`` unless a DTensor split along ``E``)."""
+    if not isinstance(param, DTensor):
+        return list(range(param.shape[0]))
+    return list(_placed_indices(param.device_mesh, tuple(param.placements), param.shape[0]))
+
+
+@functools.cache
+def _placed_indices(mesh, placements: tuple, count: int) -> tuple[int, ...]:
+    """This rank's part of ``range(count)`` placed as ``placements`` on ``mesh``: torch's
+    own split (a local split of a replicated tensor: no communication), once per layout."""
+    replicated = DTensor.from_local(
+        torch.arange(count), mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+    return tuple(local(replicated.redistribute(mesh, placements)).tolist())
 
 
 def placed_like(stack: Tensor, param: Tensor) -> Tensor:
@@ -97,11 +112,11 @@ def stacked_state(
 ) -> dict[str, Tensor]:
     """The state of this rank's experts of ``param``, ``init(w_e, name_e)`` each (``e``
     global), stacked along a new leading dim and placed as ``param``: ``{key: (E, *shape)}``."""
-    weights, first = local(param).detach(), first_expert(param)
-    states = [init(weights[e], expert_name(name, first + e)) for e in range(weights.shape[0])]
+    weights, indices = local(param).detach(), expert_indices(param)
+    states = [init(weights[e], expert_name(name, i)) for e, i in enumerate(indices)]
     if not states:  # an uneven split can leave a rank without experts: keys and shapes
         template = weights.new_zeros(weights.shape[1:])
-        alike = init(template, expert_name(name, first))
+        alike = init(template, expert_name(name, param.shape[0]))
         stacked = {key: value.new_empty((0, *value.shape)) for key, value in alike.items()}
     else:
         stacked = {key: torch.stack([state[key] for state in states]) for key in states[0]}
@@ -113,14 +128,11 @@ def expert_matrices(matrix: Matrix) -> list[Matrix]:
     matrices: views of its weights with their gradients' views as ``.grad``, and views of
     its state (a step's in-place writes land in the parameter and its state)."""
     weights, grad = local(matrix.param).detach(), local(matrix.param.grad)
-    states, first = (
-        {key: local(value) for key, value in matrix.state.items()},
-        first_expert(matrix.param),
-    )
+    states = {key: local(value) for key, value in matrix.state.items()}
     experts = []
-    for e in range(weights.shape[0]):
+    for e, i in enumerate(expert_indices(matrix.param)):
         weight = weights[e]
         weight.grad = grad[e]
         state = {key: value[e] for key, value in states.items()}
-        experts.append(Matrix(weight, state, matrix.config, expert_name(matrix.name, first + e)))
+        experts.append(Matrix(weight, state, matrix.config, expert_name(matrix.name, i)))
     return experts
