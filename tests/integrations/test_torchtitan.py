@@ -359,8 +359,8 @@ def test_parameter_names_do_not_depend_on_checkpoint_or_compile_wrappers(titan):
         model = debug_model(model_registry)
         for key, block in model.layers.items():
             model.layers[key] = wrap(block)
-        assert any("_checkpoint_wrapped_module" in n or "_orig_mod" in n for n, _ in
-                   model.named_parameters())  # fmt: skip
+        wrapped = ("_checkpoint_wrapped_module", "_orig_mod")
+        assert any(w in n for n, _ in model.named_parameters() for w in wrapped)
         assert names_by_algorithm(container(integration, model)) == plain
     assert "lm_head.weight" in plain["adamw"] and "tok_embeddings.weight" in plain["adamw"]
     assert "layers.0.attention.wo.weight" in plain["dobb"]
