@@ -443,6 +443,99 @@ def test_unsupported_settings_raise_saying_what_to_change(titan):
         )
 
 
+@pytest.fixture
+def fake_world():
+    """A fake process group of 2 ranks in this process (this is rank 0; collectives do
+    nothing): its world mesh, and torchtitan's two meshes under expert parallelism 2, the
+    dense ``("fsdp",)`` and the experts' ``("efsdp", "ep")``, 1 x 2, cut from it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        world = init_device_mesh("cpu", (2,), mesh_dim_names=("world",))
+        dense, experts = (
+            world._unflatten(0, (2,), ("fsdp",)),
+            world._unflatten(0, (1, 2), ("efsdp", "ep")),
+        )
+        yield world, dense, experts
+    finally:
+        dist.destroy_process_group()
+
+
+def expert_parallel_model(dense_mesh, expert_mesh, *, router_on_experts_mesh=False):
+    """A dense ``nn.Linear`` FSDP-sharded on ``dense_mesh`` and a ``GroupedExperts`` of 4
+    experts split over ``expert_mesh`` as torchtitan splits them (rank 0's part: this
+    process); with ``router_on_experts_mesh`` the dense weight lies on ``expert_mesh``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torchtitan.models.common.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.attention = nn.Linear(16, 16, bias=False)
+    model.experts = GroupedExperts.Config(dim=16, hidden_dim=8, num_experts=4).build()
+    strided = [_StridedShard(0, split_factor=2), Shard(0)]
+    if router_on_experts_mesh:
+        dense_mesh, dense = expert_mesh, [Replicate(), Shard(0)]
+    else:
+        dense = [Shard(0)]
+    for module, name, placements, mesh in [
+        (model.attention, "weight", dense, dense_mesh),
+        *[(model.experts, w, strided, expert_mesh) for w in ("w1_EFD", "w2_EDF", "w3_EFD")],
+    ]:
+        full = torch.randn(getattr(module, name).shape)
+        mine = full.chunk(2)[0]  # rank 0's half of the first dim, either way
+        shape, stride = full.shape, full.stride()
+        param = DTensor.from_local(mine, mesh, placements, shape=shape, stride=stride)
+        setattr(module, name, nn.Parameter(param))
+    return model
+
+
+def test_expert_parallel_runs_what_steps_experts_and_refuses_dobb(titan, fake_world):
+    """torchtitan's two meshes under EP: the stacks (on ``("efsdp", "ep")``) go to the
+    matrix optimizer (Dion's here; AdamW takes everything), which steps them where they
+    are, and the dense weight's data axes stay the group (``data_mesh``: ``fsdp``, the
+    Muon family's ``replica_group``). Dobb, which does not step stacks yet, is refused
+    saying why; so are a dense weight on the experts' mesh and an expert axis that would
+    split each expert (``etp``). The refusals come before any collective (the fake
+    group's do nothing)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    integration, _ = titan
+    set_spmd_backend("partial_dtensor")
+    world, *meshes = fake_world
+    stacks = ["experts.w1_EFD", "experts.w2_EDF", "experts.w3_EFD"]
+    # built here where construction needs no collective (the fake group's are no-ops);
+    # Muon's plans its owner exchange with one (the 2-rank jobs build it)
+    groups = names_by_algorithm(container(integration, expert_parallel_model(*meshes), name="dion"))
+    assert groups["dion"] == ["attention.weight", *stacks]
+    (adamw,) = container(integration, expert_parallel_model(*meshes), name="adamw").optimizers
+    assert sorted(n for g in adamw.param_groups for n in g["param_names"]) == groups["dion"]
+    model = expert_parallel_model(*meshes)
+    named = [(n, p) for n, p in model.named_parameters()]
+    assert [n for n, p in named if integration.on_expert_mesh(n, p)] == stacks
+    assert integration.data_mesh(integration.part_mesh(model)).mesh_dim_names == ("fsdp",)
+    for name in ("dobb", "dobb_paper", "dobb2s"):
+        with pytest.raises(NotImplementedError, match="under expert parallelism.*statistics"):
+            container(integration, expert_parallel_model(*meshes), name=name)
+    model = expert_parallel_model(*meshes, router_on_experts_mesh=True)
+    with pytest.raises(NotImplementedError, match="attention.weight lies on the experts' mesh"):
+        container(integration, model, name="muon")
+    etp = world._unflatten(0, (2, 1), ("ep", "etp"))
+    model = expert_parallel_model(*meshes)
+    w1 = model.experts.w1_EFD
+    model.experts.w1_EFD = nn.Parameter(
+        DTensor.from_local(
+            w1.to_local(), etp, [Shard(0), Replicate()], shape=w1.shape, stride=w1.stride()
+        )
+    )
+    with pytest.raises(NotImplementedError, match="axis 'etp'.*expert tensor parallelism"):
+        container(integration, model, name="muon")
+
+
 def pipeline_stages(model_registry) -> list[nn.Module]:
     """The debug model cut into two stages as torchtitan cuts it: layers 0-2 with the
     embedding, layers 3-5 with the norm and head (each part keeps the whole model's FQNs)."""
