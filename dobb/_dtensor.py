@@ -11,11 +11,23 @@ from torch import Tensor
 try:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    # FSDP2's shard of a dim another mesh axis already split (FSDP x TP, FSDP x EP): the
+    # placement torch reports first there; not a ``Shard`` subclass in torch 2.13
+    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 except ImportError:  # torch built without distributed support: nothing is a DTensor
     DTensor = DeviceMesh = ()
-    Replicate = Shard = distribute_tensor = None
+    Replicate = Shard = StridedShard = distribute_tensor = None
 
-__all__ = ["DTensor", "DeviceMesh", "Replicate", "Shard", "distribute_tensor", "local"]
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "Replicate",
+    "Shard",
+    "StridedShard",
+    "distribute_tensor",
+    "local",
+]
 
 
 def local(t: Tensor) -> Tensor:

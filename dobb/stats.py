@@ -440,9 +440,11 @@ class ExpertStatistics:
     ``sums``: one ``(E_seen, count, size, size)`` tensor per stack of input blocks,
     ``tokens``: ``(E_seen,)``, made at the first call, where ``E_seen`` is the number of
     experts the module's grouped GEMM sees: this rank's (one process, DDP, expert
-    parallelism) or every expert (FSDP, which gathers the whole stack for the forward while
-    each rank keeps some experts' state: the sums are then added over the ranks splitting
-    the stack before the fold, ``dobb.optim.dobb_steps``). An expert that got no rows adds
+    parallelism), every expert (FSDP, which gathers the whole stack for the forward while
+    each rank keeps some experts' state), or its expert-parallel rank's (FSDP over expert
+    parallelism). ``window`` names them (``dobb.optim.experts.gemm_window``); the sums
+    are added over the ranks that saw the same experts before the fold
+    (``dobb.optim.dobb_steps``). An expert that got no rows adds
     nothing and its count stays. ``seen`` as ``BlockStatistics``' (host).
 
     Cost: one host read of the offsets per call (torchtitan's token dispatch reads the same
@@ -456,6 +458,7 @@ class ExpertStatistics:
         self.sums: list[Tensor] | None = None
         self.tokens: Tensor | None = None
         self.seen = False
+        self.window: tuple[int, ...] = ()  # the stack's experts the rows are, in order
 
     def observe(self, x: Tensor, offsets: Tensor) -> None:
         """Add ``x`` (``(N, width)`` rows sorted by expert) split at ``offsets``
@@ -503,16 +506,16 @@ class ExpertStatistics:
 class ExpertSlice:
     """One expert's part of an ``ExpertStatistics`` (``of``), as Dobb's fold reads a layer's
     ``BlockStatistics``: ``sums`` (``(count, size, size)`` views), ``tokens`` (a 0-d view),
-    ``seen`` and ``reset`` (the whole stack's). The expert is ``index`` of this rank's
-    ``count`` experts, ``first + index`` globally: its row of the sums is ``index`` where
-    the grouped GEMM saw this rank's experts, ``first + index`` where it saw them all."""
+    ``seen`` and ``reset`` (the whole stack's). The expert is number ``number`` of the
+    stack; its row of the sums is its place in ``of.window``, the experts the grouped GEMM
+    saw (set before each fold by Dobb's placement: ``dobb.optim.experts.gemm_window``)."""
 
-    def __init__(self, of: ExpertStatistics, index: int, first: int, count: int):
-        self.of, self.index, self.first, self.count = of, index, first, count
+    def __init__(self, of: ExpertStatistics, number: int):
+        self.of, self.number = of, number
 
     @property
     def row(self) -> int:
-        return self.index + (self.first if self.of.tokens.shape[0] > self.count else 0)
+        return self.of.window.index(self.number)
 
     @property
     def seen(self) -> bool:
@@ -631,14 +634,20 @@ def fsdp_data_ranks(model: nn.Module) -> int:
     """The most data ranks over which ``fully_shard`` shards a module of ``model`` (the mesh
     it shards over: its shard and replicate axes, never tensor-parallel ones); 1 if none. A
     pipeline stage sharded over one rank counts 1. FSDP2 keeps that mesh on a private
-    attribute of each module that holds parameters of its own; a module without (a root
+    attribute of each module that holds parameters of its own, one per parameter group
+    (torchtitan's expert parallelism shards a block's experts on a mesh of their own); a
+    module without (a root
     whose parameters all belong to its children, or a torch that renamed the attribute)
     counts 1: the first step's check of the ranks' statistics still refuses a drift."""
     ranks = 1
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-        mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
-        ranks = max(ranks, mesh.size() if mesh is not None else 1)
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # several: a mesh per parameter
+        if groups is None:  # a torch before per-parameter meshes
+            groups = [getattr(state, "_fsdp_param_group", None)]
+        for group in groups:
+            mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+            ranks = max(ranks, mesh.size() if mesh is not None else 1)
     return ranks

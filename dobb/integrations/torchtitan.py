@@ -3,15 +3,17 @@
 ``DobbOptimizersContainer`` is torchtitan's ``OptimizersContainer`` for a registry entry,
 built after parallelization, so the optimizer sees the sharded parameters (FSDP2, TP, HSDP,
 FSDP x TP DTensors) and Dobb's hooks the layers that run. Routing, data-parallel ranks,
-names and checkpoints, pipeline stages, the command, and what is refused at build time
-(expert parallelism, the ``spmd_types`` backend): ``docs/torchtitan.md``. Nothing in
-torchtitan is patched: this module subclasses its container and returns its configs. Under
-pipeline parallelism one method of torch's ``PipelineStage`` is wrapped so that Dobb's
-hooks skip its shape-inference forward (``uncount_pipeline_metadata_inference``). Tested
-with torchtitan ``TESTED_VERSION`` on torch 2.13.
+names and checkpoints, pipeline stages, expert parallelism, the command, and what is
+refused at build time (an axis splitting each expert, the ``spmd_types`` backend):
+``docs/torchtitan.md``. Nothing in torchtitan is patched: this module subclasses its
+container and returns its configs. Under pipeline parallelism one method of torch's
+``PipelineStage`` is wrapped so that Dobb's hooks skip its shape-inference forward
+(``uncount_pipeline_metadata_inference``). Tested with torchtitan ``TESTED_VERSION`` on
+torch 2.13.
 """
 
 import json
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,9 +35,17 @@ from dobb.stats import layer_weights, register_experts
 
 TESTED_VERSION = "0.3.0"
 # Mesh axes (torchtitan's names) whose ranks see different tokens, and the one that splits
-# the matrices' features; any other axis on a parameter (``ep``, ``etp``) is unsupported.
+# the matrices' features: the axes of every parameter but the routed experts'.
 DATA_AXES = ("dp_replicate", "fsdp", "dp_shard", "cp")
 MODEL_AXES = ("tp",)
+# Under expert parallelism (``parallelism.expert_parallel_degree`` > 1) torchtitan puts the
+# routed experts on a mesh of their own: ``ep`` splits the stacks along ``E`` (``Shard(0)``)
+# and FSDP shards each rank's experts over ``efsdp`` (``Shard(0)`` again, which makes the
+# first placement a ``_StridedShard``), replicated over ``dp_replicate`` under HSDP. Each
+# rank holds whole experts whose gradients sum every rank's tokens routed to them (its
+# all-to-all), so they are stepped where they are. Any other axis (e.g. ``etp``: expert
+# tensor parallelism, which splits each expert's matrices) is unsupported.
+EXPERT_AXES = ("dp_replicate", "efsdp", "ep")
 SPMD_BACKENDS = ("partial_dtensor", "full_dtensor")
 # Name segments of wrapper modules: activation checkpointing's (torchtitan strips it from
 # its FQNs too) and ``torch.compile(module)``'s (torchtitan compiles blocks in place).
@@ -50,16 +60,19 @@ register_experts(GroupedExperts, ("w1_EFD", "w3_EFD", "w2_EDF"))
 
 
 def part_mesh(model: nn.Module):
-    """The one mesh of ``model``'s DTensor parameters (None: no DTensors).
+    """The one mesh of ``model``'s DTensor parameters but the routed experts under expert
+    parallelism (None: no DTensors).
 
     ``model`` is one model part: the whole model, or one pipeline stage. Every DTensor
     parameter must lie on one mesh whose axes are torchtitan's data axes (``DATA_AXES``)
-    and ``tp``. Under pipeline parallelism that mesh holds only the ranks of this stage
-    (world size / pipeline degree): the other ranks hold other parameters.
+    and ``tp``, except torchtitan's routed expert stacks (``EXPERT_WEIGHTS``) on an ``ep``
+    mesh, whose axes must be ``EXPERT_AXES`` (``on_expert_mesh``). Under pipeline
+    parallelism that mesh holds only the ranks of this stage (world size / pipeline
+    degree): the other ranks hold other parameters.
     """
     meshes = {}
     for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and not on_expert_mesh(name, p):
             meshes.setdefault(tuple(p.device_mesh.mesh_dim_names or ()), (name, p.device_mesh))
     world = dist.get_world_size() if dist.is_initialized() else 1
     if not meshes:
@@ -75,9 +88,9 @@ def part_mesh(model: nn.Module):
         other = [a for a in axes if a not in DATA_AXES + MODEL_AXES]
         if other:
             raise NotImplementedError(
-                f"{name} lies on mesh axes {list(axes)}: axis {other[0]!r} (expert "
-                "parallelism) is not supported by dobb.integrations.torchtitan; set "
-                "parallelism.expert_parallel_degree=1"
+                f"{name} lies on mesh axes {list(axes)}: axis {other[0]!r} is not supported "
+                "by dobb.integrations.torchtitan for a parameter other than the routed "
+                f"experts' stacks ({EXPERT_WEIGHTS}); its axes are {DATA_AXES + MODEL_AXES}"
             )
         if not set(axes) <= set(names):
             raise NotImplementedError(
@@ -85,6 +98,29 @@ def part_mesh(model: nn.Module):
                 "dobb.integrations.torchtitan needs one mesh for all parameters of a part"
             )
     return mesh
+
+
+def on_expert_mesh(name: str, param) -> bool:
+    """Whether the DTensor ``param`` lies on torchtitan's mesh of the routed experts under
+    expert parallelism (axes ``ep``, ``efsdp``); raise if it is not an expert stack there,
+    or if that mesh has an axis other than ``EXPERT_AXES``."""
+    axes = tuple(param.device_mesh.mesh_dim_names or ())
+    if not {"ep", "efsdp"} & set(axes):
+        return False
+    fqn = canonical_fqn(name, WRAPPER_SEGMENTS)
+    if not re.search(EXPERT_WEIGHTS, fqn):
+        raise NotImplementedError(
+            f"{fqn} lies on the experts' mesh {list(axes)} but is not a routed expert stack "
+            f"({EXPERT_WEIGHTS}): dobb.integrations.torchtitan steps only those there"
+        )
+    other = [a for a in axes if a not in EXPERT_AXES]
+    if other:
+        raise NotImplementedError(
+            f"{fqn} lies on mesh axes {list(axes)}: axis {other[0]!r} (e.g. expert tensor "
+            "parallelism, which splits each expert) is not supported by dobb.integrations."
+            f"torchtitan, whose optimizers step each expert whole (expert axes {EXPERT_AXES})"
+        )
+    return True
 
 
 def data_mesh(mesh):

@@ -540,9 +540,8 @@ class Dobb(MatrixOptimizer):
                     continue
                 views = self.expert_views.weights(stack)
                 template = views[0] if views else torch.empty(stack.shape[1:], device="meta")
-                first = expert_of(views[0]).first if views else 0
-                experts_here = [(view, first) for view in views]
-                stacks[name] = (stack, experts_here, self.layouts(template, config))
+                numbered = [(view, expert_of(view).number) for view in views]
+                stacks[name] = (stack, numbered, self.layouts(template, config))
             if stacks:
                 experts.append((module, spec, stacks))
         handles = self.statistics.track(layers) + self.statistics.track_experts(experts)

@@ -75,7 +75,7 @@ class DobbStatistics:
     def track_experts(self, modules: list[tuple]) -> list:
         """Hook each ``(module, spec, stacks)``'s grouped GEMMs (``GroupedMatmulHook``):
         ``stacks`` maps a stack's attribute name to ``(stack, experts, layout)``, its
-        parameter, this rank's experts' views (``dobb.optim.experts.ExpertViews``) and an
+        parameter, ``(view, number)`` of this rank's experts (``dobb.optim.experts``) and an
         expert's ``MatrixLayout``. Each expert's view reads its slice of the stack's sums."""
         handles = []
         for module, spec, stacks in modules:
@@ -86,9 +86,8 @@ class DobbStatistics:
                 dtype = torch.promote_types(stack.dtype, torch.float32)  # the state's dtype
                 stats = ExpertStatistics(layout.input.stacks, dtype, local(stack).device)
                 self._experts[stack] = by_name[name] = stats
-                first = experts[0][1] if experts else 0
-                for e, (view, _) in enumerate(experts):
-                    self._stats[view] = {"input": ExpertSlice(stats, e, first, len(experts))}
+                for view, number in experts:
+                    self._stats[view] = {"input": ExpertSlice(stats, number)}
             handles.append(GroupedMatmulHook(module, spec, by_name))
         self._hooks += handles
         return handles
@@ -120,9 +119,11 @@ class DobbStatistics:
         self._gram_cache.clear()
 
     def _hooked(self) -> list[tuple[Tensor, BlockStatistics]]:
-        """``(param, BlockStatistics)`` of every hook: input sides, then row sides."""
+        """``(param, BlockStatistics)`` of every layer's hook: input sides, then row sides
+        (an expert's slice is its stack's, ``_experts``)."""
         names = ("input", "row")
-        return [(p, s[name]) for name in names for p, s in self._stats.items() if name in s]
+        hooked = [(p, s.get(name)) for name in names for p, s in self._stats.items()]
+        return [(p, s) for p, s in hooked if isinstance(s, BlockStatistics)]
 
     def _accumulators(self) -> list[tuple[Tensor, "BlockStatistics | ExpertStatistics"]]:
         """``(param, sums)`` of every layer's and every expert stack's accumulators."""

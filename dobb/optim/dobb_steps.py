@@ -51,7 +51,7 @@ from dobb.optim.dobb_core import (
     refresh_due,
     rotation_dtype,
 )
-from dobb.optim.experts import expert_of, stack_groups
+from dobb.optim.experts import expert_of, gemm_window, stack_groups
 from dobb.optim.parts import COUNTERS, Matrix, Placement, Step, local_state, state_dtype
 from dobb.stats import BlockStack, block_stacks
 
@@ -329,22 +329,22 @@ class DobbSteps(Placement):
         """Add up each expert stack's sums over the ranks that saw other tokens for the same
         experts, so that every rank holding an expert folds all of its tokens (one process's
         statistics): the data-parallel replicas of the stack (DDP's ranks, HSDP's replicate
-        axis), and where the stack is split along its experts but its grouped GEMM saw
-        every expert (FSDP gathers the stack for the forward), the ranks splitting it. Under
-        expert parallelism each rank sees its own experts' routed tokens and nothing moves.
-        One all-reduce per group and step (``dobb.stats.ExpertStatistics``)."""
+        axis), and the ranks splitting the stack across the experts its grouped GEMM saw
+        (``gemm_window``: FSDP gathers the stack, or each expert-parallel rank's experts,
+        for the forward). Under expert parallelism alone each rank sees its own experts'
+        routed tokens and nothing moves. One all-reduce per group and step
+        (``dobb.stats.ExpertStatistics``)."""
         tensors, groups = [], []
         for stack, stats in self.statistics.expert_statistics():
             if not stats.seen:
                 continue
+            stats.window, gathered = gemm_window(stack, stats.tokens.shape[0])
             split, _ = stack_groups(stack)
             data = self.layouts.data_groups
             over = tuple(g for g in data if not split or shared_axis((g,), split) is None)
-            if split and stats.tokens.shape[0] > local(stack).shape[0]:
-                over += split
-            if over:
+            if over + gathered:
                 tensors += [*stats.sums, stats.tokens]
-                groups += [over] * (len(stats.sums) + 1)
+                groups += [over + gathered] * (len(stats.sums) + 1)
         if tensors:
             all_reduce_(tensors, groups)
 

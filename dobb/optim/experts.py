@@ -17,9 +17,11 @@ tensor per key and parameter, and a step writes each expert's slice in place.
 Where the experts are: plain tensors (one process; DDP, where every replica steps every
 expert: the owner exchange that splits 2-D matrices over replicas does not take experts),
 or DTensors split along ``E`` only (``Shard(0)`` and ``Replicate`` placements: FSDP2's
-default sharding of a stack, expert parallelism), where each rank holds whole experts and
-steps its own with no communication; their stacked state is a DTensor placed as the
-parameter, so that DCP saves and reshards it. Refused at construction with the reason: a
+default sharding of a stack, expert parallelism; and FSDP2 over an expert-parallel stack,
+whose placements are ``(_StridedShard(0), Shard(0))``), where each rank holds whole experts
+and steps its own with no communication; their stacked state is a DTensor placed as the
+parameter, so that DCP saves and reshards it. Each local expert is named by its global
+index (``expert_indices``). Refused at construction with the reason: a
 stack split inside its experts (``Shard(1)``, ``Shard(2)``: tensor parallelism of the
 experts).
 
@@ -30,6 +32,7 @@ step: what keys a matrix's layout, statistics and host counts keys an expert too
 ``dobb.stats.ExpertStatistics``).
 """
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -37,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dobb._dtensor import DTensor, Replicate, Shard, local
+from dobb._dtensor import DTensor, Replicate, Shard, StridedShard, local
 from dobb.optim.parts import Matrix
 
 
@@ -59,29 +62,64 @@ def experts_refusal(param: Tensor, name: str, algorithm: str, supported: bool) -
             f"{name} is a stack of {param.shape[0]} expert matrices, which algorithm="
             f"{algorithm!r} does not step; put it in a group with algorithm='adamw'"
         )
-    if isinstance(param, DTensor) and not all(
-        p == Shard(0) or isinstance(p, Replicate) for p in param.placements
-    ):
+    if isinstance(param, DTensor) and not all(map(along_experts, param.placements)):
         return (
             f"{name} is a stack of expert matrices split inside its experts "
             f"({param.placements}); an expert stack may be split along its experts only "
-            "(Shard(0): FSDP2's default, expert parallelism), so that each rank holds whole "
-            "experts"
+            "(Shard(0): FSDP2's default, expert parallelism, FSDP2 over expert parallelism), "
+            "so that each rank holds whole experts"
         )
     return None
 
 
-def first_expert(param: Tensor) -> int:
-    """The global index of this rank's first expert of ``param`` (0 unless a DTensor split
-    along ``E``; torch's own chunking of the shards)."""
-    if not isinstance(param, DTensor):
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
+def along_experts(placement) -> bool:
+    """Whether ``placement`` leaves each expert of a stack whole: ``Replicate``, or a split
+    along ``E`` (``Shard(0)``; ``_StridedShard(0)``, FSDP2's shard of an ``E`` already
+    split by expert parallelism)."""
+    return isinstance(placement, Replicate) or (
+        isinstance(placement, (Shard, StridedShard)) and placement.dim == 0
     )
-    return offset[0]
+
+
+def expert_indices(param: Tensor) -> list[int]:
+    """The global index of each of this rank's experts of ``param``, in local order
+    (``range(E)`` unless a DTensor split along ``E``)."""
+    if not isinstance(param, DTensor):
+        return list(range(param.shape[0]))
+    return list(_placed_indices(param.device_mesh, tuple(param.placements), param.shape[0]))
+
+
+@functools.cache
+def _placed_indices(mesh, placements: tuple, count: int) -> tuple[int, ...]:
+    """This rank's part of ``range(count)`` placed as ``placements`` on ``mesh``: torch's
+    own split (a local split of a replicated tensor: no communication), once per layout."""
+    replicated = DTensor.from_local(
+        torch.arange(count), mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+    return tuple(local(replicated.redistribute(mesh, placements)).tolist())
+
+
+def gemm_window(stack: Tensor, seen: int) -> tuple[tuple[int, ...], tuple]:
+    """The experts of ``stack`` that a grouped GEMM of ``seen`` experts multiplies on this
+    rank (their global numbers, in its order), and the groups of the mesh axes that split
+    the stack across them (ranks holding other experts of the one window, which see other
+    tokens for them). The window is this rank's experts (expert parallelism: no group),
+    the expert-parallel rank's (FSDP2 over expert parallelism gathers its ``_StridedShard``
+    axes for the forward), or all of them (FSDP2 gathers every axis)."""
+    if not isinstance(stack, DTensor):
+        return tuple(range(stack.shape[0])), ()
+    mesh, placements = stack.device_mesh, tuple(stack.placements)
+    split = [a for a, p in enumerate(placements) if not isinstance(p, Replicate)]
+    strided = [a for a in split if isinstance(placements[a], StridedShard)]
+    for gathered in ((), strided, split):
+        kept = tuple(Replicate() if a in gathered else p for a, p in enumerate(placements))
+        window = _placed_indices(mesh, kept, stack.shape[0])
+        if len(window) == seen:
+            return window, tuple(mesh.get_group(a) for a in gathered)
+    raise ValueError(
+        f"a grouped GEMM multiplied by {seen} experts of a stack of {stack.shape[0]} placed "
+        f"{placements}: neither this rank's experts, its expert-parallel rank's, nor all"
+    )
 
 
 def placed_like(stack: Tensor, param: Tensor) -> Tensor:
@@ -102,11 +140,11 @@ def stacked_state(
     """The state of this rank's experts of ``param`` (``weights``: their views,
     ``ExpertViews.weights``), ``init(w_e, name_e)`` each (``e`` global), stacked along a new
     leading dim and placed as ``param``: ``{key: (E, *shape)}``."""
-    first = first_expert(param)
-    states = [init(weight, expert_name(name, first + e)) for e, weight in enumerate(weights)]
+    indices = expert_indices(param)
+    states = [init(weight, expert_name(name, i)) for weight, i in zip(weights, indices)]
     if not states:  # an uneven split can leave a rank without experts: keys and shapes
         template = local(param).new_zeros(param.shape[1:])
-        alike = init(template, expert_name(name, first))
+        alike = init(template, expert_name(name, param.shape[0]))
         stacked = {key: value.new_empty((0, *value.shape)) for key, value in alike.items()}
     else:
         stacked = {key: torch.stack([state[key] for state in states]) for key in states[0]}
@@ -114,12 +152,12 @@ def stacked_state(
 
 
 class Expert(NamedTuple):
-    """Which expert a view is: of ``stack`` (the parameter), its ``index`` on this rank
-    (``first`` + ``index`` globally, ``first_expert``)."""
+    """Which expert a view is: of ``stack`` (the parameter), its ``index`` on this rank,
+    ``number`` globally (``expert_indices``)."""
 
     stack: Tensor
     index: int
-    first: int
+    number: int
 
 
 # id(view) -> (a weak reference to the view, its Expert); by identity (a tensor's == is
@@ -163,10 +201,10 @@ class ExpertViews:
         tensor = local(stack)
         held = self._weights.get(stack)
         if held is None or held[0] != where(tensor):
-            detached, first = tensor.detach(), first_expert(stack)
+            detached = tensor.detach()
             views = [detached[e] for e in range(detached.shape[0])]
-            for e, view in enumerate(views):
-                _register(view, Expert(stack, e, first))
+            for e, (view, number) in enumerate(zip(views, expert_indices(stack))):
+                _register(view, Expert(stack, e, number))
             held = self._weights[stack] = (where(tensor), views)
         return held[1]
 
@@ -184,15 +222,15 @@ class ExpertViews:
     def matrices(self, matrix: Matrix) -> list[Matrix]:
         """``matrix`` (an ``(E, d_out, d_in)`` parameter with its stacked state) as ``E``
         matrices: the experts' views with their gradients' views as ``.grad`` (None
-        without a gradient), and their
-        state's views (a step's in-place writes land in the parameter and its state)."""
-        grad, first = local(matrix.param.grad), first_expert(matrix.param)
+        without a gradient), and their state's views (a step's in-place writes land in the
+        parameter and its state)."""
+        grad, numbers = local(matrix.param.grad), expert_indices(matrix.param)
         weights = self.weights(matrix.param)
         states = self.states(matrix.param, matrix.state)
         experts = []
         for e, (weight, state) in enumerate(zip(weights, states, strict=True)):
             weight.grad = None if grad is None else grad[e]
-            name = expert_name(matrix.name, first + e)
+            name = expert_name(matrix.name, numbers[e])
             experts.append(Matrix(weight, state, matrix.config, name))
         return experts
 
@@ -204,5 +242,5 @@ def stack_groups(stack: Tensor) -> tuple[tuple, tuple]:
         return (), ()
     mesh, split, copied = stack.device_mesh, [], []
     for axis, placement in enumerate(stack.placements):
-        (split if placement == Shard(0) else copied).append(mesh.get_group(axis))
+        (copied if isinstance(placement, Replicate) else split).append(mesh.get_group(axis))
     return tuple(split), tuple(copied)

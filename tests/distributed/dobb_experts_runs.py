@@ -102,6 +102,8 @@ def one_process(experts: int, world: int, options: dict) -> list[torch.Tensor]:
 def layout_run(rank: int, world: int, layout: str, experts: int, options: dict):
     """(one process, this layout) stacks and ``w1``'s first input ``C``, gathered."""
     alone = one_process(experts, world, options)
+    if layout == "ep_fsdp":
+        return alone, *ep_fsdp_run(rank, world, experts, options)
     mesh = init_device_mesh("cpu", (world,))
     w1, w2 = weights(experts)
     model = Experts(w1, w2)
@@ -121,23 +123,52 @@ def layout_run(rank: int, world: int, layout: str, experts: int, options: dict):
     opt = dobb_for(model, options, mesh)
     for s in range(STEPS):
         if layout == "ep":
-            mine = range(*local_experts(model.w1))
+            mine = local_experts(model.w1)
             x, counts, target = batch([rows(experts, s, r) for r in range(world)], mine)
         else:
             x, counts, target = batch([rows(experts, s, rank)], range(experts))
         step(model, opt, x, counts, target, scale=scale, reduce=reduce)
+    return alone, *gathered(model, opt)
+
+
+def gathered(model, opt) -> tuple:
+    """The whole stacks and ``w1``'s first input ``C``, its placements, its token counts."""
     state = opt.state[model.w1]
     cov = state["input_cov_0"]
     placements = tuple(cov.placements) if isinstance(cov, DTensor) else None
     sharded = [full(model.w1.detach()), full(model.w2.detach()), full(cov)]
     tokens = full(state[EXPERT_TOKENS])
     dist.barrier()
-    return alone, sharded, placements, tokens
+    return sharded, placements, tokens
 
 
-def local_experts(stack) -> tuple[int, int]:
-    """``[first, stop)`` of this rank's experts of a ``Shard(0)`` stack."""
-    from dobb.optim.experts import first_expert
+def ep_fsdp_run(rank: int, world: int, experts: int, options: dict, ep: int = 2) -> tuple:
+    """FSDP2 over expert parallelism, as torchtitan lays it out: ``ep`` ranks split the
+    experts (``Shard(0)`` on the ``ep`` axis of an ``(efsdp, ep)`` mesh), FSDP2 shards each
+    one's experts over ``efsdp`` (placements ``(_StridedShard(0), Shard(0))``) and gathers
+    them for the forward, whose grouped GEMM sees the ``ep`` rank's experts. The ranks of
+    one ``efsdp`` index form an expert-parallel group: rank ``(f, k)`` runs its group's rows
+    routed to ``ep`` rank ``k``'s experts (what its all-to-all brings). FSDP averages the
+    gradients over ``efsdp``: the loss is scaled by ``ep / world`` (one process's ``1 /
+    world``); Dobb adds each expert's sums over ``efsdp``, the ranks with the same experts."""
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    f, k = mesh.get_coordinate()
+    w1, w2 = weights(experts)
+    model = Experts(w1, w2)
+    model.w1 = nn.Parameter(distribute_tensor(w1, mesh["ep"], [Shard(0)]))
+    model.w2 = nn.Parameter(distribute_tensor(w2, mesh["ep"], [Shard(0)]))
+    fully_shard(model, mesh=mesh["efsdp"])
+    opt = dobb_for(model, options, mesh)
+    window = range(k * experts // ep, (k + 1) * experts // ep)
+    group = [f * ep + j for j in range(ep)]
+    for s in range(STEPS):
+        x, counts, target = batch([rows(experts, s, r) for r in group], window)
+        step(model, opt, x, counts, target, scale=ep / world)
+    return gathered(model, opt)
 
-    first = first_expert(stack)
-    return first, first + stack.to_local().shape[0]
+
+def local_experts(stack) -> list[int]:
+    """The global numbers of this rank's experts of a ``Shard(0)`` stack."""
+    from dobb.optim.experts import expert_indices
+
+    return expert_indices(stack)

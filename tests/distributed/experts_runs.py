@@ -81,3 +81,51 @@ def fsdp_run(rank, world, name, experts, path=None, phase=None):
     placements = {key: tuple(v.placements) for key, v in opt.state[model.w1].items()}
     dist.barrier()
     return full(alone.w1.detach()), full(model.w1.detach()), placements
+
+
+def ep_run(rank, world, name, experts, ep=2):
+    """The stack after ``STEPS`` steps in one process and under expert parallelism as
+    torchtitan lays it out: ``ep`` ranks split the experts (``Shard(0)`` on the ``ep`` axis
+    of an ``(efsdp, ep)`` mesh), then FSDP2 shards each rank's experts over ``efsdp``
+    (``world // ep`` ranks), which makes the placements ``(_StridedShard(0), Shard(0))``.
+    Each rank runs its experts on their inputs (the tokens an all-to-all would bring).
+    Returns (one process, EP) full stacks, the placements of the state, the global index
+    of each of this rank's experts (found by its weights) and ``expert_indices``'."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dobb.optim.experts import expert_indices
+
+    torch.manual_seed(0)
+    alone = Experts(experts)
+    opt = build(name, alone)
+    for step in range(STEPS):
+        train_step(alone, opt, step, experts)
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    torch.manual_seed(0)
+    model = Experts(experts)
+    weights = model.w1.detach().clone()
+    model.w1 = nn.Parameter(distribute_tensor(model.w1.detach(), mesh["ep"], [Shard(0)]))
+    fully_shard(model, mesh=mesh["efsdp"])
+    # which experts this rank holds, found by their (distinct, random) weights
+    held = [[torch.equal(w, v) for v in weights].index(True) for w in model.w1.to_local()]
+    indices = expert_indices(model.w1)
+    opt = build(name, model)
+    for step in range(STEPS):
+        ep_train_step(model, opt, step, experts, mesh["ep"])
+    placements = {key: tuple(v.placements) for key, v in opt.state[model.w1].items()}
+    dist.barrier()
+    return full(alone.w1.detach()), full(model.w1.detach()), placements, held, indices
+
+
+def ep_train_step(model, opt, step: int, experts: int, ep_mesh):
+    """``train_step`` with each expert's inputs on the ``ep`` rank that holds it."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(experts, 5, D_IN, generator=gen, dtype=torch.float64)
+    y = torch.randn(experts, 5, D_OUT, generator=gen, dtype=torch.float64)
+    x, y = (distribute_tensor(t, ep_mesh, [Shard(0)]) for t in (x, y))
+    opt.zero_grad()
+    (model(x) * y).sum().backward()
+    opt.step()

@@ -3,7 +3,11 @@
 2-D matrix that the replicas share out (Muon's family: the owner exchange; Dion: its
 compressed sync), and the experts take no part in that exchange. Under FSDP2 (the stack
 split along ``E``, 2 + 2 or 2 + 1 experts) each rank steps its own experts; their state is
-placed as the stack and resumes from DCP. The workers: ``experts_runs``.
+placed as the stack and resumes from DCP. Under expert parallelism as torchtitan lays it
+out (``ep`` splits ``E``, FSDP2 shards each rank's experts over ``efsdp``: placements
+``(_StridedShard(0), Shard(0))``, on 2 ranks and on 2 x 2) likewise, each local expert
+named by its global index (Dion's ``Q_0`` is seeded by that name, so a wrong index
+changes its result). The workers: ``experts_runs``.
 
 Tolerance: the replicas hold the same gradients (DDP's average, here given alike), so each
 expert's update is the one process's ops on the same numbers: equal. The 2-D matrix goes
@@ -16,10 +20,11 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from experts_runs import fsdp_run
+from experts_runs import ep_run, fsdp_run
 from multirank import run_ranks
 from torch import nn
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from dobb.registry import get_entry
 
@@ -80,3 +85,22 @@ def test_experts_resume_from_dcp_under_fsdp(tmp_path, name):
     run_ranks(fsdp_run, 2, name, 3, str(tmp_path), "save", timeout=110)
     for alone, resumed, _ in run_ranks(fsdp_run, 2, name, 3, str(tmp_path), "load", timeout=110):
         assert torch.equal(alone, resumed)
+
+
+# (optimizer, ranks, experts): every optimizer on 2 x 2 ranks with 6 experts (2, 2, 1, 1 a
+# rank); Dion, whose seeds show a misnamed expert, also on 2 ranks and with 3 (one rank none)
+EXPERT_PARALLEL = [(name, 4, 6) for name in OPTIMIZERS] + [("dion", 2, 4), ("dion", 4, 3)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, world, experts", EXPERT_PARALLEL)
+def test_experts_under_expert_parallel_fsdp_equal_one_process(name, world, experts):
+    """Each rank steps the whole experts it holds, named by their global indices (those
+    its weights show it holds), its state placed as the stack."""
+    strided = (_StridedShard(0, split_factor=2), Shard(0))
+    for alone, sharded, placements, held, indices in run_ranks(
+        ep_run, world, name, experts, timeout=110
+    ):
+        assert torch.equal(alone, sharded)
+        assert indices == held
+        assert set(placements.values()) == {strided}

@@ -5,9 +5,11 @@ Expert parallelism: each rank folds its experts' routed tokens, whole, and steps
 no communication: equal to one process (the same rows in the same order through the same
 ops). FSDP2 (the stack split along ``E``, the forward on the gathered stack) and DDP (the
 whole stack on each replica) see each expert's tokens on both ranks, and add its sums over
-them before the fold, so the tokens weigh as in one process; the gradients and the sums
-are then added in another order than one process adds them: within 1e-12 relative
-(float64).
+them before the fold, so the tokens weigh as in one process; so does FSDP2 over expert
+parallelism on 2 x 2 ranks (torchtitan's layout: each grouped GEMM sees its expert-parallel
+rank's experts, which FSDP splits over ``efsdp``: the sums are added over ``efsdp``); the
+gradients and the sums are then added in another order than one process adds them: within
+1e-12 relative (float64).
 """
 
 import pytest
@@ -53,3 +55,14 @@ def test_ddp_adds_each_experts_statistics_over_the_replicas():
         for a, b in zip(alone, replicated):
             assert relative(a, b) <= TOLERANCE
         assert placements is None
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("options", [RECOMMENDED, PAPER], ids=["dobb", "dobb_paper"])
+def test_fsdp_over_expert_parallel_adds_each_experts_statistics_over_efsdp(options):
+    for alone, sharded, placements, _ in run_ranks(
+        layout_run, 4, "ep_fsdp", 4, options, timeout=170
+    ):
+        for a, b in zip(alone, sharded):
+            assert relative(a, b) <= TOLERANCE
+        assert [type(p).__name__ for p in placements] == ["_StridedShard", "Shard"]

@@ -12,11 +12,15 @@ llama3, each job for 4 steps saving DCP checkpoints at steps 2 and 4:
   run once more with torchtitan's compile switch on (``COMPILE``: each transformer block
   compiled with ``fullgraph=True``, where a graph break is an error, and the loss): their
   losses and step-4 checkpoints must equal the eager run's bit for bit, with no graph break.
+  Muon on qwen3's MoE cut down (``MOE_JOBS``) under FSDP and under expert parallelism 2,
+  resumed likewise; the two saved after step 1 too, whose states must agree within the
+  rounding of torchtitan's bf16 expert products.
 - 4 ranks (``JOBS_4``): Dobb under HSDP (2 replicas of 2 FSDP shards) and FSDP x TP (2 x 2),
-  each resumed likewise; and Dobb under pipeline x FSDP (2 x 2) resumed from the 2-rank FSDP
-  job's step-2 checkpoint (``PIPELINE_FROM_FSDP``): the same data and weights, so its steps
-  3 and 4 must continue the FSDP job as a different reduction order allows, on any CPU
-  (``titan_continuation``: Dobb's weights by their signs, the rest within rounding).
+  each resumed likewise; Muon on the MoE under EP 2 x FSDP 2, resumed likewise; and Dobb
+  under pipeline x FSDP (2 x 2) resumed from the 2-rank FSDP job's step-2 checkpoint
+  (``PIPELINE_FROM_FSDP``): the same data and weights, so its steps 3 and 4 must continue
+  the FSDP job as a different reduction order allows, on any CPU (``titan_continuation``:
+  Dobb's weights by their signs, the rest within rounding).
 
 The CPU shim is ``torchtitan_cpu.py``, the assets (tokenizer, 400 documents) are written
 by ``titan_assets.py``.
@@ -45,6 +49,8 @@ pytestmark = [pytest.mark.torchtitan, pytest.mark.timeout(2 * RUN_TIMEOUT + 300)
 HERE = Path(__file__).parent
 STEPS, SAVE_EVERY = 4, 2
 PIPELINE = ["--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"]
+# expert parallelism, which torchtitan, like pipelines, takes only with CUDA graphs off
+EXPERT_PARALLEL = ["--parallelism.expert_parallel_degree", "2", "--training.disable_cuda_graphs"]
 # the parallelism flags of each layout; the FSDP degree is torchtitan's default, -1: the
 # ranks left over (on 2 ranks "tp" is TP alone, on 4 "fsdp_tp" is 2 FSDP x 2 TP)
 LAYOUTS = {
@@ -54,10 +60,15 @@ LAYOUTS = {
     "hsdp": ["--parallelism.data_parallel_replicate_degree", "2"],
     "fsdp_tp": ["--parallelism.tensor_parallel_degree", "2"],
     "pp_fsdp": PIPELINE,
-    "fsdp_moe": [],  # FSDP over 2 ranks, on titan_configs.qwen3_moe_cpu
+    # on titan_configs.qwen3_moe_cpu: FSDP over 2 ranks; EP 2 on 2 ranks (the experts split
+    # over "ep", the rest FSDP over both ranks); EP 2 x FSDP 2 on 4 ranks (each EP group's
+    # experts sharded again over "efsdp", the rest FSDP over all 4)
+    "fsdp_moe": [],
+    "ep_moe": EXPERT_PARALLEL,
+    "ep_fsdp_moe": EXPERT_PARALLEL,
 }
 # the config of each layout's jobs (titan_configs), where not llama3_cpu
-CONFIGS = {"fsdp_moe": "qwen3_moe_cpu"}
+CONFIGS = {layout: "qwen3_moe_cpu" for layout in ("fsdp_moe", "ep_moe", "ep_fsdp_moe")}
 # (optimizer, layout, state every hidden matrix of that optimizer holds), run with their
 # resumed twins: on 2 ranks, and on 4
 # ("dobb": the recommended configuration, the library's default; "dobb_paper": the paper's,
@@ -74,11 +85,14 @@ JOBS = [
     ("dobb_paper", "pp", "input_basis_0"),
 ]
 JOBS_4 = [("dobb_paper", "hsdp", "input_basis_0"), ("dobb_paper", "fsdp_tp", "input_basis_0")]
-# optimizers run on the mixture of experts (layout "fsdp_moe"), with their resumed twins
-MOE_JOBS = ["muon"]
+# (optimizer, layout) run on the mixture of experts, with their resumed twins
+MOE_JOBS = [("muon", "fsdp_moe"), ("muon", "ep_moe"), ("muon", "ep_fsdp_moe")]
+# Dobb (the recommended preset, "dobb"; the paper's under EP) on the MoE: each expert's
+# statistics from its routed tokens, folded where its grouped GEMM ran
+MOE_JOBS += [("dobb", "fsdp_moe"), ("dobb", "ep_moe"), ("dobb_paper", "ep_moe")]
+MOE_JOBS += [("dobb", "ep_fsdp_moe")]
 RANKS = {**{layout: 2 for _, layout, _ in JOBS}, **{layout: 4 for _, layout, _ in JOBS_4}}
-RANKS["pp_fsdp"] = 4
-RANKS["fsdp_moe"] = 2
+RANKS.update(pp_fsdp=4, fsdp_moe=2, ep_moe=2, ep_fsdp_moe=4)
 # jobs run again with torchtitan's compile switch on, as (optimizer, layout)
 COMPILED = [("dobb", "fsdp"), ("muon", "fsdp")]
 # the model's blocks and the loss; aot_eager: Dynamo and AOTAutograd as with inductor, the
@@ -91,12 +105,15 @@ PIPELINE_FROM_FSDP = ("dobb_paper", "pp_fsdp", "fsdp")
 # (optimizer, layout) of the jobs that save a checkpoint after every step (the others every
 # SAVE_EVERY): the pipeline test compares each step of the two
 EVERY_STEP = [("dobb_paper", "fsdp"), ("dobb_paper", "pp_fsdp")]
+# (optimizer, layout) of the jobs that also save after step 1 (the others' first is step 2):
+# the expert-parallel test compares the first step of the two
+FIRST_STEP = [("muon", "fsdp_moe"), ("muon", "ep_moe")]
 TOKENS = 2 * 2 * 64  # a step's global batch: 2 FSDP ranks x 2 sequences x 64 tokens
 MAX_NORM = 1.0  # torchtitan's training.max_norm (its default): gradients clipped to it
 # what the stage costs, counted: optimizer steps times ranks over every job, which the
-# plan below must not exceed (each 2-rank job of 4 steps is 8, a resumed one 4; the
-# plan is 180)
-RANK_STEP_BUDGET = 180
+# plan below must not exceed (each 2-rank job of 4 steps is 8, a resumed one 4; each
+# 4-rank one 16 and 8; the plan is 276)
+RANK_STEP_BUDGET = 276
 
 
 def job_args(out: Path, name: str, layout: str, resume: bool = False, **kw) -> list:
@@ -114,6 +131,8 @@ def job_args(out: Path, name: str, layout: str, resume: bool = False, **kw) -> l
     args += ["--training.steps", str(STEPS), "--comm.init_timeout_seconds", "120"]
     interval = 1 if (name, layout) in EVERY_STEP else SAVE_EVERY
     args += ["--checkpoint.enable", "--checkpoint.interval", str(interval)]
+    if (name, layout) in FIRST_STEP and not (resume or compiled or source):
+        args += ["--checkpoint.enable_first_step_checkpoint"]
     args += ["--dump_folder", str(folder.with_name(folder.name + suffix))]
     if resume or source:
         loaded = out / f"{name}_{source}" if source else folder
@@ -127,7 +146,7 @@ def job_args(out: Path, name: str, layout: str, resume: bool = False, **kw) -> l
 
 def plan(out: Path) -> dict[int, list[list]]:
     """Every job's command line, by the number of ranks of its torchrun."""
-    jobs = [(n, lay) for n, lay, _ in JOBS + JOBS_4] + [(n, "fsdp_moe") for n in MOE_JOBS]
+    jobs = [(n, lay) for n, lay, _ in JOBS + JOBS_4] + MOE_JOBS
     twins = [(n, lay, r) for n, lay in jobs for r in (False, True)]
     jobs = {2: [], 4: []}
     for name, layout, resume in twins:
@@ -203,24 +222,67 @@ def test_resume_gives_a_bit_identical_checkpoint(runs, name, layout, state_key):
         assert not torch.equal(first[weight], a[weight])
 
 
-@pytest.mark.parametrize("name", MOE_JOBS)
-def test_routed_experts_are_stepped_as_matrices_and_resume_bit_identical(runs, name):
-    """torchtitan's MoE (qwen3, ``titan_configs.EXPERTS`` routed experts a block, FSDP over 2 ranks,
-    each rank holding whole experts): each expert stack goes to the matrix optimizer, its
+@pytest.mark.parametrize("name, layout", MOE_JOBS, ids=ids(MOE_JOBS))
+def test_routed_experts_are_stepped_as_matrices_and_resume_bit_identical(runs, name, layout):
+    """torchtitan's MoE (qwen3, ``titan_configs.EXPERTS`` routed experts a block), each rank
+    holding whole experts: under FSDP over 2 ranks (``Shard(0)``), expert parallelism on 2
+    (``ep`` splits them, ``(_StridedShard(0), Shard(0))`` on ``(efsdp, ep)``) and EP 2 x
+    FSDP 2 on 4 (2 experts a rank). Each expert stack goes to the matrix optimizer, its
     state one ``(E, d_out, d_in)`` tensor per key (``dobb.optim.experts``), and a resumed
     run's step-4 checkpoint equals the uninterrupted one bit for bit."""
-    a = step_checkpoint(runs / f"{name}_fsdp_moe")
-    b = step_checkpoint(runs / f"{name}_fsdp_moe_resumed")
+    a = step_checkpoint(runs / f"{name}_{layout}")
+    b = step_checkpoint(runs / f"{name}_{layout}_resumed")
     assert a.keys() == b.keys()
     differ = [key for key in a if not same(a[key], b[key])]
     assert not differ, f"{len(differ)} entries differ after a resume, e.g. {differ[:5]}"
-    first = step_checkpoint(runs / f"{name}_fsdp_moe", SAVE_EVERY)
+    first = step_checkpoint(runs / f"{name}_{layout}", SAVE_EVERY)
     for block in (0, 1):
         for weight in ("w1_EFD", "w2_EDF", "w3_EFD"):
             fqn = f"layers.{block}.moe.routed_experts.inner_experts.{weight}"
             assert a[f"optimizer.state.{fqn}.momentum"].shape == a[fqn].shape, fqn
             assert a[fqn].ndim == 3 and f"optimizer.state.{fqn}.exp_avg" not in a
             assert not torch.equal(first[fqn], a[fqn])
+            if name.startswith("dobb"):  # every expert's own statistics, token counts
+                experts = a[fqn].shape[0]
+                tokens = a[f"optimizer.state.{fqn}.expert_tokens"]
+                cov = a[f"optimizer.state.{fqn}.input_cov_0"]
+                assert tokens.shape == (experts,) and bool((tokens > 0).all()), tokens
+                assert cov.shape[0] == experts and not torch.equal(cov[0], cov[1])
+
+
+def test_expert_parallel_first_step_is_fsdps(runs):
+    """EP 2 and FSDP 2 on the same 2 data ranks see the same tokens and start from the
+    same weights: only where each expert's tokens are multiplied differs (EP's all-to-all
+    brings both ranks' tokens to the expert's rank). After step 1:
+
+    - the losses (the forward before any update) agree within rtol 1e-5 (measured equal);
+    - each optimizer state, per expert for the stacks, agrees within 2^-7 of its norm
+      (Frobenius): Muon's momentum after one step is ``(1 - beta)`` times the clipped
+      gradient, and torchtitan multiplies the experts in bf16 (``GroupedExperts``), so each
+      layout rounds an expert's gradient its own way (EP: one product over both ranks'
+      tokens; FSDP: one per rank, summed in fp32), about ``u / sqrt(3)`` of its norm with
+      ``u = 2^-8`` (measured 2026-12-05: at most 2.4e-3 per expert; every entry but the
+      experts' was bit-identical);
+    - the experts' weights are not compared: Muon's Newton-Schulz (bf16, the default)
+      lifts the gradients' smallest singular directions, where that rounding is of the
+      size of the signal, to unit size (measured: step-1 expert weights 0.7% to 9.1% of a
+      full-lr Muon step apart; the step-2 losses 1e-6 relative).
+
+    A gradient or a state on the wrong expert, an expert left out of its rank's step or
+    of the all-to-all, moves a state by far more than 2^-7."""
+    fsdp, ep = runs / "muon_fsdp_moe", runs / "muon_ep_moe"
+    losses = [job_losses(job)["1"] for job in (fsdp, ep)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=0)
+    a, b = step_checkpoint(fsdp, 1), step_checkpoint(ep, 1)
+    assert a.keys() == b.keys()
+    states = [key for key in a if key.startswith("optimizer.state.") and a[key].ndim >= 1]
+    assert any(".inner_experts.w2_EDF.momentum" in key for key in states)
+    for key in states:
+        x, y = a[key].double(), b[key].double()
+        pieces = zip(x, y) if ".inner_experts." in key else [(x, y)]
+        for e, (xe, ye) in enumerate(pieces):
+            scale = max(xe.norm().item(), ye.norm().item())
+            assert (xe - ye).norm().item() <= 2**-7 * scale, (key, e)
 
 
 def records(folder: Path) -> list[dict]:
@@ -359,8 +421,8 @@ def test_parameter_names_do_not_depend_on_checkpoint_or_compile_wrappers(titan):
         model = debug_model(model_registry)
         for key, block in model.layers.items():
             model.layers[key] = wrap(block)
-        assert any("_checkpoint_wrapped_module" in n or "_orig_mod" in n for n, _ in
-                   model.named_parameters())  # fmt: skip
+        wrapped = ("_checkpoint_wrapped_module", "_orig_mod")
+        assert any(w in n for n, _ in model.named_parameters() for w in wrapped)
         assert names_by_algorithm(container(integration, model)) == plain
     assert "lm_head.weight" in plain["adamw"] and "tok_embeddings.weight" in plain["adamw"]
     assert "layers.0.attention.wo.weight" in plain["dobb"]
@@ -445,6 +507,103 @@ def test_unsupported_settings_raise_saying_what_to_change(titan):
             model,
             param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW")],
         )
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of 2 ranks in this process (this is rank 0; collectives do
+    nothing): its world mesh, and torchtitan's two meshes under expert parallelism 2, the
+    dense ``("fsdp",)`` and the experts' ``("efsdp", "ep")``, 1 x 2, cut from it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        world = init_device_mesh("cpu", (2,), mesh_dim_names=("world",))
+        dense, experts = (
+            world._unflatten(0, (2,), ("fsdp",)),
+            world._unflatten(0, (1, 2), ("efsdp", "ep")),
+        )
+        yield world, dense, experts
+    finally:
+        dist.destroy_process_group()
+
+
+def expert_parallel_model(dense_mesh, expert_mesh, *, router_on_experts_mesh=False):
+    """A dense ``nn.Linear`` FSDP-sharded on ``dense_mesh`` and a ``GroupedExperts`` of 4
+    experts split over ``expert_mesh`` as torchtitan splits them (rank 0's part: this
+    process); with ``router_on_experts_mesh`` the dense weight lies on ``expert_mesh``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torchtitan.models.common.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.attention = nn.Linear(16, 16, bias=False)
+    model.experts = GroupedExperts.Config(dim=16, hidden_dim=8, num_experts=4).build()
+    strided = [_StridedShard(0, split_factor=2), Shard(0)]
+    if router_on_experts_mesh:
+        dense_mesh, dense = expert_mesh, [Replicate(), Shard(0)]
+    else:
+        dense = [Shard(0)]
+    for module, name, placements, mesh in [
+        (model.attention, "weight", dense, dense_mesh),
+        *[(model.experts, w, strided, expert_mesh) for w in ("w1_EFD", "w2_EDF", "w3_EFD")],
+    ]:
+        full = torch.randn(getattr(module, name).shape)
+        mine = full.chunk(2)[0]  # rank 0's half of the first dim, either way
+        shape, stride = full.shape, full.stride()
+        param = DTensor.from_local(mine, mesh, placements, shape=shape, stride=stride)
+        setattr(module, name, nn.Parameter(param))
+    return model
+
+
+def test_expert_parallel_routes_the_stacks_to_the_matrix_optimizer(titan, fake_world):
+    """torchtitan's two meshes under EP: the stacks (on ``("efsdp", "ep")``) go to the
+    matrix optimizer (Dion's and Dobb's here; AdamW takes everything), which steps them
+    where they are, and the dense weight's data axes stay the group (``data_mesh``:
+    ``fsdp``, the Muon family's ``replica_group``, Dobb's ``stats_group``); Dobb hooks
+    the stacks' grouped GEMMs. A dense weight on the experts' mesh and an expert axis that
+    would split each expert (``etp``) are refused saying why, before any collective (the
+    fake group's do nothing)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    integration, _ = titan
+    set_spmd_backend("partial_dtensor")
+    world, *meshes = fake_world
+    stacks = ["experts.w1_EFD", "experts.w2_EDF", "experts.w3_EFD"]
+    # built here where construction needs no collective (the fake group's are no-ops);
+    # Muon's plans its owner exchange with one (the 2-rank jobs build it)
+    groups = names_by_algorithm(container(integration, expert_parallel_model(*meshes), name="dion"))
+    assert groups["dion"] == ["attention.weight", *stacks]
+    (adamw,) = container(integration, expert_parallel_model(*meshes), name="adamw").optimizers
+    assert sorted(n for g in adamw.param_groups for n in g["param_names"]) == groups["dion"]
+    model = expert_parallel_model(*meshes)
+    named = [(n, p) for n, p in model.named_parameters()]
+    assert [n for n, p in named if integration.on_expert_mesh(n, p)] == stacks
+    assert integration.data_mesh(integration.part_mesh(model)).mesh_dim_names == ("fsdp",)
+    for name in ("dobb", "dobb_paper"):
+        model = expert_parallel_model(*meshes)
+        built = container(integration, model, name=name)
+        assert names_by_algorithm(built)["dobb"] == groups["dion"]
+        (opt,) = built.optimizers
+        tracked = {id(stack) for stack, _ in opt.statistics.expert_statistics()}
+        assert tracked == {id(getattr(model.experts, w)) for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
+    model = expert_parallel_model(*meshes, router_on_experts_mesh=True)
+    with pytest.raises(NotImplementedError, match="attention.weight lies on the experts' mesh"):
+        container(integration, model, name="muon")
+    etp = world._unflatten(0, (2, 1), ("ep", "etp"))
+    model = expert_parallel_model(*meshes)
+    w1 = model.experts.w1_EFD
+    model.experts.w1_EFD = nn.Parameter(
+        DTensor.from_local(
+            w1.to_local(), etp, [Shard(0), Replicate()], shape=w1.shape, stride=w1.stride()
+        )
+    )
+    with pytest.raises(NotImplementedError, match="axis 'etp'.*expert tensor parallelism"):
+        container(integration, model, name="muon")
 
 
 def pipeline_stages(model_registry) -> list[nn.Module]:

@@ -16,7 +16,11 @@ torchtitan targets accelerators. On a CPU-only machine it needs, before it build
 - grouped GEMMs: ``torch._grouped_mm``'s backward fails on CPU in torch 2.13 (``Invalid
   strides/sizes``), so the routed experts (``GroupedExperts._grouped_mm``, torchtitan's own
   seam for other kernels) run one matmul per expert over its rows between consecutive
-  offsets (the same product; rows past the last offset, padding, are zeros);
+  offsets (the same product; rows past the last offset, padding, are zeros); under expert
+  parallelism it multiplies each rank's local experts, and torchtitan's all-to-all token
+  dispatch (``AllToAllTokenDispatcher``: uneven ``all_to_all_single``) runs on gloo as it
+  is: nothing more is needed for EP (its jobs set ``--training.disable_cuda_graphs``,
+  which torchtitan's config asks for with that dispatcher on any device);
 - pipeline schedules: torchtitan 0.3 hands its microbatches, already split, to
   ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=)``, a signature newer than torch
   2.13's, whose ``step`` splits a whole batch itself (and would take those three lists for
