@@ -373,7 +373,7 @@ def _check_moe(report: dict, text: str, out: Path, summary) -> None:
     moe, spec = report["moe"], report["spec"]
     assert "## (g) Mixture of experts" in text and (out / "moe.png").exists()
     assert [r["name"] for r in moe["rows"]] == spec["moe_optimizers"] + spec["moe_tuned"]
-    assert spec["moe_tuned"] == ["Dobb, recommended"]  # the pipeline covers an entry of (f)
+    assert "Dobb, recommended" in spec["moe_tuned"]  # the pipeline covers entries of (f)
     assert moe["n_experts"] == spec["moe_model"]["n_experts"] and moe["expert_hidden"] > 0
     fronts = {r["front"]: r for r in report["tuning"]["rows"] if r["front"]}
     for row in moe["rows"]:
@@ -411,11 +411,11 @@ def _check_moe(report: dict, text: str, out: Path, summary) -> None:
     assert moe["holds"] == (moe["order"] == moe["dense_order"])
     verdict = "holds" if moe["holds"] else "does not hold"
     assert f"the dense ordering {verdict}. With experts: " in text and ").." not in text
-    parts = f"AdamW and Muon: (a); Dobb, recommended: (f) at width {moe['n_embd']}"
+    parts = f"AdamW and Muon: (a); {' and '.join(spec['moe_tuned'])}: (f) at width {moe['n_embd']}"
     assert f"; dense ({parts}): " in text  # each row's dense numbers named by their part
     for pair in moe["pairs"]:
         assert pair["moe"]["diff"] == pytest.approx(means[pair["a"]] - means[pair["b"]])
-    assert len(moe["pairs"]) == 3
+    assert len(moe["pairs"]) == math.comb(len(moe["rows"]), 2)
 
 
 def _label_row(tuning: dict, label: str) -> dict:
