@@ -50,10 +50,28 @@ def _parts(report: dict, one: str) -> str:
     return " (" + "; ".join(f"{' and '.join(k)}: {part}" for part, k in parts.items()) + ")"
 
 
+def swaps(report: dict) -> list[str]:
+    """Each pair that the experts put in the other order than dense (its difference of means
+    changes sign), and whether that difference exceeds the seed noise in each setting."""
+    labels, found = _labels(report), []
+    for p in report["pairs"]:
+        if (p["moe"]["diff"] > 0) != (p["dense"]["diff"] > 0):
+            moe, dense = ("beyond" if p[k]["exceeds"] else "within" for k in ("moe", "dense"))
+            noise = (
+                f"{moe} the seed noise with experts and dense"
+                if moe == dense
+                else f"{moe} the seed noise with experts, {dense} it dense"
+            )
+            found.append(f"{labels[p['a']]} and {labels[p['b']]} swap places, {noise}")
+    return found
+
+
 def ordering_sentence(report: dict) -> str:
-    """Whether the dense ordering of (a) holds with experts, both rankings spelled out (no
-    closing full stop)."""
+    """Whether the dense ordering holds with experts (the pairs that swap, against the seed
+    noise), both rankings spelled out (no closing full stop)."""
     verdict = "holds" if report["holds"] else "does not hold"
+    swapped = swaps(report)
+    verdict += f" ({'; '.join(swapped)})" if swapped else ""
     return (
         f"Mixture of experts ({report['n_experts']} experts, top {report['expert_top_k']}, "
         f"width {report['n_embd']}): the dense ordering {verdict}. With experts: "

@@ -2,6 +2,7 @@
 pipeline end to end (document, plots, numbers from the runs' own JSON, resumability)."""
 
 import fcntl
+import itertools
 import json
 import math
 import re
@@ -13,6 +14,7 @@ import pytest
 from bench import cli as lab
 from bench import compare, study
 from bench.study import format as study_format
+from bench.study import moe_report
 from bench.study import report as study_report
 from bench.study import runs as study_runs
 from bench.study import stats as study_stats
@@ -181,6 +183,32 @@ def test_a_run_in_progress_elsewhere_is_refused(tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX)  # as a worker that outlived a killed study would
         with pytest.raises(RuntimeError, match="another process is training"):
             study_runs.run_one(cfg)
+
+
+def test_the_ordering_sentence_names_each_swapped_pair_against_the_noise():
+    def side(diff, exceeds):
+        return {"diff": diff, "pooled_std": 0.01, "welch_t": diff / 0.01, "exceeds": exceeds}
+
+    rows = [
+        {"name": n, "label": label, "seeds": {"mean": m}}
+        | {"dense": {"seeds": {"mean": d}, "source": "(a)"}}
+        for n, label, m, d in (("a", "A", 1.0, 1.1), ("b", "B", 1.2, 1.05), ("c", "C", 2.0, 2.0))
+    ]
+    pairs = [
+        {"a": "a", "b": "b", "moe": side(-0.2, True), "dense": side(0.05, False)},
+        {"a": "a", "b": "c", "moe": side(-1.0, True), "dense": side(-0.9, True)},
+        {"a": "b", "b": "c", "moe": side(-0.8, True), "dense": side(-0.95, True)},
+    ]
+    report = {"n_experts": 8, "expert_top_k": 2, "n_embd": 128, "rows": rows, "pairs": pairs}
+    report |= {"order": ["a", "b", "c"], "dense_order": ["b", "a", "c"], "holds": False}
+    sentence = moe_report.ordering_sentence(report)
+    assert moe_report.swaps(report) == [
+        "A and B swap places, beyond the seed noise with experts, within it dense"
+    ]
+    assert "the dense ordering does not hold (A and B swap places, beyond the seed" in sentence
+    assert sentence.endswith("dense, (a): B (1.0500) < A (1.1000) < C (2.0000)")
+    pairs[0] |= {"moe": side(0.2, False)}  # the same order both ways: no swap
+    assert moe_report.swaps(report) == []
 
 
 def test_loss_curves_leave_out_a_run_without_its_step_log(tmp_path):
@@ -410,7 +438,18 @@ def _check_moe(report: dict, text: str, out: Path, summary) -> None:
     assert moe["order"] == sorted(means, key=means.get)
     assert moe["holds"] == (moe["order"] == moe["dense_order"])
     verdict = "holds" if moe["holds"] else "does not hold"
-    assert f"the dense ordering {verdict}. With experts: " in text and ").." not in text
+    assert f"the dense ordering {verdict}" in text and ").." not in text
+    dense = {r["name"]: r["dense"]["seeds"]["mean"] for r in moe["rows"]}
+    labels = {r["name"]: r["label"] for r in moe["rows"]}
+    swapped = [
+        f"{labels[a]} and {labels[b]} swap places"
+        for a, b in itertools.combinations(labels, 2)
+        if (means[a] > means[b]) != (dense[a] > dense[b])
+    ]
+    assert bool(swapped) == (not moe["holds"])  # the order changes where a pair swaps
+    for pair in swapped:
+        assert pair in text
+    assert text.count("swap places") == 2 * len(swapped)  # in the summary and in (g)
     parts = f"AdamW and Muon: (a); {' and '.join(spec['moe_tuned'])}: (f) at width {moe['n_embd']}"
     assert f"; dense ({parts}): " in text  # each row's dense numbers named by their part
     for pair in moe["pairs"]:
