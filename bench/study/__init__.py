@@ -29,8 +29,9 @@ name the commit that trained it):
 (f) Every optimizer tuned at every width (``bench.study.tuning``): its own lr grid at each
     width, seeds at each tuned lr, whether the tuned lr transfers across width.
 (g) A mixture of experts (``bench.study.moe``): the GPT of (a) with each MLP a mixture of
-    experts, each optimizer of ``moe_optimizers`` on its own lr grid with seeds, beside its
-    dense numbers of (a): whether the dense ordering holds for experts.
+    experts, each optimizer of ``moe_optimizers`` and each configuration of (f) named in
+    ``moe_tuned`` on its own lr grid with seeds, beside its dense numbers of (a) or (f):
+    whether the dense ordering holds for experts.
 
 ``bench.study.runs`` plans and runs the training runs (``bench.study.gap``: those of (e),
 and their analysis; ``bench.study.tuning``: those of (f); ``bench.study.moe``: those of
@@ -83,7 +84,9 @@ def study(
         results = run_study(spec, base, out, runner, log)
         results["gap"] = run_gap(spec, base, out, runner, results["best_lr"], log)
         results["tuning"] = run_tuning(spec, base, out, runner, results["best_lr"], log)
-        results["moe"] = run_moe(spec, base, out, runner, results["best_lr"], log)
+        results["moe"] = run_moe(
+            spec, base, out, runner, results["best_lr"], results["tuning"], log
+        )
     command = command or " ".join(["dobb", *sys.argv[1:]])
     invocation = {
         "started": started.isoformat(timespec="seconds"),

@@ -102,7 +102,11 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
             else {}
         ),
         **(
-            {"moe": study_moe.analyse_moe(results["moe"], spec, _dense(results, seeds))}
+            {
+                "moe": study_moe.analyse_moe(
+                    results["moe"], spec, study_moe.dense_numbers(spec, results, seeds)
+                )
+            }
             if results.get("moe", {}).get("sweeps")
             else {}
         ),
@@ -194,19 +198,6 @@ def _width_rows(spec: StudySpec, results: dict, noise: float) -> list[dict[str, 
             }
         )
     return widths
-
-
-def _dense(results: dict, seeds: dict) -> dict[str, dict[str, Any]]:
-    """(a)'s numbers of each optimizer of (g): tuned lr, sweep and seed statistics."""
-    return {
-        name: {
-            "lr": results["best_lr"][name],
-            "lrs": [s["lr"] for s in results["main"][name]],
-            "losses": [loss_of(s) for s in results["main"][name]],
-            "seeds": seeds[name],
-        }
-        for name in results["moe"]["sweeps"]
-    }
 
 
 def _all_runs(results: dict) -> list[list[dict]]:

@@ -24,12 +24,13 @@ def title(name: str) -> str:
 
 def options_text(name: str) -> str:
     """The options of `name` in (a), e.g. `rank_fraction=0.0625`."""
-    return (
-        ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in OPTIONS[name].items()
-        )
-        or "-"
-    )
+    return spell_options(OPTIONS[name])
+
+
+def spell_options(options: dict[str, Any]) -> str:
+    """Options as `key=value, ...` (floats to 4 significant digits); "-" for none."""
+    spelt = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in options.items())
+    return ", ".join(spelt) or "-"
 
 
 def label(row: dict[str, Any]) -> str:

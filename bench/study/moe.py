@@ -2,56 +2,108 @@
 
 The GPT of (a) (its depth and width) with each block's MLP a mixture of experts
 (``moe_model``'s fields on top of the study's model: ``n_experts`` experts, each token routed
-to ``expert_top_k`` of them; ``dobb.train.model.MoE``), trained by each optimizer of
-``moe_optimizers`` with its settings of (a) (``bench.compare.OPTIONS``), the expert stacks
-stepped with its hidden matrices (``dobb train`` routes them). Each optimizer runs its own lr
-grid, ``moe_lr_factors`` x its tuned lr of (a) (the dense model's, same width), extended one
-point at a time (up to ``moe_max_extensions``) while its best lr sits at an edge, then
-``moe_seeds`` seeds at that best lr (seed 0 is the sweep's own run). Beside each, the dense
-numbers of (a): does the dense ordering of the optimizers hold for experts?
+to ``expert_top_k`` of them; ``dobb.train.model.MoE``), trained by each entry of
+``entries()``, the expert stacks stepped with its hidden matrices (``dobb train`` routes
+them):
 
-An optimizer joins (g) by its name in ``moe_optimizers`` (``bench/study/budget.yaml``); one
-that cannot step expert stacks (Dobb, until it can) stops its first run with the reason.
+- each optimizer of ``moe_optimizers`` (a lab name) with its settings of (a)
+  (``bench.compare.OPTIONS``), its lr grid centred on its tuned lr of (a), beside its dense
+  numbers of (a);
+- each configuration of (f) named in ``moe_tuned`` by its ``front`` label
+  (``bench.study.tuning.tuned``, e.g. "Dobb, recommended": the library's default Dobb,
+  which (a) does not run) with its options of (f), its grid centred on its tuned lr of (f)
+  at (g)'s width, beside its dense numbers of (f) there.
+
+Each runs its own lr grid, ``moe_lr_factors`` x that centre, extended one point at a time
+(up to ``moe_max_extensions``) while its best lr sits at an edge, then ``moe_seeds`` seeds at
+that best lr (seed 0 is the sweep's own run). Does the dense ordering hold for experts?
 """
 
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import combinations
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from bench.optimizers import with_options
+from bench.study.format import title
 from bench.study.runs import Sweep, at_edge, best_run, loss_of, moe_config, run_config, tune
 from bench.study.stats import compare_seeds, seed_stats
+from bench.study.tuning import tuned
 from dobb.train.model import MLP, MoE
 
 
-def run_moe(spec, base, out: Path, runner, best: dict[str, float], log=print) -> dict:
+@dataclass(frozen=True)
+class Entry:
+    """One row of (g): ``name`` its key (a lab name of ``moe_optimizers`` or a front label of
+    ``moe_tuned``), ``label`` as the document names it, the lab's ``optimizer`` with
+    ``options`` on top of its harness options; ``tuned``: its index in
+    ``bench.study.tuning.tuned(spec)`` (centre and dense numbers from (f)), None for (a)."""
+
+    name: str
+    label: str
+    optimizer: str
+    options: dict[str, Any] = field(default_factory=dict)
+    tuned: int | None = None
+
+
+def entries(spec) -> list[Entry]:
+    """The rows of (g) in report order: ``moe_optimizers``, then ``moe_tuned`` (validated
+    by ``StudySpec.validate``)."""
+    configs = tuned(spec)
+    index = {t.front: i for i, t in enumerate(configs) if t.front}
+    return [Entry(name, title(name), name) for name in spec.moe_optimizers] + [
+        Entry(front, front, configs[i].optimizer, dict(configs[i].options), i)
+        for front, i in ((front, index[front]) for front in spec.moe_tuned)
+    ]
+
+
+def width(spec) -> int:
+    """The width of (g)'s model: where an entry of (f) takes its tuned lr and dense numbers."""
+    return moe_config(spec).n_embd
+
+
+def centres(spec, best: dict[str, float], tuning: dict) -> dict[str, float]:
+    """Each entry's grid centre: its tuned lr of (a) (``best``) or of (f) (``tuning``, the
+    runs of ``run_tuning``) at (g)'s width."""
+    return {
+        e.name: best[e.optimizer]
+        if e.tuned is None
+        else best_run(tuning["sweeps"][(e.tuned, width(spec))])["lr"]
+        for e in entries(spec)
+    }
+
+
+def run_moe(spec, base, out: Path, runner, best: dict[str, float], tuning: dict, log=print) -> dict:
     """Every run of (g); returns ``{"sweeps": {name: runs}, "seeds": {name: runs}}`` (each
-    optimizer's grid sorted by lr; its seeds at the best lr, seed 0 first). ``best``: the
-    tuned lrs of (a)."""
+    entry's grid sorted by lr; its seeds at the best lr, seed 0 first). ``best``: the tuned
+    lrs of (a); ``tuning``: the runs of (f)."""
     make = partial(run_config, base, out, model=spec.moe_model)
+    centre = centres(spec, best, tuning)
     sweeps = {
-        name: Sweep(
-            partial(make, name),
-            [best[name] * f for f in spec.moe_lr_factors],
+        e.name: Sweep(
+            partial(make, e.optimizer, options=e.options),
+            [centre[e.name] * f for f in spec.moe_lr_factors],
             spec.moe_max_extensions,
         )
-        for name in spec.moe_optimizers
+        for e in entries(spec)
     }
     log(f"(g) mixture of experts: {sum(len(s.grid) for s in sweeps.values())} runs + extensions")
-    tuned = tune(runner, sweeps)
+    swept = tune(runner, sweeps)
     later = {
-        (name, seed): Sweep(partial(make, name, seed=seed), [best_run(runs)["lr"]])
-        for name, runs in tuned.items()
+        (name, seed): Sweep(partial(sweeps[name].make, seed=seed), [best_run(runs)["lr"]])
+        for name, runs in swept.items()
         for seed in range(1, spec.moe_seeds)
     }
     log(f"(g) seeds: {len(later)} runs")
     done = tune(runner, later)
     seeds = {
         name: [best_run(runs)] + [done[(name, s)][0] for s in range(1, spec.moe_seeds)]
-        for name, runs in tuned.items()
+        for name, runs in swept.items()
     }
-    return {"sweeps": tuned, "seeds": seeds}
+    return {"sweeps": swept, "seeds": seeds}
 
 
 def all_runs(moe: dict) -> list[list[dict]]:
@@ -59,32 +111,56 @@ def all_runs(moe: dict) -> list[list[dict]]:
     return [*moe["sweeps"].values(), *moe["seeds"].values()]
 
 
+def dense_numbers(spec, results: dict, seeds: dict) -> dict[str, dict[str, Any]]:
+    """Each entry's dense numbers: tuned lr, sweep and seed statistics (``seed_stats``'s), of
+    (a) (``seeds``: (a)'s statistics) or of (f) at (g)'s width; ``source`` names which."""
+    w, dense = width(spec), {}
+    for e in entries(spec):
+        if e.tuned is None:
+            runs, stats, source = results["main"][e.optimizer], seeds[e.optimizer], "(a)"
+        else:
+            key = (e.tuned, w)
+            runs, source = results["tuning"]["sweeps"][key], f"(f) at width {w}"
+            stats = seed_stats(results["tuning"]["seeds"][key])
+        dense[e.name] = {
+            "lr": best_run(runs)["lr"],
+            "lrs": [s["lr"] for s in runs],
+            "losses": [loss_of(s) for s in runs],
+            "seeds": stats,
+            "source": source,
+        }
+    return dense
+
+
 def analyse_moe(moe: dict, spec, dense: dict) -> dict:
-    """The numbers of (g): per optimizer its grid, tuned lr and seeds, beside (a)'s dense
-    ones (``dense``: ``{name: {"lr", "lrs", "losses", "seeds"}}``, its seed statistics as
-    ``seed_stats``'s); both orderings by mean final val loss, and each pair's difference of
-    means against its seed noise (``compare_seeds``), with experts and dense."""
+    """The numbers of (g): per entry its grid, tuned lr and seeds, beside its dense ones
+    (``dense``: ``dense_numbers``'s); both orderings (entry names) by mean final val loss,
+    and each pair's difference of means against its seed noise (``compare_seeds``), with
+    experts and dense."""
     model = moe_config(spec)
     with torch.device("meta"):  # the MLPs' shapes, without allocating them
         experts, dense_mlp = MoE(model).experts, MLP(model)
     rows = []
-    for name, runs in moe["sweeps"].items():
-        stats = seed_stats(moe["seeds"][name])
+    for e in entries(spec):
+        runs = moe["sweeps"][e.name]
         rows.append(
             {
-                "optimizer": name,
+                "name": e.name,
+                "label": e.label,
+                "optimizer": e.optimizer,
+                "options": with_options(e.optimizer, e.options),
                 "lrs": [s["lr"] for s in runs],
                 "losses": [loss_of(s) for s in runs],
                 "runs": [s["run"] for s in runs],
                 "best_lr": best_run(runs)["lr"],
                 "at_edge": at_edge(runs),
-                "seeds": stats,
+                "seeds": seed_stats(moe["seeds"][e.name]),
                 "num_params": runs[0].get("num_params"),
-                "dense": dense[name],
+                "dense": dense[e.name],
             }
         )
-    moe_seeds = {r["optimizer"]: r["seeds"] for r in rows}
-    dense_seeds = {r["optimizer"]: r["dense"]["seeds"] for r in rows}
+    moe_seeds = {r["name"]: r["seeds"] for r in rows}
+    dense_seeds = {r["name"]: r["dense"]["seeds"] for r in rows}
     return {
         "n_embd": model.n_embd,
         "n_layer": model.n_layer,
@@ -110,5 +186,5 @@ def analyse_moe(moe: dict, spec, dense: dict) -> dict:
 
 
 def _order(seeds: dict) -> list[str]:
-    """The optimizers by mean final val loss, lowest first."""
+    """The entries by mean final val loss, lowest first."""
     return sorted(seeds, key=lambda name: seeds[name]["mean"])

@@ -2,6 +2,7 @@
 pipeline end to end (document, plots, numbers from the runs' own JSON, resumability)."""
 
 import fcntl
+import itertools
 import json
 import math
 import re
@@ -12,6 +13,8 @@ import pytest
 
 from bench import cli as lab
 from bench import compare, study
+from bench.study import format as study_format
+from bench.study import moe_report
 from bench.study import report as study_report
 from bench.study import runs as study_runs
 from bench.study import stats as study_stats
@@ -130,11 +133,22 @@ def test_spec_rejects_per_run_keys(tmp_path):
         ({"moe_model": {"expert_top_k": 2}}, r"moe_model=\{'expert_top_k': 2\} is invalid"),
         ({"moe_model": {"n_experts": 4, "experts": 2}}, r"moe_model=.*unknown GPTConfig fields"),
         ({"moe_seeds": 1}, r"moe_seeds=1 is invalid"),
+        ({"moe_tuned": ["Dobb"]}, r"\['Dobb'\] is not the front label of a configuration of \(f\)"),
+        ({"moe_tuned": ["Muon"]}, r"name \['Muon'\] twice: \(g\)'s rows need distinct names"),
+        ({"moe_tuned": ["AdamW", "AdamW"], "moe_optimizers": []}, r"name \['AdamW'\] twice"),
+        (
+            {"moe_tuned": ["Dobb, recommended"], "tuning_widths": [256]},
+            r"\(g\)'s width 128, which tuning_widths=\[256\] leaves out",
+        ),
+        ({"moe_tuned": ["Dobb, recommended"], "tuning_widths": [128]}, None),  # the budget's
     ],
 )
 def test_spec_refuses_a_bad_moe_part_naming_the_key(tmp_path, moe, message):
     path = tmp_path / "s.yaml"
     path.write_text(json.dumps({"full": study_runs.load_spec().__dict__ | moe}))
+    if message is None:
+        assert study_runs.load_spec(path).moe_tuned == moe["moe_tuned"]
+        return
     with pytest.raises(ConfigError, match=message):
         study_runs.load_spec(path)
 
@@ -169,6 +183,32 @@ def test_a_run_in_progress_elsewhere_is_refused(tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX)  # as a worker that outlived a killed study would
         with pytest.raises(RuntimeError, match="another process is training"):
             study_runs.run_one(cfg)
+
+
+def test_the_ordering_sentence_names_each_swapped_pair_against_the_noise():
+    def side(diff, exceeds):
+        return {"diff": diff, "pooled_std": 0.01, "welch_t": diff / 0.01, "exceeds": exceeds}
+
+    rows = [
+        {"name": n, "label": label, "seeds": {"mean": m}}
+        | {"dense": {"seeds": {"mean": d}, "source": "(a)"}}
+        for n, label, m, d in (("a", "A", 1.0, 1.1), ("b", "B", 1.2, 1.05), ("c", "C", 2.0, 2.0))
+    ]
+    pairs = [
+        {"a": "a", "b": "b", "moe": side(-0.2, True), "dense": side(0.05, False)},
+        {"a": "a", "b": "c", "moe": side(-1.0, True), "dense": side(-0.9, True)},
+        {"a": "b", "b": "c", "moe": side(-0.8, True), "dense": side(-0.95, True)},
+    ]
+    report = {"n_experts": 8, "expert_top_k": 2, "n_embd": 128, "rows": rows, "pairs": pairs}
+    report |= {"order": ["a", "b", "c"], "dense_order": ["b", "a", "c"], "holds": False}
+    sentence = moe_report.ordering_sentence(report)
+    assert moe_report.swaps(report) == [
+        "A and B swap places, beyond the seed noise with experts, within it dense"
+    ]
+    assert "the dense ordering does not hold (A and B swap places, beyond the seed" in sentence
+    assert sentence.endswith("dense, (a): B (1.0500) < A (1.1000) < C (2.0000)")
+    pairs[0] |= {"moe": side(0.2, False)}  # the same order both ways: no swap
+    assert moe_report.swaps(report) == []
 
 
 def test_loss_curves_leave_out_a_run_without_its_step_log(tmp_path):
@@ -355,16 +395,28 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
 
 
 def _check_moe(report: dict, text: str, out: Path, summary) -> None:
-    """Section (g): every number from the runs' own JSON, every run a mixture of experts."""
+    """Section (g): every number from the runs' own JSON, every run a mixture of experts;
+    the optimizers of (a) beside their dense numbers of (a), the configurations of (f)
+    beside theirs of (f) at (g)'s width."""
     moe, spec = report["moe"], report["spec"]
     assert "## (g) Mixture of experts" in text and (out / "moe.png").exists()
-    assert [r["optimizer"] for r in moe["rows"]] == spec["moe_optimizers"]
+    assert [r["name"] for r in moe["rows"]] == spec["moe_optimizers"] + spec["moe_tuned"]
+    assert "Dobb, recommended" in spec["moe_tuned"]  # the pipeline covers entries of (f)
     assert moe["n_experts"] == spec["moe_model"]["n_experts"] and moe["expert_hidden"] > 0
+    fronts = {r["front"]: r for r in report["tuning"]["rows"] if r["front"]}
     for row in moe["rows"]:
-        name = row["optimizer"]
+        name = row["name"]
+        if name in spec["moe_tuned"]:  # (f)'s tuned lr, options and seeds at (g)'s width
+            (dense,) = [e for e in fronts[name]["widths"] if e["n_embd"] == moe["n_embd"]]
+            source = f"(f) at width {moe['n_embd']}"
+            dense_run = dense["seeds"]["runs"][0]
+        else:  # (a)'s
+            dense = {"best_lr": report["best_lr"][name], "seeds": report["seeds"][name]}
+            source, dense_run = "(a)", report["seeds"][name]["runs"][0]
+        options = json.loads((out / "runs" / dense_run / "run.json").read_text())["config"]
         assert row["best_lr"] == row["lrs"][row["losses"].index(min(row["losses"]))]
-        grid = {study_runs.round_lr(report["best_lr"][name] * f) for f in spec["moe_lr_factors"]}
-        assert grid <= set(row["lrs"])  # its own grid around its tuned lr of (a)
+        grid = {study_runs.round_lr(dense["best_lr"] * f) for f in spec["moe_lr_factors"]}
+        assert grid <= set(row["lrs"])  # its own grid around its dense tuned lr
         losses = [summary(run)["final_val_loss"] for run in row["seeds"]["runs"]]
         assert row["seeds"]["n"] == spec["moe_seeds"] and row["seeds"]["losses"] == losses
         assert summary(row["seeds"]["runs"][0])["lr"] == row["best_lr"]
@@ -372,20 +424,37 @@ def _check_moe(report: dict, text: str, out: Path, summary) -> None:
         for run in row["runs"] + row["seeds"]["runs"]:
             config = json.loads((out / "runs" / run / "run.json").read_text())["config"]
             assert config["model_overrides"]["n_experts"] == moe["n_experts"]
-            assert config["optimizer"] == name
-            assert config["optimizer_options"] == compare.OPTIONS[name]
-        assert row["dense"]["seeds"] == report["seeds"][name]  # (a)'s, at the same width
-        assert row["dense"]["lr"] == report["best_lr"][name]
-        mean, dense = row["seeds"]["mean"], row["dense"]["seeds"]["mean"]
+            assert config["optimizer"] == options["optimizer"] == row["optimizer"]
+            assert config["optimizer_options"] == options["optimizer_options"]  # the dense run's
+        assert row["dense"]["seeds"] == dense["seeds"] and row["dense"]["source"] == source
+        assert row["dense"]["lr"] == dense["best_lr"]
+        mean, dense_mean = row["seeds"]["mean"], row["dense"]["seeds"]["mean"]
+        assert re.search(rf"\| {re.escape(row['label'])} +\| ", text)
         assert f"{mean:.4f} ± {row['seeds']['std']:.4f}" in text
-        assert f"{mean - dense:+.4f}" in text
-    means = {r["optimizer"]: r["seeds"]["mean"] for r in moe["rows"]}
+        assert f"{mean - dense_mean:+.4f}" in text
+        assert f"({source}, {study_format.in_words(row['dense']['seeds']['n'])} seeds)" in text
+    assert re.search(r"\| Dobb, recommended +\| dobb2s: row_blocks=None, ", text)
+    means = {r["name"]: r["seeds"]["mean"] for r in moe["rows"]}
     assert moe["order"] == sorted(means, key=means.get)
     assert moe["holds"] == (moe["order"] == moe["dense_order"])
     verdict = "holds" if moe["holds"] else "does not hold"
-    assert f"the dense ordering {verdict}. With experts: " in text and ").." not in text
+    assert f"the dense ordering {verdict}" in text and ").." not in text
+    dense = {r["name"]: r["dense"]["seeds"]["mean"] for r in moe["rows"]}
+    labels = {r["name"]: r["label"] for r in moe["rows"]}
+    swapped = [
+        f"{labels[a]} and {labels[b]} swap places"
+        for a, b in itertools.combinations(labels, 2)
+        if (means[a] > means[b]) != (dense[a] > dense[b])
+    ]
+    assert bool(swapped) == (not moe["holds"])  # the order changes where a pair swaps
+    for pair in swapped:
+        assert pair in text
+    assert text.count("swap places") == 2 * len(swapped)  # in the summary and in (g)
+    parts = f"AdamW and Muon: (a); {' and '.join(spec['moe_tuned'])}: (f) at width {moe['n_embd']}"
+    assert f"; dense ({parts}): " in text  # each row's dense numbers named by their part
     for pair in moe["pairs"]:
         assert pair["moe"]["diff"] == pytest.approx(means[pair["a"]] - means[pair["b"]])
+    assert len(moe["pairs"]) == math.comb(len(moe["rows"]), 2)
 
 
 def _label_row(tuning: dict, label: str) -> dict:
