@@ -341,7 +341,8 @@ class BlockStatistics:
 
 
 _KEYS = itertools.count()
-_LIVE: "weakref.WeakValueDictionary[int, BlockStatistics]" = weakref.WeakValueDictionary()
+_LIVE: "weakref.WeakValueDictionary[int, BlockStatistics | ExpertStatistics]"
+_LIVE = weakref.WeakValueDictionary()
 
 
 def in_backward() -> bool:
@@ -402,6 +403,31 @@ def _(x, sums, tokens, key, compute_dtype, forward, grad_enabled) -> None:
     """No outputs: the op only adds into ``sums`` and ``tokens``."""
 
 
+def observe_experts_tensor(x: Tensor, offsets: Tensor, key: Tensor, grad_enabled: bool) -> None:
+    """An expert stack's hook in a compiled model: ``ExpertStatistics.gated`` of the object
+    whose ``key`` this is."""
+    stats = _LIVE.get(int(key))
+    if stats is not None:
+        stats.gated(x, offsets, grad_enabled)
+
+
+# ``observe_experts_tensor`` as one opaque op; it mutates no argument (the sums are made by
+# its first call, their shape unknown before), so it is declared a side effect, which keeps
+# it in a traced graph that uses none of its (no) outputs
+observe_experts_op = torch.library.custom_op(
+    "dobb::observe_experts",
+    observe_experts_tensor,
+    mutates_args=(),
+    tags=(torch.Tag.cudagraph_unsafe,),
+)
+torch.fx.node.has_side_effect(torch.ops.dobb.observe_experts.default)
+
+
+@observe_experts_op.register_fake
+def _(x, offsets, key, grad_enabled) -> None:
+    """No outputs."""
+
+
 def statistics_hook(stats: BlockStatistics):
     """A forward pre-hook feeding ``stats`` each token once per forward pass: in training
     mode with grad on, or in the no-grad forward of reentrant activation checkpointing; never
@@ -448,8 +474,10 @@ class ExpertStatistics:
     nothing and its count stays. ``seen`` as ``BlockStatistics``' (host).
 
     Cost: one host read of the offsets per call (torchtitan's token dispatch reads the same
-    counts), and per expert with rows one ``bmm`` per stack. Eager only: a compiled model
-    runs this hook outside its graphs (``torch.compiler.disable``).
+    counts), and per expert with rows one ``bmm`` per stack. In a compiled model the hook is
+    the op ``dobb::observe_experts`` (no graph break; the sums are made by its first call,
+    so the op mutates no argument and is kept as a side effect), which a CUDA graph leaves
+    out (``cudagraph_unsafe``).
     """
 
     def __init__(self, stacks: tuple[BlockStack, ...], dtype: torch.dtype, device):
@@ -459,15 +487,25 @@ class ExpertStatistics:
         self.tokens: Tensor | None = None
         self.seen = False
         self.window: tuple[int, ...] = ()  # the stack's experts the rows are, in order
+        key = next(_KEYS)  # as BlockStatistics': how the compiled op finds this object
+        self.key = torch.tensor(key, device="cpu")
+        _LIVE[key] = self
 
     def observe(self, x: Tensor, offsets: Tensor) -> None:
         """Add ``x`` (``(N, width)`` rows sorted by expert) split at ``offsets``
         (``(E_seen,)`` cumulative row counts: expert ``e``'s rows end at ``offsets[e]``), as
-        a forward input: not in an activation-checkpoint recompute, nor without grad
-        outside a reentrant checkpoint's forward (``BlockStatistics.gated``)."""
+        a forward input (``gated``); traced as the op ``dobb::observe_experts``."""
+        if torch.compiler.is_compiling():
+            observe_experts_op(x.detach(), offsets, self.key, torch.is_grad_enabled())
+        else:
+            self.gated(x, offsets, torch.is_grad_enabled())
+
+    def gated(self, x: Tensor, offsets: Tensor, grad_enabled: bool) -> None:
+        """``add`` unless in an activation-checkpoint recompute or without grad outside a
+        reentrant checkpoint's forward (``BlockStatistics.gated``)."""
         if in_backward():
             return
-        if torch.is_grad_enabled() or in_reentrant_checkpoint_forward():
+        if grad_enabled or in_reentrant_checkpoint_forward():
             self.add(x, offsets)
 
     @torch.no_grad()
@@ -589,7 +627,6 @@ class GroupedMatmulHook:
     def _start(self, module, args) -> None:
         self.call = 0
 
-    @torch.compiler.disable
     def _observe(self, name: str, a: Tensor, b_t: Tensor, offs: Tensor) -> None:
         stack = getattr(self.module, name)
         expected = (stack.shape[-1], stack.shape[-2])

@@ -222,3 +222,33 @@ def test_the_example_of_docs_algorithm_runs():
     exec(compile(code, "docs/algorithm.md", "exec"), scope)
     state = scope["opt"].state[scope["model"].w1]
     assert state[EXPERT_TOKENS].tolist() == [5.0, 0.0, 4.0, 3.0]
+
+
+def test_a_compiled_forward_gathers_the_same_statistics_with_no_graph_break():
+    """Under ``torch.compile(fullgraph=True)`` (where a graph break is an error) the hook is
+    the op ``dobb::observe_experts``: statistics, counts and weights equal the eager run's
+    bit for bit, and other token splits of the same batch size (an idle expert among them)
+    recompile nothing (``error_on_recompile``). ``aot_eager``: Dynamo and AOTAutograd as
+    with inductor, the graph run by eager kernels (inductor's C++ builds take minutes on 2
+    cores)."""
+    import torch._dynamo
+    from expert_layers import GatheredExperts
+
+    schedule = [[4, 3, 5], [5, 0, 7], [2, 6, 4]]
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = GatheredExperts(*weights())
+        opt = Dobb([{"params": [("w1", model.w1), ("w2", model.w2)]}], lr=0.01, basis_interval=2)
+        opt.track(model)
+        forward = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+        for step, counts in enumerate(schedule):
+            x, n, target = batch(step, counts)
+            opt.zero_grad()
+            with torch._dynamo.config.patch(error_on_recompile=compiled and step > 0):
+                (forward(x, n) * target).sum().backward()
+            opt.step()
+        state = opt.state[model.w1]
+        results.append([model.w1.detach(), state["input_cov_0"], state[EXPERT_TOKENS]])
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
