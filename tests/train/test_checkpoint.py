@@ -29,14 +29,6 @@ from dobb.train.trainer import train
 STEPS, CRASH_AT = 8, 6  # checkpoints at 4 and 8; the crash loses steps 5 and 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def config(out, optimizer, **overrides) -> TrainConfig:
     settings = dict(model="tiny", batch_size=8, steps=STEPS, warmup_steps=2, eval_interval=4)
     settings |= dict(eval_batches=2, checkpoint_interval=4, keep_checkpoints=0)

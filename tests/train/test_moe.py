@@ -17,14 +17,6 @@ from dobb.train.trainer import train
 C, E = 16, 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def moe(top_k=2, **overrides) -> MoE:
     """A float64 MoE layer of width C with E experts, every weight drawn at random."""
     torch.manual_seed(0)

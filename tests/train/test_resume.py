@@ -35,14 +35,6 @@ from dobb.train.trainer import lr_schedule, train
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def config(out, optimizer="dobb", **overrides) -> TrainConfig:
     settings = dict(model="tiny", batch_size=8, steps=8, warmup_steps=2, eval_interval=4)
     settings |= dict(eval_batches=2, checkpoint_interval=4, keep_checkpoints=0)

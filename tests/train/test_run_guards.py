@@ -25,14 +25,6 @@ from dobb.train.trainer import train
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def config(out, **overrides) -> TrainConfig:
     settings = dict(model="tiny", batch_size=8, steps=4, warmup_steps=0, eval_interval=4)
     settings |= dict(eval_batches=1, optimizer="adamw")
