@@ -486,7 +486,8 @@ class ExpertStatistics:
         self.sums: list[Tensor] | None = None
         self.tokens: Tensor | None = None
         self.seen = False
-        self.window: tuple[int, ...] = ()  # the stack's experts the rows are, in order
+        self.window: tuple[int, ...] = ()  # the stack's experts the rows are (``place``)
+        self.rows: dict[int, int] = {}  # an expert's number -> its row
         key = next(_KEYS)  # as BlockStatistics': how the compiled op finds this object
         self.key = torch.tensor(key, device="cpu")
         _LIVE[key] = self
@@ -499,6 +500,12 @@ class ExpertStatistics:
             observe_experts_op(x.detach(), offsets, self.key, torch.is_grad_enabled())
         else:
             self.gated(x, offsets, torch.is_grad_enabled())
+
+    def place(self, window: tuple[int, ...]) -> None:
+        """Name the rows: the ``window`` of the stack's experts the grouped GEMM saw, in
+        order (``dobb.optim.experts.gemm_window``)."""
+        if window != self.window:
+            self.window, self.rows = window, {number: row for row, number in enumerate(window)}
 
     def gated(self, x: Tensor, offsets: Tensor, grad_enabled: bool) -> None:
         """``add`` unless in an activation-checkpoint recompute or without grad outside a
@@ -553,7 +560,7 @@ class ExpertSlice:
 
     @property
     def row(self) -> int:
-        return self.of.window.index(self.number)
+        return self.of.rows[self.number]
 
     @property
     def seen(self) -> bool:

@@ -252,3 +252,18 @@ def test_a_compiled_forward_gathers_the_same_statistics_with_no_graph_break():
         results.append([model.w1.detach(), state["input_cov_0"], state[EXPERT_TOKENS]])
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
+
+
+def test_a_stack_given_new_memory_after_track_keeps_its_statistics():
+    """A stack whose memory changes after ``track`` (``param.data = ...``, as a move or a
+    load with ``assign`` does) gets new expert views; its statistics, layouts and state
+    are found through the stack, and the run equals one that kept its memory."""
+    runs = []
+    for move in (False, True):
+        model, opt = stacked(CONFIGS["dobb"])
+        for step in range(3):
+            if move and step == 1:
+                model.w1.data = model.w1.data.clone()
+            train_step(model, opt, step, [3, 4, 5])
+        runs.append(model.w1.detach())
+    assert torch.equal(*runs)

@@ -305,11 +305,13 @@ class Layouts:
         self._input_dims[param] = input_dim
 
     def __call__(self, param: Tensor, config) -> MatrixLayout:
+        expert = expert_of(param)  # an expert's layout is every expert's of its stack
+        anchor = param if expert is None else expert.stack
         dim = self._input_dims.get(param, 1)
-        key = (id(param), dim, *(getattr(config, o) for o in config.layout_options()))
+        options = (getattr(config, o) for o in config.layout_options())
+        key = (id(anchor), expert is not None, dim, *options)
         if key not in self._layouts:
-            name, expert = self.name_of(param), expert_of(param)
-            groups, shared = self.data_groups, True
+            name, groups, shared = self.name_of(anchor), self.data_groups, True
             if expert is not None:  # its statistics are added up before the fold, not after
                 groups, shared = (), not stack_groups(expert.stack)[0]
             self._layouts[key] = matrix_layout(param, dim, config, groups, name, shared)
@@ -538,10 +540,13 @@ class Dobb(MatrixOptimizer):
                 config = configs.get(stack)
                 if config is None or not hooked(config):
                     continue
-                views = self.expert_views.weights(stack)
-                template = views[0] if views else torch.empty(stack.shape[1:], device="meta")
-                numbered = [(view, expert_of(view).number) for view in views]
-                stacks[name] = (stack, numbered, self.layouts(template, config))
+                views = self.expert_views.weights(stack)  # a rank may hold none (uneven)
+                if views:
+                    layout = self.layouts(views[0], config)
+                else:
+                    template = torch.empty(stack.shape[1:], device="meta")
+                    layout = matrix_layout(template, 1, config, (), self.name_of(stack))
+                stacks[name] = (stack, layout)
             if stacks:
                 experts.append((module, spec, stacks))
         handles = self.statistics.track(layers) + self.statistics.track_experts(experts)

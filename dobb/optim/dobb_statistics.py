@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from dobb._dtensor import DTensor, local
+from dobb.optim.experts import expert_of
 from dobb.stats import (
     HOOKS,
     BlockStatistics,
@@ -74,20 +75,18 @@ class DobbStatistics:
 
     def track_experts(self, modules: list[tuple]) -> list:
         """Hook each ``(module, spec, stacks)``'s grouped GEMMs (``GroupedMatmulHook``):
-        ``stacks`` maps a stack's attribute name to ``(stack, experts, layout)``, its
-        parameter, ``(view, number)`` of this rank's experts (``dobb.optim.experts``) and an
-        expert's ``MatrixLayout``. Each expert's view reads its slice of the stack's sums."""
+        ``stacks`` maps a stack's attribute name to ``(stack, layout)``, its parameter and an
+        expert's ``MatrixLayout``. Each expert reads its slice of the stack's sums
+        (``sums``)."""
         handles = []
         for module, spec, stacks in modules:
             by_name = {}
-            for name, (stack, experts, layout) in stacks.items():
+            for name, (stack, layout) in stacks.items():
                 if stack in self._experts:
                     raise ValueError(f"{self.name_of(stack)} is already tracked")
                 dtype = torch.promote_types(stack.dtype, torch.float32)  # the state's dtype
                 stats = ExpertStatistics(layout.input.stacks, dtype, local(stack).device)
                 self._experts[stack] = by_name[name] = stats
-                for view, number in experts:
-                    self._stats[view] = {"input": ExpertSlice(stats, number)}
             handles.append(GroupedMatmulHook(module, spec, by_name))
         self._hooks += handles
         return handles
@@ -110,20 +109,23 @@ class DobbStatistics:
         self._experts.clear()
         self._gram_cache.clear()
 
-    def sums(self, param: Tensor, side) -> BlockStatistics | None:
-        """The hooks' sums of ``side`` of ``param`` (None: never tracked)."""
-        return self._stats.get(param, {}).get(side.name)
+    def sums(self, param: Tensor, side) -> "BlockStatistics | ExpertSlice | None":
+        """The hooks' sums of ``side`` of ``param`` (None: never tracked); an expert's
+        (``dobb.optim.experts.expert_of``) are its slice of its stack's input sums."""
+        expert = expert_of(param)
+        if expert is None:
+            return self._stats.get(param, {}).get(side.name)
+        stats = self._experts.get(expert.stack)
+        return ExpertSlice(stats, expert.number) if stats and side.name == "input" else None
 
     def clear_cache(self) -> None:
         """Forget the Gram products of this step's inputs (once they are folded)."""
         self._gram_cache.clear()
 
     def _hooked(self) -> list[tuple[Tensor, BlockStatistics]]:
-        """``(param, BlockStatistics)`` of every layer's hook: input sides, then row sides
-        (an expert's slice is its stack's, ``_experts``)."""
+        """``(param, BlockStatistics)`` of every layer's hook: input sides, then row sides."""
         names = ("input", "row")
-        hooked = [(p, s.get(name)) for name in names for p, s in self._stats.items()]
-        return [(p, s) for p, s in hooked if isinstance(s, BlockStatistics)]
+        return [(p, s[name]) for name in names for p, s in self._stats.items() if name in s]
 
     def _accumulators(self) -> list[tuple[Tensor, "BlockStatistics | ExpertStatistics"]]:
         """``(param, sums)`` of every layer's and every expert stack's accumulators."""

@@ -172,9 +172,8 @@ def identity_like(covs: Tensor) -> Tensor:
 def averaged_every_step(matrix: Matrix) -> bool:
     """Whether ``matrix``'s statistics are averaged at every step (``stats_sync``: "step",
     or "auto" for a plain parameter, replicated as under DDP), else on refresh steps."""
-    sync, expert = matrix.config.stats_sync, expert_of(matrix.param)
-    param = matrix.param if expert is None else expert.stack  # an expert: as its stack
-    return sync == "step" or (sync == "auto" and not isinstance(param, DTensor))
+    sync = matrix.config.stats_sync
+    return sync == "step" or (sync == "auto" and not isinstance(matrix.param, DTensor))
 
 
 class DobbSteps(Placement):
@@ -338,7 +337,8 @@ class DobbSteps(Placement):
         for stack, stats in self.statistics.expert_statistics():
             if not stats.seen:
                 continue
-            stats.window, gathered = gemm_window(stack, stats.tokens.shape[0])
+            window, gathered = gemm_window(stack, stats.tokens.shape[0])
+            stats.place(window)
             split, _ = stack_groups(stack)
             data = self.layouts.data_groups
             over = tuple(g for g in data if not split or shared_axis((g,), split) is None)

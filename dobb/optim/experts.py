@@ -25,11 +25,12 @@ index (``expert_indices``). Refused at construction with the reason: a
 stack split inside its experts (``Shard(1)``, ``Shard(2)``: tensor parallelism of the
 experts).
 
-The views are made once per stack (``ExpertViews``) and kept while the stack's local tensor
-and its state's tensors are the same objects, so that an expert is the same tensor at every
-step: what keys a matrix's layout, statistics and host counts keys an expert too, and
-``expert_of`` says which stack and expert a view is (Dobb's per-expert statistics,
-``dobb.stats.ExpertStatistics``).
+The views are made once per stack (``ExpertViews``) and kept while the stack's local memory
+and its state's are the same, so that an expert is the same tensor from step to step (what
+keys a matrix's host counts and stacked bases keys an expert too); ``expert_of`` says
+which stack and expert a view is, through which Dobb finds an expert's layout and its
+statistics (``dobb.stats.ExpertStatistics``), so that new views (the stack given new
+memory) find them too.
 """
 
 import functools
