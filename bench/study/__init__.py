@@ -51,7 +51,7 @@ from typing import Any
 
 from bench.study.analysis import analyse
 from bench.study.gap import run_gap
-from bench.study.moe import run_moe
+from bench.study.moe import check_moe_tuned, run_moe
 from bench.study.report import write_document
 from bench.study.runs import Runner, base_config, code_version, load_spec, run_study
 from bench.study.tuning import run_tuning
@@ -74,6 +74,7 @@ def study(
     the config's number of parallel runs.
     """
     spec = load_spec(config, tiny)
+    check_moe_tuned(spec)
     if workers is not None:
         spec.workers = workers
     out = Path(out)

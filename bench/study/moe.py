@@ -32,6 +32,7 @@ from bench.study.format import title
 from bench.study.runs import Sweep, at_edge, best_run, loss_of, moe_config, run_config, tune
 from bench.study.stats import compare_seeds, seed_stats
 from bench.study.tuning import tuned
+from dobb.train.config import ConfigError
 from dobb.train.model import MLP, MoE
 
 
@@ -74,6 +75,32 @@ def centres(spec, best: dict[str, float], tuning: dict) -> dict[str, float]:
         else best_run(tuning["sweeps"][(e.tuned, width(spec))])["lr"]
         for e in entries(spec)
     }
+
+
+def check_moe_tuned(spec) -> None:
+    """``ConfigError`` unless ``spec.moe_tuned`` names configurations of (f) by their
+    ``front`` label, each once and none a name of ``moe_optimizers``' rows, and (f) tunes and
+    seeds (g)'s width (``study`` checks it after ``load_spec``, before any run)."""
+    fronts = [t.front for t in tuned(spec) if t.front]
+    unknown = [name for name in spec.moe_tuned if name not in fronts]
+    if unknown:
+        raise ConfigError(
+            f"study config: moe_tuned={spec.moe_tuned!r}: {unknown} is not the front label "
+            f"of a configuration of (f) (bench/study/tuning.py); one of {fronts}"
+        )
+    labels = [title(name) for name in spec.moe_optimizers] + spec.moe_tuned
+    twice = sorted({name for name in labels if labels.count(name) > 1})
+    if twice:
+        raise ConfigError(
+            f"study config: moe_optimizers={spec.moe_optimizers!r} and moe_tuned="
+            f"{spec.moe_tuned!r} name {twice} twice: (g)'s rows need distinct names"
+        )
+    width = moe_config(spec).n_embd
+    if spec.moe_tuned and width not in spec.tuning_widths:
+        raise ConfigError(
+            f"study config: moe_tuned={spec.moe_tuned!r} needs (f)'s tuned lr and seeds at "
+            f"(g)'s width {width}, which tuning_widths={spec.tuning_widths!r} leaves out"
+        )
 
 
 def run_moe(spec, base, out: Path, runner, best: dict[str, float], tuning: dict, log=print) -> dict:

@@ -104,35 +104,7 @@ class StudySpec:
             moe_config(self)
         except ValueError as e:
             raise ConfigError(f"study config: moe_model={self.moe_model!r}: {e}") from None
-        self._validate_moe_tuned()
         return self
-
-    def _validate_moe_tuned(self) -> None:
-        """``moe_tuned`` names configurations of (f) by their ``front`` label, each once and
-        none a name of ``moe_optimizers``' rows, and (f) tunes and seeds (g)'s width."""
-        from bench.study.format import title  # deferred: both import this module
-        from bench.study.tuning import tuned
-
-        fronts = [t.front for t in tuned(self) if t.front]
-        unknown = [name for name in self.moe_tuned if name not in fronts]
-        if unknown:
-            raise ConfigError(
-                f"study config: moe_tuned={self.moe_tuned!r}: {unknown} is not the front label "
-                f"of a configuration of (f) (bench/study/tuning.py); one of {fronts}"
-            )
-        labels = [title(name) for name in self.moe_optimizers] + self.moe_tuned
-        twice = sorted({name for name in labels if labels.count(name) > 1})
-        if twice:
-            raise ConfigError(
-                f"study config: moe_optimizers={self.moe_optimizers!r} and moe_tuned="
-                f"{self.moe_tuned!r} name {twice} twice: (g)'s rows need distinct names"
-            )
-        width = moe_config(self).n_embd
-        if self.moe_tuned and width not in self.tuning_widths:
-            raise ConfigError(
-                f"study config: moe_tuned={self.moe_tuned!r} needs (f)'s tuned lr and seeds at "
-                f"(g)'s width {width}, which tuning_widths={self.tuning_widths!r} leaves out"
-            )
 
 
 def load_spec(path: str | Path | None = None, tiny: bool = False) -> StudySpec:

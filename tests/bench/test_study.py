@@ -144,13 +144,18 @@ def test_spec_rejects_per_run_keys(tmp_path):
     ],
 )
 def test_spec_refuses_a_bad_moe_part_naming_the_key(tmp_path, moe, message):
+    """As the study reads its config: ``load_spec``, then (g)'s (f) entries checked."""
+    from bench.study.moe import check_moe_tuned
+
     path = tmp_path / "s.yaml"
     path.write_text(json.dumps({"full": study_runs.load_spec().__dict__ | moe}))
     if message is None:
-        assert study_runs.load_spec(path).moe_tuned == moe["moe_tuned"]
+        spec = study_runs.load_spec(path)
+        check_moe_tuned(spec)
+        assert spec.moe_tuned == moe["moe_tuned"]
         return
     with pytest.raises(ConfigError, match=message):
-        study_runs.load_spec(path)
+        check_moe_tuned(study_runs.load_spec(path))
 
 
 def test_a_runs_model_fields_are_named_first_and_set_on_top_of_the_study_model(tmp_path):
