@@ -18,6 +18,7 @@ from torch import nn
 
 from dobb import Dobb
 from dobb.optim.dobb_core import EXPERT_TOKENS
+from dobb.optim.parts import COUNTERS
 from dobb.registry import get_entry
 from dobb.stats import register_experts
 
@@ -267,3 +268,41 @@ def test_a_stack_given_new_memory_after_track_keeps_its_statistics():
             train_step(model, opt, step, [3, 4, 5])
         runs.append(model.w1.detach())
     assert torch.equal(*runs)
+
+
+def test_expert_statistics_stay_on_the_device_on_fake_cuda():
+    """The CUDA path without a GPU (``tests/fake_cuda.py``): the hook's sums and counts,
+    every stacked state (``expert_tokens`` included) and the refresh stay on the stack's
+    device (a CPU tensor mixed in raises there), the counters on the host; the twin of the
+    result equals the CPU run. The forward runs without autograd (the fake mode's limit):
+    gradients are drawn on the CPU and copied over."""
+    from fake_cuda import FakeCuda, twin
+
+    def run(device: str) -> torch.Tensor:
+        model = Experts(*(w.to(device) for w in weights()))
+        params = [{"params": [("w1", model.w1), ("w2", model.w2)]}]
+        same = {"basis_method": "cholqr", "foreach": True}  # "auto" and None pick by device
+        opt = Dobb(params, lr=0.01, basis_interval=2, **same)
+        opt.track(model)
+        for step, counts in enumerate([[4, 3, 5], [6, 0, 6], [2, 7, 3]]):
+            x, n, _ = batch(step, counts)
+            for p in model.parameters():
+                p.requires_grad_(False)
+            with torch.enable_grad():
+                model(x.to(device), n.to(device))
+            g = torch.Generator().manual_seed(step)
+            for p in model.parameters():
+                p.requires_grad_(True)
+                p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype).to(device)
+            opt.step()
+        devices = {key: value.device.type for key, value in opt.state[model.w1].items()}
+        stats = opt.statistics.expert_statistics()[0][1]
+        devices |= {"sums": stats.sums[0].device.type, "tokens": stats.tokens.device.type}
+        assert {d for k, d in devices.items() if k not in COUNTERS} == {device[:4]}, devices
+        assert {d for k, d in devices.items() if k in COUNTERS} == {"cpu"}, devices
+        return model.w1.detach()
+
+    cpu = run("cpu")
+    with FakeCuda():
+        on_device = twin(run("cuda:0"))
+    assert torch.equal(on_device, cpu)
