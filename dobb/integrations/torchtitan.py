@@ -5,16 +5,16 @@ built after parallelization, so the optimizer sees the sharded parameters (FSDP2
 FSDP x TP DTensors) and Dobb's hooks the layers that run. Routing, data-parallel ranks,
 names and checkpoints, pipeline stages, expert parallelism, the command, and what is
 refused at build time (an axis splitting each expert, the ``spmd_types`` backend):
-``docs/torchtitan.md``. Nothing in torchtitan is patched: this module subclasses its
-container and returns its configs. Under pipeline parallelism one method of torch's
-``PipelineStage`` is wrapped so that Dobb's hooks skip its shape-inference forward
-(``uncount_pipeline_metadata_inference``). Tested with torchtitan ``TESTED_VERSION`` on
+``docs/torchtitan.md``. Nothing in torchtitan or torch is patched: this module subclasses
+torchtitan's container and returns its configs. Under pipeline parallelism the container
+adds two forward hooks to each stage's module, so that Dobb's statistics skip the forward
+torch's ``PipelineStage`` runs to infer shapes (``uncount_pipeline_metadata_inference``). Tested with torchtitan ``TESTED_VERSION`` on
 torch 2.13.
 """
 
 import json
 import re
-import weakref
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -275,22 +275,20 @@ def build(
     return optimizer
 
 
-# pipeline stage module -> its layers whose statistics Dobb's hooks gather
-_HOOKED_LAYERS: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]"
-_HOOKED_LAYERS = weakref.WeakKeyDictionary()
-
-
 def uncount_pipeline_metadata_inference(model: nn.Module, optimizer) -> None:
-    """Dobb's statistics hooks on ``model`` (a pipeline stage) skip the stage's metadata
-    inference.
+    """Dobb's statistics hooks on ``model`` (a pipeline stage's module) skip the stage's
+    metadata inference; torch is left as it is.
 
     Before its first microbatch (and after a switch from eval), torch's ``PipelineStage``
     runs the stage's forward once to learn its output shapes (``_forward_metadata_inference``,
     with grad on when backward follows): on the first stage's first microbatch (counted
     twice otherwise) and, on every other stage, on ``torch.empty`` inputs (uninitialized
-    memory: garbage or NaN statistics). During that call the hooked layers are put in eval
-    mode, which the hooks read (an ``nn.Linear`` computes the same either way), and put
-    back after. Other optimizers have no hooks: nothing to do.
+    memory: garbage or NaN statistics). Two hooks on ``model`` itself (not on its compiled
+    blocks) handle it: before each forward, one looks up the Python stack for that method's
+    code and, if it is there, puts the hooked layers in eval mode, which Dobb's hooks read (an
+    ``nn.Linear`` computes the same either way); after the forward (also one that raised) the
+    other puts them back. No torch function or class is replaced. Other optimizers have no
+    hooks: nothing to do.
     """
     if getattr(optimizer, "statistics", None) is None:
         return
@@ -308,23 +306,34 @@ def uncount_pipeline_metadata_inference(model: nn.Module, optimizer) -> None:
         if g["algorithm"] == optimizer.algorithm
         for p in g["params"]
     }
-    _HOOKED_LAYERS[model] = [m for m, w, _ in layer_weights(model) if w in dobb_weights]
-    infer = PipelineStage._forward_metadata_inference
-    if getattr(infer, "uncounted", False):
-        return
+    layers = [m for m, w, _ in layer_weights(model) if w in dobb_weights]
+    paused: list[nn.Module] = []
 
-    def uncounted(stage, *args, **kwargs):
-        layers = [m for m in _HOOKED_LAYERS.get(stage.submod, ()) if m.training]
-        for layer in layers:
-            layer.training = False
-        try:
-            return infer(stage, *args, **kwargs)
-        finally:
-            for layer in layers:
-                layer.training = True
+    def before(module, args):
+        if in_metadata_inference(PipelineStage):
+            paused.extend(m for m in layers if m.training)
+            for layer in paused:
+                layer.training = False
 
-    uncounted.uncounted = True
-    PipelineStage._forward_metadata_inference = uncounted
+    def after(module, args, output):
+        for layer in paused:
+            layer.training = True
+        paused.clear()
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after, always_call=True)
+
+
+def in_metadata_inference(stage_class) -> bool:
+    """Whether a caller on the Python stack runs ``stage_class._forward_metadata_inference``
+    (compared by code object, looked up now: torch's own, or a test's stand-in)."""
+    code = getattr(stage_class._forward_metadata_inference, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def use_dobb(trainer_config, name: str = "dobb", **fields: Any):

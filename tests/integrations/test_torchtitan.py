@@ -656,26 +656,39 @@ def test_model_parts_get_one_optimizer_each_and_one_flat_state(titan):
 def test_stage_metadata_inference_adds_no_statistics(titan, monkeypatch):
     """The forward torch's ``PipelineStage`` runs to learn a stage's shapes adds nothing to
     Dobb's statistics; the same forward in training does, and the layers are left in
-    training mode. A stand-in for ``_forward_metadata_inference`` runs the stage's
-    feed-forward layers (the debug model's attention needs masks made by the trainer)."""
+    training mode, also after a forward that raised. torch's method is the same function
+    after the container is built. A stand-in for ``_forward_metadata_inference`` calls the
+    stage's module, whose forward runs its feed-forward layers (the debug model's attention
+    needs masks made by the trainer)."""
     from torch.distributed.pipelining.stage import PipelineStage
     from torchtitan.distributed.utils import set_spmd_backend
 
     integration, model_registry = titan
     set_spmd_backend("partial_dtensor")
-
-    def shape_inference(stage, x):
-        return [block.feed_forward(x) for block in stage.submod.layers.values()]
-
-    monkeypatch.setattr(PipelineStage, "_forward_metadata_inference", shape_inference)
+    torchs = PipelineStage._forward_metadata_inference
     parts = pipeline_stages(model_registry)
     config = integration.DobbOptimizersContainer.Config()
     optimizers = integration.DobbOptimizersContainer(config, model_parts=parts)
+    assert PipelineStage._forward_metadata_inference is torchs  # torch left as it was
+
+    def feed_forwards(x):
+        if x is None:
+            raise RuntimeError("a forward that fails")
+        return [block.feed_forward(x) for block in parts[0].layers.values()]
+
+    def shape_inference(stage, x):
+        return stage.submod(x)
+
+    monkeypatch.setattr(parts[0], "forward", feed_forwards)
+    monkeypatch.setattr(PipelineStage, "_forward_metadata_inference", shape_inference)
     tracked = optimizers.optimizers[0].statistics._stats
     stats = [tracked[b.feed_forward.w1.weight]["input"] for b in parts[0].layers.values()]
     stage, x = types.SimpleNamespace(submod=parts[0]), torch.randn(1, 16, 256)
     PipelineStage._forward_metadata_inference(stage, x)
     assert not any(s.seen for s in stats)
     assert all(m.training for m in parts[0].modules())
-    shape_inference(stage, x)  # the training forward
+    with pytest.raises(RuntimeError, match="a forward that fails"):
+        PipelineStage._forward_metadata_inference(stage, None)
+    assert all(m.training for m in parts[0].modules())
+    parts[0](x)  # the training forward
     assert all(s.seen for s in stats)
