@@ -6,7 +6,8 @@
 #   make install-check   the built wheel, installed without extras, builds and steps every
 #                        optimizer; with the train extra it runs the quick start
 #   make test-torchtitan torchtitan with dobb's optimizers on 2 gloo ranks (its own stage)
-# CI (.ci/run) runs test, lint, dist, install-check and test-torchtitan.
+# CI (.ci/run) runs test, lint, dist, install-check and test-torchtitan; `pip check` follows
+# every install.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # On CPU machines pin torch: 2.13.0 is a local CPU build, an unpinned torch pulls CUDA.
@@ -16,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev,train,bench,bpe,examples]"
+	$(PY) -m pip check
 	touch $@
 
 .PHONY: test demo lint dist install-check test-torchtitan
@@ -28,6 +30,7 @@ demo: $(VENV)/.installed
 # torchtitan 0.3.0 for real on 2 gloo ranks (the torchtitan extra; deselected by `make test`)
 test-torchtitan: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[torchtitan]"
+	$(PY) -m pip check
 	$(PY) -m pytest -q -m torchtitan tests/integrations
 
 lint: $(VENV)/.installed

@@ -20,6 +20,7 @@ optimizer (labels, harness settings, cost models) lives in the lab's own table
 
 import inspect
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,13 +138,31 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
 
 def recommended_lr(name: str, width: int = 256) -> float:
     """Entry ``name``'s recommended lr for a model of width (``n_embd``) ``width``: its
-    ``TUNED_LR`` at the nearest tuned width (by ratio: 200 takes 256's; beyond the table, its
-    last width's, though the trend may go on), else the entry's starting lr."""
+    ``TUNED_LR`` at the nearest tuned width (by ratio: 200 takes 256's), else the entry's
+    starting lr.
+
+    The evidence ends at the table's widest width. Beyond it the rule is the same (the
+    widest width's lr, unchanged), though the trend may go on (the recommended Dobb's tuned
+    lr fell x0.25 from 128 to 256): a ``UserWarning``, once per entry, says so and lists the
+    widths tuned. Narrower models than the narrowest take the narrowest's lr, silently."""
     tuned = TUNED_LR.get(get_entry(name).name)
     if not tuned:
         return get_entry(name).lr
+    widest = max(tuned)
+    if width > widest and name not in _WARNED_BEYOND:
+        _WARNED_BEYOND.add(name)
+        warnings.warn(
+            f"recommended_lr({name!r}, {width}): {name}'s lr is tuned at widths "
+            f"{sorted(tuned)} only; width {width} takes width {widest}'s, {tuned[widest]:g}, "
+            "which may be too large there; tune it, or pass lr= yourself",
+            UserWarning,
+            stacklevel=2,
+        )
     nearest = min(tuned, key=lambda w: (abs(math.log(w / width)), -w))
     return tuned[nearest]
+
+
+_WARNED_BEYOND: set[str] = set()  # the entries recommended_lr has warned of once
 
 
 def model_width(model: nn.Module) -> int | None:

@@ -4,6 +4,7 @@ section (f) of ``benchmarks/study/study.json`` (Dion2's from (a)); each class's 
 lr is its value at width 256; ``recommended_lr`` picks the nearest width."""
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,30 @@ def test_every_entry_has_a_row_and_the_classes_default_is_width_256s():
             assert entry.lr == TUNED_LR[name][256], name
 
 
-def test_recommended_lr_takes_the_nearest_width():
+def test_recommended_lr_takes_the_nearest_width(monkeypatch):
+    monkeypatch.setattr(dobb.registry, "_WARNED_BEYOND", set())
     assert recommended_lr("normuon", 128) == 1e-2 and recommended_lr("normuon", 200) == 5e-3
-    assert recommended_lr("normuon", 4096) == 5e-3  # beyond the table: its last width's
+    with pytest.warns(UserWarning, match=r"tuned at widths \[128, 256\] only"):
+        assert recommended_lr("normuon", 4096) == 5e-3  # beyond the table: its last width's
     assert dobb.recommended_lr("dobb", 64) == TUNED_LR["dobb"][128]
+
+
+def test_recommended_lr_warns_once_beyond_the_widest_tuned_width(monkeypatch):
+    """Beyond the widest tuned width the lr is that width's, with a warning naming the
+    widths tuned, once per entry; within the table (and narrower than it) no warning."""
+    monkeypatch.setattr(dobb.registry, "_WARNED_BEYOND", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert recommended_lr("dobb", 256) == TUNED_LR["dobb"][256]
+        assert recommended_lr("dobb", 32) == TUNED_LR["dobb"][128]
+    with pytest.warns(
+        UserWarning,
+        match=r"dobb's lr is tuned at widths \[128, 256\] only; "
+        r"width 1600 takes width 256's",
+    ):
+        assert recommended_lr("dobb", 1600) == TUNED_LR["dobb"][256]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recommended_lr("dobb", 2048)  # once per entry
+    with pytest.warns(UserWarning, match="muon's lr is tuned at widths"):
+        recommended_lr("muon", 1024)
