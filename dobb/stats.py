@@ -231,8 +231,9 @@ class BlockStatistics:
     ``tokens`` is a 0-d tensor on the sums' device, in their dtype (exact to 2^24 tokens per
     step in fp32, then rounded by at most 2^-24 relatively), so that adding to it reads
     nothing on the host and a compiled model traces it; ``seen`` (host) says whether
-    anything was added since the last reset, written only by the accumulating code that runs
-    with real tensors, never read in traced code. Layers that share a ``GramCache`` and are
+    anything was added since the last reset, and ``empty`` (host) whether those additions
+    held no token (a layer called on 0 rows), both written only by the accumulating code
+    that runs with real tensors (the row count is the shape's), never read in traced code. Layers that share a ``GramCache`` and are
     fed the same input tensor in one forward pass compute its products ``X_bᵀ X_b`` once;
     sums are bit-identical with or without a cache.
     """
@@ -251,6 +252,7 @@ class BlockStatistics:
         ]
         self.tokens = torch.zeros((), dtype=dtype, device=device)
         self.seen = False
+        self.empty = True
         self.cache = cache
         # How the op ``dobb::observe`` finds this object: a CPU tensor, not an int, so that a
         # compiled block traces it as an input and every block shares one graph (an int
@@ -323,6 +325,7 @@ class BlockStatistics:
         torch._foreach_add_(sums, grams)  # A_b += X_bᵀ X_b
         tokens.add_(x.numel() // self.width)
         self.seen = True
+        self.empty = self.empty and x.numel() == 0
 
     def pop_mean(self) -> list[Tensor] | None:
         """``S_b = A_b / n`` for every stack, then reset; None if nothing was seen."""
@@ -335,9 +338,13 @@ class BlockStatistics:
     def reset(self) -> None:
         """Zero the sums and the token count, and empty the shared cache."""
         torch._foreach_zero_([*self.sums, self.tokens])
-        self.seen = False
+        self.folded()
         if self.cache is not None:
             self.cache.clear()
+
+    def folded(self) -> None:
+        """Nothing added since: the host flags of sums the step has read (and zeroed)."""
+        self.seen, self.empty = False, True
 
 
 _KEYS = itertools.count()
@@ -545,13 +552,17 @@ class ExpertStatistics:
         """Zero the sums and the token counts."""
         if self.sums is not None:
             torch._foreach_zero_([*self.sums, self.tokens])
+        self.folded()
+
+    def folded(self) -> None:
+        """Nothing added since (``BlockStatistics.folded``)."""
         self.seen = False
 
 
 class ExpertSlice:
     """One expert's part of an ``ExpertStatistics`` (``of``), as Dobb's fold reads a layer's
     ``BlockStatistics``: ``sums`` (``(count, size, size)`` views), ``tokens`` (a 0-d view),
-    ``seen`` and ``reset`` (the whole stack's). The expert is number ``number`` of the
+    ``seen``, ``reset`` and ``folded`` (the whole stack's). The expert is number ``number`` of the
     stack; its row of the sums is its place in ``of.window``, the experts the grouped GEMM
     saw (set before each fold by Dobb's placement: ``dobb.optim.experts.gemm_window``)."""
 
@@ -580,6 +591,9 @@ class ExpertSlice:
 
     def reset(self) -> None:
         self.of.reset()
+
+    def folded(self) -> None:
+        self.of.folded()
 
 
 @dataclass(frozen=True)

@@ -306,3 +306,41 @@ def test_expert_statistics_stay_on_the_device_on_fake_cuda():
     with FakeCuda():
         on_device = twin(run("cuda:0"))
     assert torch.equal(on_device, cpu)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_layer_called_on_no_token_keeps_its_statistics_like_an_idle_expert(name):
+    """An ``nn.Linear`` whose forward pass gets 0 rows follows the idle expert's rule: its
+    ``C`` (every side's) and its statistics counter stay, and the next step with tokens
+    folds its inputs as if that step had not been (the row side's output gradients depend
+    on the weights, which the idle step moved by its momentum); before this rule, ``C``
+    decayed toward 0 and the counter advanced."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(DIM, HIDDEN, bias=False, dtype=torch.float64) for _ in range(2)]
+    opts = []
+    for layer in layers:
+        layer.weight.data.copy_(layers[0].weight.data)
+        opts.append(Dobb([layer.weight], lr=0.01, **CONFIGS[name]))
+        opts[-1].track(layer)
+
+    def step(layer, opt, rows: int, seed: int) -> None:
+        x = torch.randn(
+            rows, DIM, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+        )
+        opt.zero_grad()
+        layer(x).square().sum().backward()
+        opt.step()
+
+    for layer, opt in zip(layers, opts):
+        step(layer, opt, 5, 1)
+    state = opts[0].state[layers[0].weight]
+    kept = {k: v.clone() for k, v in state.items() if "_cov" in k or k == "stats_steps"}
+    assert kept["stats_steps"] == 1
+    step(layers[0], opts[0], 0, 2)  # no token: a step on a zero gradient, no statistics
+    for key, value in kept.items():
+        assert torch.equal(state[key], value), key
+    step(layers[0], opts[0], 5, 3)
+    step(layers[1], opts[1], 5, 3)
+    other = opts[1].state[layers[1].weight]
+    for key in (k for k in kept if not k.startswith("row_")):
+        assert torch.allclose(state[key], other[key], rtol=1e-12, atol=0), key

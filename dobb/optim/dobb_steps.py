@@ -249,7 +249,9 @@ class DobbSteps(Placement):
         """Fold this step's moments into ``C`` for every matrix that has them on every side
         (``dobb_core.fold``; an expert's, weighted by its tokens: ``expert_weights``);
         returns each matrix's ``stats_steps`` after the fold. A matrix missing a hooked
-        side's moments folds nothing (its sums are dropped)."""
+        side's moments folds nothing (its sums are dropped), and so does a layer whose
+        forward passes held no token (0 rows): its ``C`` and ``stats_steps`` stay, as an idle
+        expert's ``C`` and token count do."""
         stats_steps = list(stats_steps)
         self._add_expert_sums()
         pairs = [
@@ -270,7 +272,9 @@ class DobbSteps(Placement):
         for i, (m, layout) in enumerate(zip(matrices, layouts)):
             sources = self._sources(i, m, layout, moments)
             hooks = [src for _, src in sources if not isinstance(src, list)]
-            if not sources or any(h is None or not h.seen for h in hooks):
+            # a layer called on no token follows an idle expert's rule: C and its count stay
+            idle = EXPERT_TOKENS not in m.state and any(h is not None and h.empty for h in hooks)
+            if not sources or idle or any(h is None or not h.seen for h in hooks):
                 for h in hooks:
                     if h is not None:
                         h.reset()
@@ -283,7 +287,7 @@ class DobbSteps(Placement):
             if EXPERT_TOKENS in m.state and hooks:  # this step's n, kept from the reset below
                 counts[i] = hooks[0].tokens.clone()
         for h in used:  # after the loop: the experts of a stack share one flag
-            h.seen = False
+            h.folded()
         if not folding:
             return stats_steps
         # S = A / n; an expert without tokens has A = 0 and n = 0 (its weight is 0)
