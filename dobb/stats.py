@@ -233,9 +233,9 @@ class BlockStatistics:
     nothing on the host and a compiled model traces it; ``seen`` (host) says whether
     anything was added since the last reset, and ``empty`` (host) whether those additions
     held no token (a layer called on 0 rows), both written only by the accumulating code
-    that runs with real tensors (the row count is the shape's), never read in traced code. Layers that share a ``GramCache`` and are
-    fed the same input tensor in one forward pass compute its products ``X_bᵀ X_b`` once;
-    sums are bit-identical with or without a cache.
+    that runs with real tensors (the row count is the shape's), never read in traced code.
+    Layers that share a ``GramCache`` and are fed the same input tensor in one forward pass
+    compute its products ``X_bᵀ X_b`` once; sums are bit-identical with or without a cache.
     """
 
     def __init__(

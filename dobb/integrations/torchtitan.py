@@ -8,8 +8,8 @@ refused at build time (an axis splitting each expert, the ``spmd_types`` backend
 ``docs/torchtitan.md``. Nothing in torchtitan or torch is patched: this module subclasses
 torchtitan's container and returns its configs. Under pipeline parallelism the container
 adds two forward hooks to each stage's module, so that Dobb's statistics skip the forward
-torch's ``PipelineStage`` runs to infer shapes (``uncount_pipeline_metadata_inference``). Tested with torchtitan ``TESTED_VERSION`` on
-torch 2.13.
+torch's ``PipelineStage`` runs to infer shapes (``uncount_pipeline_metadata_inference``).
+Tested with torchtitan ``TESTED_VERSION`` on torch 2.13.
 """
 
 import json
