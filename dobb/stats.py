@@ -552,10 +552,6 @@ class ExpertStatistics:
         """Zero the sums and the token counts."""
         if self.sums is not None:
             torch._foreach_zero_([*self.sums, self.tokens])
-        self.folded()
-
-    def folded(self) -> None:
-        """Nothing added since (``BlockStatistics.folded``)."""
         self.seen = False
 
 
@@ -593,7 +589,8 @@ class ExpertSlice:
         self.of.reset()
 
     def folded(self) -> None:
-        self.of.folded()
+        """Nothing added since (``BlockStatistics.folded``): the whole stack's."""
+        self.of.seen = False
 
 
 @dataclass(frozen=True)

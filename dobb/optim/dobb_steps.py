@@ -176,6 +176,23 @@ def averaged_every_step(matrix: Matrix) -> bool:
     return sync == "step" or (sync == "auto" and not isinstance(matrix.param, DTensor))
 
 
+def folds_nothing(matrix: Matrix, layout, sources: list, hooks: list) -> bool:
+    """Whether ``matrix`` folds nothing this step, its hooks' sums then dropped: it has no
+    side with moments, a hooked side saw nothing, or (a layer called on no token, 0 rows)
+    it follows an idle expert's rule, its ``C`` and ``stats_steps`` kept. That rule holds
+    for a layer whose ``C`` is averaged over no group; one averaged over ranks (DDP's, FSDP's
+    row blocks) folds its zero statistics, so that its ranks keep one ``stats_steps`` and
+    call the same collectives (its ``C`` decays by ``stats_beta``, as before the rule)."""
+    local_only = EXPERT_TOKENS not in matrix.state and not any(s.groups for s in layout.sides)
+    idle = local_only and any(h is not None and h.empty for h in hooks)
+    if sources and not idle and all(h is not None and h.seen for h in hooks):
+        return False
+    for h in hooks:
+        if h is not None:
+            h.reset()
+    return True
+
+
 class DobbSteps(Placement):
     """Dobb's placement of every matrix (the module docstring).
 
@@ -249,9 +266,7 @@ class DobbSteps(Placement):
         """Fold this step's moments into ``C`` for every matrix that has them on every side
         (``dobb_core.fold``; an expert's, weighted by its tokens: ``expert_weights``);
         returns each matrix's ``stats_steps`` after the fold. A matrix missing a hooked
-        side's moments folds nothing (its sums are dropped), and so does a layer whose
-        forward passes held no token (0 rows): its ``C`` and ``stats_steps`` stay, as an idle
-        expert's ``C`` and token count do."""
+        side's moments folds nothing, nor does a layer called on no token (``folds_nothing``)."""
         stats_steps = list(stats_steps)
         self._add_expert_sums()
         pairs = [
@@ -272,12 +287,7 @@ class DobbSteps(Placement):
         for i, (m, layout) in enumerate(zip(matrices, layouts)):
             sources = self._sources(i, m, layout, moments)
             hooks = [src for _, src in sources if not isinstance(src, list)]
-            # a layer called on no token follows an idle expert's rule: C and its count stay
-            idle = EXPERT_TOKENS not in m.state and any(h is not None and h.empty for h in hooks)
-            if not sources or idle or any(h is None or not h.seen for h in hooks):
-                for h in hooks:
-                    if h is not None:
-                        h.reset()
+            if folds_nothing(m, layout, sources, hooks):
                 continue
             folding.append((i, sources))
             used += hooks

@@ -144,3 +144,34 @@ def test_an_fsdp_model_without_stats_group_is_refused_at_track():
     for sharded, stage in run_ranks(fsdp_without_stats_group, 2, timeout=120):
         assert sharded.startswith("ValueError") and "over 2 ranks" in sharded, sharded
         assert stage == "ok", stage
+
+
+def a_rank_without_tokens(rank, world):
+    """A replicated ``nn.Linear`` (DDP's layout, ``stats_group`` over the world) whose
+    first step gives rank 1 no token and rank 0 some, then a step with tokens on both:
+    each rank's ``C`` and ``stats_steps`` afterwards (gradients averaged by hand, as DDP
+    would)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 6, bias=False, dtype=torch.float64)
+    opt = dobb.Dobb([layer.weight], lr=0.01, stats_group=dist.group.WORLD)
+    opt.track(layer)
+    for step, rows in enumerate([(4, 0), (4, 3)]):
+        generator = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randn(rows[rank], 8, generator=generator, dtype=torch.float64)
+        opt.zero_grad()
+        layer(x).square().sum().backward()
+        dist.all_reduce(layer.weight.grad)
+        opt.step()
+    state = opt.state[layer.weight]
+    return {k: v.clone() for k, v in state.items() if "_cov" in k or k == "stats_steps"}
+
+
+def test_a_rank_without_tokens_folds_zero_statistics_and_keeps_its_ranks_in_step():
+    """The idle expert's rule (``C`` and ``stats_steps`` kept on no token) is for a layer
+    whose ``C`` no group averages: a replicated layer's ranks fold alike, one of them zero
+    statistics, so that their ``stats_steps`` and collectives stay the same (a rank that
+    skipped its first fold would skip the average the others call, and hang them)."""
+    first, second = run_ranks(a_rank_without_tokens, 2, timeout=60)
+    assert float(first["stats_steps"]) == float(second["stats_steps"]) == 2
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
