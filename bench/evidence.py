@@ -12,7 +12,6 @@ page is left as written. A test holds the committed page to this rendering.
 """
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from bench.model.costmodel import PAPER_XL_32_H100_MS
 from bench.model.hardware import H100, Hardware
-from bench.optimizers import LAB
+from bench.optimizers import LAB, SUBJECT
 from bench.results.calltime_sharded import slowest_ranks
 from bench.results.model import (
     UNBATCHED,
@@ -35,6 +34,7 @@ from bench.results.report import CALIBRATION_FILE, CALLTIME_FILE, RUN_FILE
 from bench.results.sections import check_rows
 from bench.study.format import fmt_loss, in_words
 from bench.study.moe_report import ordering_sentence
+from bench.tools.records import read_record
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "evidence.md"
@@ -44,7 +44,6 @@ END = "<!-- end of the rendered part -->"
 JACOBI = "Dobb, Jacobi refresh (the CUDA default before #32) (hierarchical)"
 WIDTH = 90  # the page's line width
 GPU_RECORD = "calltime_xl.json"  # the GPU run the page quotes (gpu/)
-NOTES = {"muonbp": "a BlockMuon call is its block step"}  # beside a sharded timing
 
 
 def blocks(n: int) -> str:
@@ -53,7 +52,7 @@ def blocks(n: int) -> str:
 
 
 def read(path: Path) -> dict:
-    return json.loads(path.read_text())
+    return read_record(path)
 
 
 def errors(record: dict, hw: Hardware) -> list[tuple[str, float]]:
@@ -72,7 +71,7 @@ def worst(rows: list[tuple[str, float]]) -> tuple[str, float]:
 
 
 def row_words(label: str) -> str:
-    """``"dobb2s, steady call"`` -> ``"two-sided Dobb's steady call"``; ``"muon"`` -> Muon."""
+    """``"dobb_sign, steady call"`` -> ``"two-sided Dobb's steady call"``; ``"muon"`` -> Muon."""
     name, _, call = label.partition(", ")
     if name not in LAB:
         return label
@@ -86,7 +85,8 @@ def cpu_calibration(bench: Path) -> str:
     rows = errors(read(bench / CALLTIME_FILE), hw)
     label, ratio = worst(rows)
     of = dict(rows)
-    dobb = [r for name, r in rows if name.partition(", ")[0] in ("dobb", "dobb2s")]
+    names = [(label.partition(", ")[0], r) for label, r in rows]
+    dobb = [r for name, r in names if name in LAB and LAB[name].entry.needs_statistics]
     over = all(r > 1 for r in [*dobb, of["adamw"]])
     return (
         f"Calibrated here, its worst CPU row is off by {pct(ratio)} ({row_words(label)}, in "
@@ -136,11 +136,13 @@ def sharded(bench: Path, layout: str = "fsdp", world: int = 4) -> str:
     records = [read(bench / f) for f in run["sharded"]]
     (record,) = [r for r in records if (r["layout"], r["world"]) == (layout, world)]
     times = {name: t["median"] for name, t in slowest_ranks(record).items()}
-    order = sorted((n for n in times if n != "adamw"), key=times.get) + ["adamw"]
+    # the matrix optimizers fastest first, each against the lab's Dobb; AdamW last
+    order = sorted(times, key=lambda n: (not LAB[n].entry.is_matrix, times[n]))
     parts = []
     for name in order:
-        notes = [f"{times[name] / times['dobb']:.2f}x"] if name not in ("dobb", "adamw") else []
-        notes += [NOTES[name]] if name in NOTES else []
+        against = LAB[name].entry.is_matrix and name != SUBJECT
+        notes = [f"{times[name] / times[SUBJECT]:.2f}x"] if against else []
+        notes += [LAB[name].sharded_note] if LAB[name].sharded_note else []
         extra = f" ({'; '.join(notes)})" if notes else ""
         parts.append(f"{LAB[name].label} {times[name]:.1f} ms{extra}")
     return (
