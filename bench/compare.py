@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.optimizers import BLOCK_OPTIONS, COMPARED, LAB, PAPER, lab_entry, tuned_lrs
 from bench.tools.markdown import markdown_table
+from dobb.registry import RENAMED
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
 
@@ -134,8 +135,10 @@ def run_config(base: TrainConfig, optimizer: str, lr: float | None, out: Path) -
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     """The fields of a logged config that decide what a run computes; a field added later
-    and missing from an older log takes its `ADDED_FIELDS` value (the old behaviour)."""
+    and missing from an older log takes its `ADDED_FIELDS` value (the old behaviour), and a
+    renamed optimizer its new name (``dobb.registry.RENAMED``)."""
     logged = ADDED_FIELDS | config | weight_decay_of(config)
+    logged["optimizer"] = RENAMED.get(logged["optimizer"], logged["optimizer"])  # older logs
     options = PRE_RECOMMENDED_OPTIONS.get(logged["optimizer"], {}) | logged["optimizer_options"]
     overridden = {count for count, width in BLOCK_OPTIONS if options.get(width) is not None}
     options = {k: v for k, v in options.items() if k != "weight_decay" and k not in overridden}

@@ -29,7 +29,7 @@ from dobb.registry import PAPER_DOBB, OptimizerEntry, get_entry
 
 # Two-sided Dobb's row blocks per matrix in the call-time runs: the rows one rank holds under
 # FSDP over the paper's call-time setting (GPT-2 XL on XL_WORLD = 32 GPUs), emulated on one.
-DOBB2S_ROW_BLOCKS = XL_WORLD
+DOBB_SIGN_ROW_BLOCKS = XL_WORLD
 # the settings of every call-time figure, and of the cost model's predictions beside them:
 # the optimizers' defaults, Dobb's the paper's configuration (16 blocks) and Dion's rank
 # fraction 1/16 (the paper's)
@@ -43,7 +43,7 @@ CALL_SETTINGS = dict(
 # optimizers emulate FSDP over 4 ranks in one process, and two-sided Dobb takes input
 # blocks of 32 columns
 EMULATED_SHARDS = 4
-DOBB2S_INPUT_BLOCK = 32
+DOBB_SIGN_INPUT_BLOCK = 32
 # call time and cost model; bytes sent inside step(); loss against wall-clock time
 TABLES = ("calltime", "comm", "timebudget")
 MEASURED = frozenset({"calltime", "comm"})  # the tables an entry is in unless it says
@@ -65,7 +65,7 @@ class LabEntry:
     into every run's record). Row-blocked optimizers emulate FSDP over ``EMULATED_SHARDS``
     (4) ranks in one process: MuonBP and BlockMuon tile each matrix's rows as its shards
     would, Dion2 selects rows per such block, two-sided Dobb keeps one row basis per block,
-    with input blocks of ``DOBB2S_INPUT_BLOCK`` (32) columns (which tile row-parallel TP's
+    with input blocks of ``DOBB_SIGN_INPUT_BLOCK`` (32) columns (which tile row-parallel TP's
     column shards over 4 ranks at every width the study runs, >= 128)."""
     tables: frozenset[str] = MEASURED
     """The tables of ``TABLES`` that carry it (BlockMuon's calls are MuonBP's block calls;
@@ -86,6 +86,9 @@ class LabEntry:
     """The call-time benchmark's settings it takes (``calltime.optimizer_overrides``)."""
     calltime_fixed: dict[str, Any] = field(default_factory=dict)
     """Constructor overrides of the call-time runs, whatever the settings."""
+    sharded_note: str | None = None
+    """What a reader needs beside its sharded call time (MuonBP's: its steady call is
+    BlockMuon's)."""
     grid_centre: float | None = None
     """The centre of the study's lr grid in (a) (``start_lr``) where it is not the
     registry's lr: the study's runs are named by their lr, and the registry's lrs have
@@ -132,13 +135,13 @@ LAB: dict[str, LabEntry] = {
             grid_centre=1e-3,
         ),
         LabEntry(
-            "dobb2s",
+            "dobb_sign",
             "two-sided Dobb",
-            {"row_blocks": EMULATED_SHARDS, "block_size": DOBB2S_INPUT_BLOCK},
+            {"row_blocks": EMULATED_SHARDS, "block_size": DOBB_SIGN_INPUT_BLOCK},
             tables=frozenset({"calltime"}),
             **_REFRESHES,
             calltime_settings=_DOBB_CALLTIME,
-            calltime_fixed={"block_size": None, "row_blocks": DOBB2S_ROW_BLOCKS},
+            calltime_fixed={"block_size": None, "row_blocks": DOBB_SIGN_ROW_BLOCKS},
             grid_centre=1e-3,
         ),
         LabEntry(
@@ -158,6 +161,7 @@ LAB: dict[str, LabEntry] = {
             periodic_calls=("full", "block"),
             schedule=full_step_due,
             calltime_settings=("period", "row_blocks"),
+            sharded_note="a BlockMuon call is its block step",
         ),
         LabEntry("blockmuon", "BlockMuon", _ROW_BLOCKS, tables=frozenset({"timebudget"})),
         LabEntry("normuon", "NorMuon", **_ROW_ONLY),
@@ -166,6 +170,8 @@ LAB: dict[str, LabEntry] = {
         LabEntry("adamw", "AdamW", tables=frozenset({"calltime", "timebudget"})),
     )
 }
+# the lab's Dobb, the entry the reports set the others' call times against
+SUBJECT = "dobb"
 COMPARED = tuple(LAB)  # the main job and the study: every entry, in this order
 # Registry entries the lab runs under another name: the paper's Dobb is the lab's "dobb"
 # (its harness options pin the paper's configuration, so its runs keep their names); the

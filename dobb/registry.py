@@ -10,7 +10,7 @@ model (``opt.track(model)``), so each step needs a forward pass in training mode
 
 An entry holds what building the optimizer needs: its class (whose ``Config`` holds every
 default), the settings of a named variant (``dobb_paper``: Dobb as the paper specifies it;
-``dobb2s``: two-sided Dobb with the sign; ``blockmuon``'s ``period``, ``adamw``'s betas),
+``dobb_sign``: two-sided Dobb with the sign; ``blockmuon``'s ``period``, ``adamw``'s betas),
 and the argument that takes a job's data-parallel ranks (``distributed_options``). Its
 learning rate by model width is ``TUNED_LR``'s (``recommended_lr``; rendered in
 docs/baselines.md, "The registry's learning rates"). What the benchmarks know of an
@@ -59,7 +59,7 @@ PAPER_DOBB = {
 TUNED_LR: dict[str, dict[int, float]] = {
     "dobb": {128: 1.6e-2, 256: 4e-3},
     "dobb_paper": {128: 2e-3, 256: 2e-3},
-    "dobb2s": {128: 8e-3, 256: 8e-3, 512: 4e-3},
+    "dobb_sign": {128: 8e-3, 256: 8e-3, 512: 4e-3},
     "dion": {128: 1e-2, 256: 1e-2},
     "muon": {128: 2e-2, 256: 2e-2, 512: 2e-2},
     "muonbp": {128: 5e-3, 256: 5e-3},
@@ -71,6 +71,11 @@ TUNED_LR: dict[str, dict[int, float]] = {
 }
 
 
+# Entries renamed before the first release, old -> new: the old names are refused with the
+# new one (``get_entry``), and the lab maps them on loading its earlier records
+RENAMED = {"dobb2s": "dobb_sign"}
+
+
 @dataclass(frozen=True)
 class OptimizerEntry:
     """How to build one optimizer: its class, whose config holds every default, and the
@@ -79,7 +84,7 @@ class OptimizerEntry:
     name: str
     cls: type[torch.optim.Optimizer]
     hyperparameters: dict[str, Any] = field(default_factory=dict)
-    """Constructor arguments that make this entry a named variant (``dobb2s``: two-sided
+    """Constructor arguments that make this entry a named variant (``dobb_sign``: two-sided
     Dobb); every other option, ``lr`` included, is the class's default."""
 
     @property
@@ -123,7 +128,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
     for entry in (
         OptimizerEntry("dobb", Dobb),  # the recommended configuration: the class's defaults
         OptimizerEntry("dobb_paper", Dobb, PAPER_DOBB),
-        OptimizerEntry("dobb2s", Dobb, {"two_sided": True, "coefficients": "sign", "lr": 8e-3}),
+        OptimizerEntry("dobb_sign", Dobb, {"two_sided": True, "coefficients": "sign", "lr": 8e-3}),
         OptimizerEntry("dion", Dion),
         OptimizerEntry("muon", Muon),
         OptimizerEntry("muonbp", MuonBP),
@@ -173,7 +178,10 @@ def model_width(model: nn.Module) -> int | None:
 
 
 def get_entry(name: str) -> OptimizerEntry:
-    """The registry entry called ``name``; ``ValueError`` listing the known names if none."""
+    """The registry entry called ``name``; ``ValueError`` listing the known names if none,
+    or giving the new name of a renamed entry (``RENAMED``)."""
+    if name in RENAMED:
+        raise ValueError(f"optimizer {name!r} is now called {RENAMED[name]!r}")
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
     return OPTIMIZERS[name]

@@ -62,7 +62,7 @@ SMALL_INPUTS: dict[str, tuple[dict[str, Any], ...]] = {
         {"num_blocks": 3, "basis_interval": 2, "stats_sync": "step"},
         {"block_size": 4, "num_blocks": None, "update_scale": 1.0},
     ),
-    "dobb2s": (
+    "dobb_sign": (
         {},
         {"row_blocks": 2, "block_size": 4, "basis_interval": 2},
         {"coefficients": "adam", "update_scale": 1.0, "row_stats": "outputs"},
@@ -123,7 +123,7 @@ ERROR_INPUTS: dict[str, tuple[ErrorInput, ...]] = {
         ErrorInput({"row_blocks": 2}, ValueError, "options of two-sided Dobb"),
         ErrorInput({"stats_sync": "never"}, ValueError, "invalid stats_sync"),
     ),
-    "dobb2s": MATRIX_ERRORS
+    "dobb_sign": MATRIX_ERRORS
     + (
         ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
         ErrorInput({"row_stats": "weights"}, ValueError, "invalid row_stats"),

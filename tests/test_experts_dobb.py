@@ -26,7 +26,7 @@ E, DIM, HIDDEN, STEPS = 3, 6, 8, 5
 CONFIGS = {  # the registry's three Dobbs, refreshed every 2 steps
     name: {k: v for k, v in get_entry(name).hyperparameters.items() if k != "lr"}
     | {"basis_interval": 2}
-    for name in ("dobb", "dobb_paper", "dobb2s")
+    for name in ("dobb", "dobb_paper", "dobb_sign")
 }
 
 
@@ -214,7 +214,11 @@ def test_a_capturable_step_with_an_idle_expert_reads_nothing():
     from opcount import OpCounter
 
     schedule = [[4, 3, 5], [6, 0, 6], [6, 0, 6], [2, 7, 3]]
-    options = CONFIGS["dobb2s"] | {"basis_interval": 2, "basis_method": "cholqr", "foreach": True}
+    options = CONFIGS["dobb_sign"] | {
+        "basis_interval": 2,
+        "basis_method": "cholqr",
+        "foreach": True,
+    }
     finals = []
     for capturable in (False, True):
         extra = {"capturable": True, "nonfinite": "skip"} if capturable else {}

@@ -30,7 +30,11 @@ STEPS = 4
 CUDA = torch.device("cuda")
 # each optimizer's periodic work within STEPS: Dobb refreshes at steps 1 (cold) and 3
 # (warm), MuonBP takes full steps at 1 and 3 (blockmuon never does)
-PERIODIC = {"dobb": {"basis_interval": 2}, "dobb2s": {"basis_interval": 2}, "muonbp": {"period": 2}}
+PERIODIC = {
+    "dobb": {"basis_interval": 2},
+    "dobb_sign": {"basis_interval": 2},
+    "muonbp": {"period": 2},
+}
 # The CPU profiler also counts torch.optim.AdamW's reads of its step counters
 # (``_get_value(step)``: ``.item()`` of a CPU tensor, free on a GPU, where the counters stay
 # on the host); on fake CUDA they are host tensors, not counted. SmallModel has 6

@@ -22,7 +22,7 @@ from dobb.train.model import GPT, gpt_config
 BATCHED = [
     "dobb",
     "dobb_paper",
-    "dobb2s",
+    "dobb_sign",
     "muon",
     "muonbp",
     "blockmuon",

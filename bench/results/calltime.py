@@ -12,7 +12,7 @@ What is measured:
 
 - **Call time**, amortized over one period of the optimizer's periodic work. Dobb's period
   is ``--basis-interval`` (k) calls, exactly one of which refreshes the bases (batched
-  ``eigh``), so the refresh is included (two-sided Dobb, ``dobb2s``, likewise: every
+  ``eigh``), so the refresh is included (two-sided Dobb, ``dobb_sign``, likewise: every
   entry of the registry that needs statistics); MuonBP's is its ``--period`` (P) calls, one full
   Newton-Schulz step and P - 1 block steps (on one device its blocks are
   ``--row-blocks`` row tiles, emulating FSDP over that many ranks); Dion, Muon and AdamW
@@ -28,7 +28,7 @@ What is measured:
   without hooks (alternated), and the hooks alone (``BlockStatistics.add`` on each input).
 - **Optimizer-state bytes per parameter** of the hidden matrices.
 
-Two-sided Dobb's row blocks are ``DOBB2S_ROW_BLOCKS`` per matrix (the rows of one rank
+Two-sided Dobb's row blocks are ``DOBB_SIGN_ROW_BLOCKS`` per matrix (the rows of one rank
 under FSDP over 32 ranks).
 
 The cost model's ``Hardware`` profile of a machine is ``bench.results.calibrate``'s job.
@@ -56,7 +56,7 @@ from torch import Tensor
 from bench.model.workload import hidden_matrices
 from bench.optimizers import (
     CALL_SETTINGS,
-    DOBB2S_ROW_BLOCKS,
+    DOBB_SIGN_ROW_BLOCKS,
     EMULATED_SHARDS,
     LAB,
     in_table,
@@ -95,7 +95,7 @@ def optimizer_overrides(
     The arguments are named as ``costmodel.predict``'s, so one dict feeds both. Each
     optimizer takes the settings its lab entry lists (``calltime_settings``; one left None,
     as ``basis_method`` by default, is not passed) and its ``calltime_fixed`` ones: two-sided
-    Dobb takes Dobb's, input blocks by ``num_blocks`` and ``DOBB2S_ROW_BLOCKS`` row blocks."""
+    Dobb takes Dobb's, input blocks by ``num_blocks`` and ``DOBB_SIGN_ROW_BLOCKS`` row blocks."""
     settings = dict(
         num_blocks=num_blocks,
         basis_interval=basis_interval,
@@ -333,7 +333,7 @@ def run(
             "rank_fraction": rank_fraction,
             "period": period,
             "row_blocks": row_blocks,
-            "dobb2s_row_blocks": DOBB2S_ROW_BLOCKS,
+            "dobb_sign_row_blocks": DOBB_SIGN_ROW_BLOCKS,
             "basis_method": basis_method or default_basis_method(),
             # same-shape matrices share kernels (off the CPU); hooks share inputs (q, k, v)
             "batched": batched_by_default(device_),

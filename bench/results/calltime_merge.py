@@ -13,10 +13,10 @@ with another Newton-Schulz dtype, are refused: one table never mixes machines.
 """
 
 import argparse
-import json
 from pathlib import Path
 
 from bench.results.calltime import write_json
+from bench.tools.records import read_record
 
 
 def setting(record: dict, key: str):
@@ -33,7 +33,7 @@ def merge(parts: list[Path]) -> dict:
     missing, commands = [], []
     for path in parts:
         try:
-            part = json.loads(path.read_text())
+            part = read_record(path)
         except (OSError, ValueError):
             missing.append(path.name)
             continue

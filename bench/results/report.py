@@ -6,7 +6,6 @@
 ``results_sections`` (measured data) and ``results_model`` (the cost model's predictions).
 """
 
-import json
 from pathlib import Path
 
 from bench.model.costmodel import CATEGORIES
@@ -30,6 +29,7 @@ from bench.results.sections import (
     sharded_section,
     state_section,
 )
+from bench.tools.records import read_record
 
 RUN_FILE = "results_run.json"  # the measuring run: date, machine, commands, sharded records
 CALIBRATION_FILE, CALLTIME_FILE = "cpu_calibration.json", "calltime_cpu.json"
@@ -37,7 +37,7 @@ CALIBRATION_FILE, CALLTIME_FILE = "cpu_calibration.json", "calltime_cpu.json"
 
 def read_json(path: Path) -> dict:
     """The JSON object in ``path``."""
-    return json.loads(path.read_text())
+    return read_record(path)
 
 
 def render(out_dir: Path, rendered_by: str | None = None) -> Path:

@@ -6,7 +6,6 @@ profile (``calibration_section``), the cost model against a measurement (``check
 ``check_section``) and the GPU files (``gpu_section``). Nothing here measures.
 """
 
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +18,7 @@ from bench.results import calltime, calltime_sharded
 from bench.results.gpu_checks import checks_section, solvers_section
 from bench.results.model import OPTIMIZERS, XL_WORLD, ms, paper_section
 from bench.tools.markdown import markdown_table
+from bench.tools.records import read_record
 from dobb.eigensolve import AUTO_CUDA
 
 # optimizers a call-time record may hold that the cost model does not predict (not in
@@ -58,11 +58,11 @@ def calltime_section(record: dict) -> str:
         f"calls; Dion rank fraction {m['rank_fraction']:.4g}; {m['repeats']} repeats after "
         f"{m['warmup_periods']} warm-up period(s), interleaved; device {m['device_name']}."
     )
-    if "dobb2s" in record.get("optimizers", {}):
+    if "dobb_sign" in record.get("optimizers", {}):
         head += (
-            f" Two-sided Dobb (dobb2s): Dobb's input blocks and refresh period, and "
-            f"{dobb2s_row_blocks(m)} row blocks per matrix (the rows one rank holds under "
-            f"FSDP over {dobb2s_row_blocks(m)} ranks)."
+            f" Two-sided Dobb (dobb_sign): Dobb's input blocks and refresh period, and "
+            f"{dobb_sign_row_blocks(m)} row blocks per matrix (the rows one rank holds under "
+            f"FSDP over {dobb_sign_row_blocks(m)} ranks)."
         )
     return head + "\n\n" + calltime.format_table(record)
 
@@ -88,9 +88,9 @@ def sharded_section(records: list[dict]) -> str:
     return "\n\n".join(parts)
 
 
-def dobb2s_row_blocks(meta: dict) -> int:
+def dobb_sign_row_blocks(meta: dict) -> int:
     """Two-sided Dobb's row blocks in a call-time record (older records: calltime's)."""
-    return meta.get("dobb2s_row_blocks", calltime.DOBB2S_ROW_BLOCKS)
+    return meta.get("dobb_sign_row_blocks", calltime.DOBB_SIGN_ROW_BLOCKS)
 
 
 def state_section(record: dict) -> str:
@@ -101,7 +101,7 @@ def state_section(record: dict) -> str:
     kw = dict(
         num_blocks=m["num_blocks"],
         rank_fraction=m["rank_fraction"],
-        row_blocks=dobb2s_row_blocks(m),
+        row_blocks=dobb_sign_row_blocks(m),
     )
     rows = []
     for name, entry in record["optimizers"].items():
@@ -119,9 +119,9 @@ def state_section(record: dict) -> str:
         "Dobb also keeps statistics accumulators outside its state (one more `s x s` per "
         "block: +4 s / d_out bytes per parameter).",
     ]
-    if "dobb2s" in record["optimizers"]:
+    if "dobb_sign" in record["optimizers"]:
         lines.append(
-            f"Two-sided Dobb (dobb2s): m is its row-block size, d_out / {kw['row_blocks']} "
+            f"Two-sided Dobb (dobb_sign): m is its row-block size, d_out / {kw['row_blocks']} "
             "rows (in 8 / (m n), m n = d_out d_in as above); it keeps Dobb's input-side "
             'accumulators, and its row moments (`row_stats="gradients"`, G_r G_rᵀ / d_in) '
             "come from the gradient in the step, with no accumulator."
@@ -256,7 +256,7 @@ def gpu_section(files: list[Path]) -> str | None:
         return None
     records, profiles, eighs, checks = [], [], [], []
     for f in files:
-        data = json.loads(f.read_text())
+        data = read_record(f)
         if "checks" in data:
             checks.append(checks_section(f.name, data))
         elif "rows" in data and "command" in data:  # bench.results.eigensolve

@@ -2,7 +2,7 @@
 
 Three questions, each answered by training runs of `bench.study.runs`:
 
-- Variants (at the study's width): Dobb and two-sided Dobb (``dobb2s``: row blocks with
+- Variants (at the study's width): Dobb and two-sided Dobb (``dobb_sign``: row blocks with
   their own eigenbases, ``Dobb(two_sided=True)``) at input block sizes 32, 64 and the whole
   width, Adam coefficients in the eigenbasis instead of the sign (SOAP's idea), K-FAC's
   output-gradient row moments instead of Shampoo's ``G Gᵀ``, slower statistics, and an EMA
@@ -42,7 +42,7 @@ from bench.study.runs import (
 from bench.study.stats import compare_seeds, seed_stats
 
 TP_DEGREE = 4  # the row-parallel TP degree the "shard-local under TP" column checks
-ROW_SHARDS = OPTIONS["dobb2s"]["row_blocks"]  # the FSDP degree "shard-local" is judged at
+ROW_SHARDS = OPTIONS["dobb_sign"]["row_blocks"]  # the FSDP degree "shard-local" is judged at
 REFERENCE_OPTIMIZERS = ("muon", "blockmuon")  # each variant's seeds are set against these
 GOAL_GAP, GOAL_WIDTHS = 0.02, 2  # the goal: within GOAL_GAP of Muon at GOAL_WIDTHS widths
 
@@ -68,36 +68,38 @@ WHOLE = {"block_size": None, "num_blocks": 1}  # one input block: the whole widt
 
 def variants() -> list[Variant]:
     """The configurations of (e). Two-sided Dobb's settings of (a): 4 row blocks, input
-    blocks of 32 columns (``compare.OPTIONS["dobb2s"]``)."""
+    blocks of 32 columns (``compare.OPTIONS["dobb_sign"]``)."""
     adam = {"coefficients": "adam", "update_scale": 1.0}  # RMS ~0.2 by itself
     return [
         Variant("Dobb, input blocks of 32", "dobb", {"block_size": 32}),
         Variant("Dobb, input blocks of 64", "dobb", {"block_size": 64}),
         Variant("Dobb, one input block", "dobb", {"num_blocks": 1}),
         Variant("Dobb, Adam coefficients", "dobb", adam),
-        Variant("two-sided, input blocks of 64", "dobb2s", {"block_size": 64}),
-        Variant("two-sided, one input block", "dobb2s", WHOLE),
+        Variant("two-sided, input blocks of 64", "dobb_sign", {"block_size": 64}),
+        Variant("two-sided, one input block", "dobb_sign", WHOLE),
         Variant(
             "two-sided, 16 input blocks (the paper's)",
-            "dobb2s",
+            "dobb_sign",
             {"block_size": None, "num_blocks": 16},
         ),
-        Variant("two-sided, Adam coefficients", "dobb2s", adam),
-        Variant("two-sided, K-FAC row moments", "dobb2s", {"row_stats": "outputs"}),
+        Variant("two-sided, Adam coefficients", "dobb_sign", adam),
+        Variant("two-sided, K-FAC row moments", "dobb_sign", {"row_stats": "outputs"}),
         Variant(
             "two-sided, statistics EMA 0.99, refresh every 20",
-            "dobb2s",
+            "dobb_sign",
             {"stats_beta": 0.99, "basis_interval": 20},
         ),
         Variant(
             "two-sided, statistics EMA 0.999, refresh every 50",
-            "dobb2s",
+            "dobb_sign",
             {"stats_beta": 0.999, "basis_interval": 50},
         ),
-        Variant("two-sided, weights EMA 0.99 for evaluation", "dobb2s", train={"eval_ema": 0.99}),
+        Variant(
+            "two-sided, weights EMA 0.99 for evaluation", "dobb_sign", train={"eval_ema": 0.99}
+        ),
         Variant(
             "two-sided, one row block (not shard-local)",
-            "dobb2s",
+            "dobb_sign",
             {"row_blocks": 1},
             shard_local=False,
         ),
@@ -148,7 +150,7 @@ def run_gap(spec, base, out: Path, runner, best: dict[str, float], log=print) ->
             later[("seed", i, seed)] = Sweep(maker(v, seed=seed), [lr])
     shard_width = spec.gap_widths[0]
     for n in spec.shard_counts:
-        for name in ("dobb2s", "blockmuon", "muonbp"):
+        for name in ("dobb_sign", "blockmuon", "muonbp"):
             options = row_block_options(name, n)  # at (a)'s count: the width trend's run
             run = partial(make, name, options=options, width=shard_width)
             later[("shards", name, n)] = Sweep(run, [best[name]])
@@ -171,7 +173,7 @@ def run_gap(spec, base, out: Path, runner, best: dict[str, float], log=print) ->
         "shards": {
             (name, n): done[("shards", name, n)][0]
             for n in spec.shard_counts
-            for name in ("dobb2s", "blockmuon", "muonbp")
+            for name in ("dobb_sign", "blockmuon", "muonbp")
         },
         "shard_width": shard_width,
         "widths": {(name, w): done[("width", name, w)][0] for name, w in _width_keys(spec, top)},
@@ -183,7 +185,7 @@ def run_gap(spec, base, out: Path, runner, best: dict[str, float], log=print) ->
 def _width_keys(spec, top) -> list[tuple[str, int]]:
     """(optimizer, width) of the width trend: every trend optimizer at the first width;
     at the wider ones (the costliest runs) only Muon, BlockMuon and the best variant."""
-    names = ["dobb", "dobb2s", "blockmuon", "muon"] + (["top"] if top is not None else [])
+    names = ["dobb", "dobb_sign", "blockmuon", "muon"] + (["top"] if top is not None else [])
     first, *wider = spec.gap_widths
     return [(n, first) for n in names] + [
         (n, w) for w in wider for n in names if n in ("muon", "blockmuon", "top")
@@ -233,13 +235,13 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
             row["seeds"] = stats
         rows.append(row)
     # (a)'s two-sided Dobb and one-sided Dobb, as rows of the same table
-    for name in ("dobb2s", "dobb"):
+    for name in ("dobb_sign", "dobb"):
         stats = dict(seeds[name])
         stats["pairs"] = {n: compare_seeds(stats, seeds[n]) for n in REFERENCE_OPTIMIZERS}
         rows.insert(
             0,
             {
-                "label": {"dobb": "Dobb (a)", "dobb2s": "two-sided Dobb (a)"}[name],
+                "label": {"dobb": "Dobb (a)", "dobb_sign": "two-sided Dobb (a)"}[name],
                 "optimizer": name,
                 "settings": dict(OPTIONS[name]),
                 "train": {},
@@ -262,7 +264,7 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
     }
     shards = {
         name: [loss_of(gap["shards"][(name, n)]) for n in counts]
-        for name in ("dobb2s", "blockmuon", "muonbp")
+        for name in ("dobb_sign", "blockmuon", "muonbp")
     }
     crossings = {
         name: next((n for n, x in zip(counts, losses) if x > loss_of(flat["dobb"])), None)
@@ -272,7 +274,7 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
     trend = []
     for w in sorted({width, *widths}):
         entry = {"n_embd": w, "losses": {}}
-        for name in ("dobb", "dobb2s", "blockmuon", "muon", "top"):
+        for name in ("dobb", "dobb_sign", "blockmuon", "muon", "top"):
             if w == width:
                 loss = seeds[name]["mean"] if name in seeds else None
                 if name == "top" and gap["top"] is not None:

@@ -9,7 +9,7 @@ from bench.study.gap import GOAL_GAP, GOAL_WIDTHS, REFERENCE_OPTIMIZERS, ROW_SHA
 
 NAMES = {
     "dobb": "Dobb",
-    "dobb2s": "two-sided Dobb",
+    "dobb_sign": "two-sided Dobb",
     "blockmuon": "BlockMuon",
     "muonbp": "MuonBP",
     "muon": "Muon",
@@ -101,7 +101,7 @@ def gap_section(report: dict, spec: dict, out: Path, link, table) -> list[str]:
             + "|".join(_seed_text(r))
         )
     widths = report["widths"]
-    keys = ["dobb", "dobb2s", "top", "blockmuon", "muon"]
+    keys = ["dobb", "dobb_sign", "top", "blockmuon", "muon"]
     width_rows = [
         f"{e['n_embd']}|"
         + "|".join(fmt_loss(e["losses"].get(k)) for k in keys)
@@ -118,10 +118,10 @@ def gap_section(report: dict, spec: dict, out: Path, link, table) -> list[str]:
     return [
         "## (e) Closing the gap to Muon without leaving the shard",
         "",
-        "Two-sided Dobb (`dobb2s`, `Dobb(two_sided=True)`) rotates both sides of each tile: "
+        "Two-sided Dobb (`dobb_sign`, `Dobb(two_sided=True)`) rotates both sides of each tile: "
         "row blocks with eigenbases of their own moments (Shampoo's `G Gᵀ` of the rank's rows "
         "by default) and Dobb's input blocks. In (a) it uses "
-        f"{', '.join(f'{k}={v}' for k, v in OPTIONS['dobb2s'].items())}. Each variant below "
+        f"{', '.join(f'{k}={v}' for k, v in OPTIONS['dobb_sign'].items())}. Each variant below "
         "changes the listed settings, runs at "
         f"{'/'.join(f'{f:g}' for f in spec['ablation_lr_factors'])} x its optimizer's tuned lr "
         f"of (a) (extended {times(spec['ablation_max_extensions'])} at an edge), and the best "

@@ -121,7 +121,7 @@ def plot_moe(out: Path, report: dict) -> str:
 
 def _options(row: dict) -> str:
     """A row's options; the lab's name first where the row is named otherwise (an entry of
-    (f): "dobb2s: row_blocks=None, ...")."""
+    (f): "dobb_sign: row_blocks=None, ...")."""
     text = spell_options(row["options"])
     return text if row["name"] == row["optimizer"] else f"{row['optimizer']}: {text}"
 

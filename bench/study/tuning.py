@@ -96,7 +96,7 @@ def tuned(spec=None) -> list[Tuned]:
         ),
         Tuned(
             "two-sided Dobb, one input block, Muon's RMS scale",
-            "dobb2s",
+            "dobb_sign",
             WHOLE | muon_rms,
             True,
             centre="muon",
@@ -112,14 +112,14 @@ def tuned(spec=None) -> list[Tuned]:
         Tuned("Dion", "dion", front="Dion"),
         Tuned("Dobb, 16 blocks", "dobb", shard_local=True, front="Dobb, the paper's"),
         Tuned("Dobb, one block", "dobb", {"num_blocks": 1}, shard_local=True, wide=True),
-        Tuned("two-sided Dobb, one input block", "dobb2s", WHOLE, shard_local=True, wide=True),
+        Tuned("two-sided Dobb, one input block", "dobb_sign", WHOLE, shard_local=True, wide=True),
         Tuned("one-sided SOAP (Dobb, Adam coefficients, one block)", "dobb", soap, True),
         # variance adaptation in place of the sign at the recommended layout (arXiv 2510.25000
         # finds it ahead of sign descent); one-sided, Adam coefficients wanted twice the sign's
         # lr at width 128, so its grid is centred on twice two-sided Dobb's
         Tuned(
             "two-sided SOAP (two-sided Dobb, Adam coefficients, one input block)",
-            "dobb2s",
+            "dobb_sign",
             WHOLE | {"coefficients": "adam", "update_scale": 1.0},
             True,
             lr_scale=2.0,
@@ -128,7 +128,7 @@ def tuned(spec=None) -> list[Tuned]:
         # block and one row block of each rank's rows (in one process: all rows)
         Tuned(
             "recommended Dobb (two-sided SOAP, one input block, one row block per shard)",
-            "dobb2s",
+            "dobb_sign",
             WHOLE | {"row_blocks": None, "coefficients": "adam", "update_scale": 1.0},
             True,
             lr_scale=2.0,

@@ -158,7 +158,7 @@ class DobbOptimizersContainer(OptimizersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
         name: str = "dobb"
-        """Registry name: dobb, dobb2s, muon, muonbp, blockmuon, normuon, dion, dion2, adamw."""
+        """Registry name: dobb, dobb_sign, muon, muonbp, blockmuon, normuon, dion, dion2, adamw."""
 
         lr: float | None = None
         """Learning rate of the hidden matrices (every parameter for adamw); None: the

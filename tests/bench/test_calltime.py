@@ -38,7 +38,7 @@ def test_every_optimizer_is_timed_and_summarized_from_its_own_calls(record):
     one whole period (its number of calls), the amortized time is the period's mean, the
     spread is of those means, and the ratio is to Dobb's median."""
     assert tuple(record["optimizers"]) == OPTIMIZERS  # the cost model's optimizers
-    assert OPTIMIZERS[:2] == ("dobb", "dobb2s")
+    assert OPTIMIZERS[:2] == ("dobb", "dobb_sign")
     meta = record["meta"]
     options = {"basis_interval": meta["basis_interval"], "period": meta["period"]}
     dobb_median = record["optimizers"]["dobb"]["call_s"]["median"]
@@ -54,7 +54,7 @@ def test_every_optimizer_is_timed_and_summarized_from_its_own_calls(record):
     assert record["optimizers"]["dobb"]["ratio_vs_dobb"] == 1.0
 
 
-@pytest.mark.parametrize("name", ["dobb", "dobb2s"])
+@pytest.mark.parametrize("name", ["dobb", "dobb_sign"])
 def test_dobb_period_is_one_refresh_plus_steady_calls(record, name):
     dobb = record["optimizers"][name]
     assert [len(p) for p in dobb["period_calls"]] == [3, 3]
@@ -63,19 +63,19 @@ def test_dobb_period_is_one_refresh_plus_steady_calls(record, name):
     assert [len(p) for p in record["optimizers"]["muon"]["period_calls"]] == [1, 1]
 
 
-def test_dobb2s_refresh_call_is_periodic_as_dobbs():
+def test_dobb_sign_refresh_call_is_periodic_as_dobbs():
     options = {"basis_interval": 7, "period": 5}
-    assert calltime.calls_per_period("dobb2s", options, calls=1) == 7
-    assert calltime.periodic_calls("dobb2s") == calltime.periodic_calls("dobb")
-    assert calltime.periodic_calls("dobb2s") == ("refresh_call_s", "steady_call_s")
+    assert calltime.calls_per_period("dobb_sign", options, calls=1) == 7
+    assert calltime.periodic_calls("dobb_sign") == calltime.periodic_calls("dobb")
+    assert calltime.periodic_calls("dobb_sign") == ("refresh_call_s", "steady_call_s")
     assert calltime.periodic_calls("muon") is None
     assert calltime.calls_per_period("muon", options, calls=2) == 2
     # the first call of each period is the refresh: summarize splits it off
     res = {"period_calls": [[0.5, 0.1, 0.2]], "amortized_s": [0.8 / 3], "forward_s": []}
     params = [torch.ones(1, requires_grad=True)]
-    out = calltime.summarize({"dobb2s": res}, {"dobb2s": torch.optim.SGD(params)}, params)
-    assert out["dobb2s"]["refresh_call_s"]["median"] == 0.5
-    assert out["dobb2s"]["steady_call_s"]["median"] == pytest.approx(0.15)
+    out = calltime.summarize({"dobb_sign": res}, {"dobb_sign": torch.optim.SGD(params)}, params)
+    assert out["dobb_sign"]["refresh_call_s"]["median"] == 0.5
+    assert out["dobb_sign"]["steady_call_s"]["median"] == pytest.approx(0.15)
 
 
 def test_each_timed_period_opens_with_the_call_the_library_schedules(monkeypatch):
@@ -84,7 +84,7 @@ def test_each_timed_period_opens_with_the_call_the_library_schedules(monkeypatch
     that would not open with its one periodic call is refused, not mislabelled."""
     options = {"basis_interval": 3, "period": 5}
     assert calltime.periodic_flags("dobb", options, 4, 3) == [True, False, False]
-    assert calltime.periodic_flags("dobb2s", options, 2, 3) == [False, False, True]
+    assert calltime.periodic_flags("dobb_sign", options, 2, 3) == [False, False, True]
     assert calltime.periodic_flags("muonbp", options, 6, 5) == [True] + [False] * 4
     assert calltime.periodic_flags("muon", options, 1, 2) == [False, False]
     stack = linear_stack.LinearStack([Matrix("w", 8, 16)], tokens=8)
@@ -94,9 +94,9 @@ def test_each_timed_period_opens_with_the_call_the_library_schedules(monkeypatch
         calltime.time_optimizers(stack, ("dobb",), repeats=1, basis_interval=3, num_blocks=4)
 
 
-def test_dobb2s_takes_dobbs_options_and_its_row_blocks():
-    assert calltime.DOBB2S_ROW_BLOCKS == 32
-    assert calltime.optimizer_overrides("dobb2s", 4, 2, 0.5, basis_method="power_qr") == {
+def test_dobb_sign_takes_dobbs_options_and_its_row_blocks():
+    assert calltime.DOBB_SIGN_ROW_BLOCKS == 32
+    assert calltime.optimizer_overrides("dobb_sign", 4, 2, 0.5, basis_method="power_qr") == {
         "num_blocks": 4,
         "basis_interval": 2,
         "basis_method": "power_qr",
@@ -104,7 +104,7 @@ def test_dobb2s_takes_dobbs_options_and_its_row_blocks():
         "row_blocks": 32,
     }
     # row_blocks= of the call is MuonBP's, not two-sided Dobb's
-    assert calltime.optimizer_overrides("dobb2s", 4, 2, 0.5, row_blocks=4)["row_blocks"] == 32
+    assert calltime.optimizer_overrides("dobb_sign", 4, 2, 0.5, row_blocks=4)["row_blocks"] == 32
 
 
 def test_muonbp_period_is_one_full_step_plus_block_steps(record):
@@ -129,7 +129,7 @@ def test_state_bytes_per_param_match_the_formulas(record):
     assert per_param["dobb"] == pytest.approx(4 + (blocks + 8 * len(matrices)) / numel)
     # two-sided: plus P_r and its moments, 32 row blocks of d_out / 32 rows (2 or 8)
     rows = sum(2 * 4 * m.d_out * (m.d_out // 32) for m in matrices)
-    assert per_param["dobb2s"] == pytest.approx(per_param["dobb"] + rows / numel)
+    assert per_param["dobb_sign"] == pytest.approx(per_param["dobb"] + rows / numel)
     r = 4  # ceil(64 / 16) for every tiny matrix
     dion = sum(4 * m.d_in * r + 4 for m in matrices)
     assert per_param["dion"] == pytest.approx(4 + dion / numel)
@@ -148,29 +148,29 @@ def test_hook_overhead_is_recorded(record):
 def test_json_is_written_complete(record):
     saved = json.loads(record["path"].read_text())
     assert saved["meta"]["complete"] and saved["meta"]["config"] == "tiny"
-    assert saved["meta"]["dobb2s_row_blocks"] == 32
+    assert saved["meta"]["dobb_sign_row_blocks"] == 32
     table = calltime.format_table(saved)
-    assert "| dobb |" in table and "| dobb2s | 3 |" in table
+    assert "| dobb |" in table and "| dobb_sign | 3 |" in table
     assert "\nDobb: refresh call" in table and "\nTwo-sided Dobb: refresh call" in table
 
 
-def test_results_tables_predict_dobb2s_and_every_periodic_call(record):
+def test_results_tables_predict_dobb_sign_and_every_periodic_call(record):
     table, ratios = results_sections.check_table(record, H100)
     rows = table.splitlines()[2:]  # below the header and the rule
     assert len(ratios) == len(rows)  # every row has a prediction
     labels = [r.split("|")[1].strip() for r in rows]
     for name, (periodic, other) in (
         ("dobb", ("refresh", "steady")),
-        ("dobb2s", ("refresh", "steady")),
+        ("dobb_sign", ("refresh", "steady")),
         ("muonbp", ("full", "block")),
     ):
         assert labels.index(name) + 1 == labels.index(f"{name}, {other} call")
         assert labels.index(name) + 2 == labels.index(f"{name}, {periodic} call")
-    (row,) = [r for r in rows if r.startswith("| dobb2s |")]
+    (row,) = [r for r in rows if r.startswith("| dobb_sign |")]
     assert row.split("|")[3].strip() != "–"
-    assert "dobb2s" in results_sections.calltime_section(record)
+    assert "dobb_sign" in results_sections.calltime_section(record)
     lines = results_sections.state_section(record).splitlines()
-    (state,) = [line for line in lines if line.startswith("| dobb2s |")]
+    (state,) = [line for line in lines if line.startswith("| dobb_sign |")]
     measured, expected, formula = (cell.strip() for cell in state.split("|")[2:5])
     assert float(measured) == pytest.approx(float(expected), abs=1e-4)
     assert float(expected) > float(next(x for x in lines if x.startswith("| dobb |")).split("|")[3])
@@ -233,19 +233,19 @@ def test_basis_method_option_reaches_dobb(tmp_path):
         calltime.main([*args, "--basis-method", "no-such-solver"])
 
 
-def test_cli_measures_dobb2s(tmp_path, capsys):
-    out = tmp_path / "dobb2s.json"
+def test_cli_measures_dobb_sign(tmp_path, capsys):
+    out = tmp_path / "dobb_sign.json"
     args = ["--config", "tiny", "--tokens", "16", "--repeats", "1", "--num-blocks", "4"]
     calltime.main(
-        [*args, "--optimizers", "dobb,dobb2s", "--basis-interval", "2", "--out", str(out)]
+        [*args, "--optimizers", "dobb,dobb_sign", "--basis-interval", "2", "--out", str(out)]
     )
     saved = json.loads(out.read_text())
-    assert list(saved["optimizers"]) == ["dobb", "dobb2s"]
-    assert [len(p) for p in saved["optimizers"]["dobb2s"]["period_calls"]] == [2]
+    assert list(saved["optimizers"]) == ["dobb", "dobb_sign"]
+    assert [len(p) for p in saved["optimizers"]["dobb_sign"]["period_calls"]] == [2]
     assert "Two-sided Dobb: refresh call" in capsys.readouterr().out
     matrices = hidden_matrices("tiny", 1)
-    expected = sum(state_bytes("dobb2s", m, num_blocks=4) for m in matrices)
-    assert saved["optimizers"]["dobb2s"]["state_bytes"] == expected
+    expected = sum(state_bytes("dobb_sign", m, num_blocks=4) for m in matrices)
+    assert saved["optimizers"]["dobb_sign"]["state_bytes"] == expected
 
 
 def test_the_muon_family_runs_newton_schulz_in_the_recorded_dtype(record, monkeypatch):

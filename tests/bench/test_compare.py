@@ -162,3 +162,17 @@ def test_a_dobb_run_logged_before_the_recommended_defaults_reads_as_it_trained(
     old = cfg.to_dict() | {"optimizer_options": logged}
     same_config = compare.comparable_config(old) == compare.comparable_config(cfg.to_dict())
     assert same_config == same
+
+
+def test_a_run_logged_under_a_renamed_optimizer_reads_as_the_new_name(tmp_path):
+    """A run logged as ``dobb2s`` (now ``dobb_sign``: ``dobb.registry.RENAMED``) is the same
+    config as the lab's ``dobb_sign`` run, so a study finds it done; another name is not."""
+    cfg = compare.run_config(compare.base_config(quick=True), "dobb_sign", None, tmp_path)
+    new = compare.comparable_config(cfg.to_dict())
+    assert compare.comparable_config(cfg.to_dict() | {"optimizer": "dobb2s"}) == new
+    assert compare.comparable_config(cfg.to_dict() | {"optimizer": "dobb_paper"}) != new
+
+
+def test_a_renamed_optimizer_is_refused_with_its_new_name():
+    with pytest.raises(ValueError, match="'dobb2s' is now called 'dobb_sign'"):
+        get_entry("dobb2s")

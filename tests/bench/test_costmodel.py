@@ -21,7 +21,7 @@ from bench.model.costs import dobb as dobb_cost
 from bench.model.costs import muon as muon_cost
 from bench.model.costs import muonbp as muonbp_cost
 from bench.model.costs import traced
-from bench.optimizers import CALL_SETTINGS, DOBB2S_ROW_BLOCKS, LAB, STUDIED_AS, cost_model
+from bench.optimizers import CALL_SETTINGS, DOBB_SIGN_ROW_BLOCKS, LAB, STUDIED_AS, cost_model
 from bench.results import calibrate, calltime, linear_stack
 from bench.results.calltime import OPTIMIZERS
 from bench.tools.opcount import OpCounter
@@ -272,14 +272,14 @@ def test_state_bytes_by_hand(name, expected):
         (32, 8 * 1 * 1),  # more blocks than rows: blocks of 1
     ],
 )
-def test_dobb2s_state_bytes_add_the_row_blocks(row_blocks, rows):
+def test_dobb_sign_state_bytes_add_the_row_blocks(row_blocks, rows):
     dobb = 4 * 128 + 2 * 4 * (4 * 4 * 4) + 8  # momentum, C_b and Q_b, step counters
-    got = cm.state_bytes("dobb2s", M, num_blocks=4, row_blocks=row_blocks)
+    got = cm.state_bytes("dobb_sign", M, num_blocks=4, row_blocks=row_blocks)
     assert got == dobb + 2 * 4 * rows
     # and what two-sided Dobb keeps (one matrix, sign coefficients, gradient row moments)
     stack = linear_stack.LinearStack([M], tokens=8)
     linear_stack.forward_backward(stack, autocast=False)
-    opt = build_optimizer("dobb2s", stack, num_blocks=4, row_blocks=row_blocks)
+    opt = build_optimizer("dobb_sign", stack, num_blocks=4, row_blocks=row_blocks)
     with torch.enable_grad():
         stack()  # statistics for the step
     opt.step()
@@ -296,7 +296,7 @@ def test_every_lab_entry_names_its_cost_model():
         assert cm.build_work(name, [M]).bytes() > 0
     # an entry's hyperparameters reach its model: two-sided Dobb rotates rows too, and
     # BlockMuon is MuonBP without full steps
-    assert cm.build_work("dobb2s", [M]).flops() > cm.build_work("dobb", [M]).flops()
+    assert cm.build_work("dobb_sign", [M]).flops() > cm.build_work("dobb", [M]).flops()
     fsdp = workload.Layout(shard=8)
     block = cm.build_work("blockmuon", XL[:6], layout=fsdp)
     assert block.comm_bytes() == 0
@@ -310,8 +310,8 @@ def test_the_cost_models_defaults_are_the_librarys():
     lab reads them; a restated default would go stale), Dobb's those of the paper's
     configuration (``dobb.registry.PAPER_DOBB``, the lab's "dobb"). The one lab choice:
     two-sided Dobb's row blocks in ``state_bytes``, the call-time runs'
-    ``DOBB2S_ROW_BLOCKS``."""
-    lab_choices = {("bench.model.costs.dobb", "state_bytes", "row_blocks"): DOBB2S_ROW_BLOCKS}
+    ``DOBB_SIGN_ROW_BLOCKS``."""
+    lab_choices = {("bench.model.costs.dobb", "state_bytes", "row_blocks"): DOBB_SIGN_ROW_BLOCKS}
     checked = 0
     for name in LAB:
         config = getattr(REGISTRY[name].cls, "Config", None)
@@ -337,7 +337,7 @@ def test_the_cost_models_defaults_are_the_librarys():
 
 def test_lab_table_says_which_calls_are_periodic():
     assert LAB["dobb"].period_option == "basis_interval"
-    assert LAB["dobb2s"].periodic_calls == ("refresh", "steady")
+    assert LAB["dobb_sign"].periodic_calls == ("refresh", "steady")
     assert LAB["muonbp"].periodic_calls == ("full", "block")
     assert LAB["blockmuon"].period_option is None  # period=None: block steps only
     assert LAB["blockmuon"].periodic_calls is None
@@ -433,7 +433,7 @@ def test_results_command_quick(tmp_path, one_thread):
         sharded = json.loads((tmp_path / "sharded" / f"calltime_{layout}{world}.json").read_text())
         assert len(sharded["per_rank_ms"]) == world
         assert f"| muonbp | {layout} | {world} |" in text
-    assert "| muonbp, block call |" in text and "| dobb2s, refresh call |" in text
+    assert "| muonbp, block call |" in text and "| dobb_sign, refresh call |" in text
     record = json.loads((tmp_path / "calltime_cpu.json").read_text())
     assert record["meta"]["complete"]
     if _has_matplotlib():

@@ -17,7 +17,7 @@ STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "study" / "study.js
 ROWS = {
     "dobb": "recommended Dobb (two-sided SOAP, one input block, one row block per shard)",
     "dobb_paper": "Dobb, 16 blocks",
-    "dobb2s": "two-sided Dobb, one input block",
+    "dobb_sign": "two-sided Dobb, one input block",
     "dion": "Dion",
     "muon": "Muon",
     "muonbp": "MuonBP",

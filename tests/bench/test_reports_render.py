@@ -17,6 +17,7 @@ from bench.compare import write_report
 from bench.results import gpu_section
 from bench.results.report import render
 from bench.study.report import write_document
+from bench.tools.records import read_record
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -66,3 +67,37 @@ def test_the_gpu_table_is_its_json_rendered():
         "benchmarks/gpu/gpu_calltime.md is not its JSON rendered: python -m bench.results "
         "gpu-table benchmarks/gpu/*.json > benchmarks/gpu/gpu_calltime.md"
     )
+
+
+def test_results_md_renders_alike_from_records_under_the_old_names(tmp_path):
+    """Records written before ``dobb2s`` became ``dobb_sign`` (``dobb.registry.RENAMED``):
+    the committed JSON with the new name put back renders the same RESULTS.md
+    (``bench.tools.records.read_record`` maps the old name on load)."""
+    copy(
+        ["results_run.json", "calltime_cpu.json", "cpu_calibration.json", "sharded", "gpu"],
+        tmp_path,
+    )
+    copy(["COMM.md"], tmp_path)
+    old = 0
+    for path in tmp_path.rglob("*.json"):
+        text = path.read_text()
+        old += text.count("dobb_sign")
+        path.write_text(text.replace("dobb_sign", "dobb2s"))
+    assert old > 10  # the records do name it
+    written = render(tmp_path)
+    assert written.read_text() == (BENCHMARKS / "RESULTS.md").read_text()
+
+
+def test_read_record_renames_keys_values_and_fields_but_not_longer_names(tmp_path):
+    path = tmp_path / "old.json"
+    record = {
+        "dobb2s": {"run": "dobb2s-lr0.008", "command": "--optimizers dobb,dobb2s"},
+        "dobb2s_row_blocks": 32,
+        "names": ["dobb2s, steady call", "xdobb2s", "dobb2sx"],
+    }
+    path.write_text(json.dumps(record))
+    assert read_record(path) == {
+        "dobb_sign": {"run": "dobb_sign-lr0.008", "command": "--optimizers dobb,dobb_sign"},
+        "dobb_sign_row_blocks": 32,
+        "names": ["dobb_sign, steady call", "xdobb2s", "dobb2sx"],
+    }

@@ -307,8 +307,8 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     seeded = [row for row in gap["rows"][2:] if row["seeds"]]
     assert len(seeded) == report["spec"]["gap_seeded"] and seeded[0]["seeds"]["n"] == 2
     shard_width, count = gap["shard_width"], report["spec"]["shard_counts"][0]
-    (run,) = (out / "runs").glob(f"dobb2s-row_blocks-{count}-w{shard_width}-lr*")
-    assert gap["shards"]["dobb2s"][0] == summary(run.name)["final_val_loss"]
+    (run,) = (out / "runs").glob(f"dobb_sign-row_blocks-{count}-w{shard_width}-lr*")
+    assert gap["shards"]["dobb_sign"][0] == summary(run.name)["final_val_loss"]
     for entry in gap["widths"]:
         best = entry["losses"][entry["best_local"]]
         assert entry["gap"] == pytest.approx(best - entry["losses"]["muon"])
@@ -355,7 +355,7 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     # another: the recommended Dobb's one row block (in one process: all rows)
     new = {r.name.split("-lr")[0] for r in (out / "runs").glob("*row_blocks-4-*")}
     assert new == {
-        "dobb2s-block_size-None-num_blocks-1-row_blocks-4-coefficients-adam-update_scale-1.0"
+        "dobb_sign-block_size-None-num_blocks-1-row_blocks-4-coefficients-adam-update_scale-1.0"
     }
     blockmuon = next(r for r in tuning["rows"] if r["label"] == "BlockMuon")
     (at,) = [e for e in blockmuon["widths"] if e["n_embd"] == shards["n_embd"]]
@@ -438,7 +438,7 @@ def _check_moe(report: dict, text: str, out: Path, summary) -> None:
         assert f"{mean:.4f} ± {row['seeds']['std']:.4f}" in text
         assert f"{mean - dense_mean:+.4f}" in text
         assert f"({source}, {study_format.in_words(row['dense']['seeds']['n'])} seeds)" in text
-    assert re.search(r"\| Dobb, recommended +\| dobb2s: row_blocks=None, ", text)
+    assert re.search(r"\| Dobb, recommended +\| dobb_sign: row_blocks=None, ", text)
     means = {r["name"]: r["seeds"]["mean"] for r in moe["rows"]}
     assert moe["order"] == sorted(means, key=means.get)
     assert moe["holds"] == (moe["order"] == moe["dense_order"])

@@ -14,7 +14,7 @@ from dobb.registry import OPTIMIZERS, build_optimizer
 # each matrix optimizer's group argument (the meanings: dobb.distributed.groups)
 NEW_NAME = {
     "dobb": "stats_group",
-    "dobb2s": "stats_group",
+    "dobb_sign": "stats_group",
     "dobb_paper": "stats_group",
     "muon": "replica_group",
     "muonbp": "replica_group",

@@ -27,7 +27,7 @@ from dobb.optim.base import MatrixOptimizer
 from dobb.optim.parts import Core
 
 NAMES = sorted(n for n, e in dobb.OPTIMIZERS.items() if issubclass(e.cls, MatrixOptimizer))
-OPTIONS = {"dobb": {"basis_interval": 2, "num_blocks": 2}, "dobb2s": {"basis_interval": 2}}
+OPTIONS = {"dobb": {"basis_interval": 2, "num_blocks": 2}, "dobb_sign": {"basis_interval": 2}}
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 
 

@@ -46,7 +46,7 @@ rotated momentum, a few dozen weights differ between the two uninterrupted runs 
 resume or not (up to 64 of 196,608 weights of a matrix by ~2e-4, measured 2026-12-02).
 
 Two-sided Dobb with the default ``row_blocks=None`` (the recommended ``dobb``'s, here
-``dobb2s``'s) keeps one row block per rank's rows:
+``dobb_sign``'s) keeps one row block per rank's rows:
 its row statistics and bases are laid out by the shard and cannot be resharded. From 2
 ranks to 4, the statistics of 4 ranks' 192-row blocks of ``wqkv`` could be cut out of 2
 ranks' 384-row ones, but not the bases (eigenvectors of a 384-row block do not split into
@@ -80,7 +80,7 @@ MAX_NORM = 1.0  # torchtitan's training.max_norm (its default): gradients clippe
 # registry name and optimizer.options of each optimizer resumed across world sizes
 OPTIMIZERS = {
     "dobb_paper": "{}",
-    "dobb2s": '{"row_blocks": 4}',  # 4 row blocks tile the rows of 2 and of 4 shards
+    "dobb_sign": '{"row_blocks": 4}',  # 4 row blocks tile the rows of 2 and of 4 shards
     "muon": "{}",
     "dion": "{}",
 }
@@ -90,7 +90,7 @@ PER_RANK = ("train_state.ntokens_seen",)
 # optimizers whose steps after a resume are held entry by entry to the run the checkpoint
 # came from (titan_continuation.assert_step_agrees: Dobb's signs, bases, momenta,
 # statistics, Adam's group), their losses by titan_continuation.assert_loss_agrees
-WHOLE_STATE = ("dobb_paper", "dobb2s")
+WHOLE_STATE = ("dobb_paper", "dobb_sign")
 # (rtol, atol) of the losses of the others (the layout tests' in tests/distributed): their
 # updates are smooth in the momentum (no sign), so runs that differ in the order of their
 # sums stay within rounding; measured on two CPU kinds (issue #43), no failure
@@ -153,11 +153,11 @@ def runs(tmp_path_factory):
     # two-sided Dobb with one row block per rank's rows (row_blocks=None, the default)
     rows = dict(tag="-rows", options="{}")
     straight_2 = [job(out, n, 2) for n in OPTIMIZERS] + [
-        job(out, "dobb2s", 2, steps=RESUME_AT, **rows)
+        job(out, "dobb_sign", 2, steps=RESUME_AT, **rows)
     ]
     walls = [torchrun(root, 2, straight_2, "straight_2")]
     jobs_4 = [job(out, n, 4, old=old) for old in (None, 2) for n in OPTIMIZERS]
-    jobs_4.append({**job(out, "dobb2s", 4, old=2, **rows), "refused": True})
+    jobs_4.append({**job(out, "dobb_sign", 4, old=2, **rows), "refused": True})
     walls.append(torchrun(root, 4, jobs_4, "ranks_4"))
     walls.append(torchrun(root, 2, [job(out, n, 2, old=4) for n in OPTIMIZERS], "from_4"))
     print(f"torchtitan resharding: torchruns of {[round(w, 1) for w in walls]} s")
@@ -188,7 +188,7 @@ def test_the_loaded_state_is_the_saved_state_bit_for_bit(runs, name, old, new):
     assert not differ, f"{len(differ)} entries changed in the load, e.g. {differ[:5]}"
     # the optimizer's own state went through: momentum (and Dobb's bases, row bases)
     assert any(key.endswith("wo.weight.momentum") for key in saved) or name == "dion"
-    if name == "dobb2s":
+    if name == "dobb_sign":
         assert "optimizer.state.layers.0.feed_forward.w1.weight.row_basis_0" in saved
 
 
@@ -266,7 +266,7 @@ def test_the_next_steps_match_an_uninterrupted_run_at_the_new_size(runs, name, o
 
 def test_two_sided_row_blocks_of_the_old_shards_are_refused(runs):
     out, _ = runs
-    folder = out / "dobb2s-rows_4_from2"
+    folder = out / "dobb_sign-rows_4_from2"
     for rank in range(4):
         text = (folder / f"refused-rank{rank}.txt").read_text()
         assert "Size mismatch" in text and ".row_" in text, text[-2000:]

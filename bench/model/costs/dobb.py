@@ -1,5 +1,5 @@
 """Dobb's cost model (``dobb.optim.dobb``): its state, one call's work, its statistics
-hooks, and the bytes its ``step()`` sends (registry entries ``dobb`` and ``dobb2s``)."""
+hooks, and the bytes its ``step()`` sends (registry entries ``dobb`` and ``dobb_sign``)."""
 
 import dataclasses
 import math
@@ -28,7 +28,7 @@ from dobb.optim.dobb_steps import local_block_stacks
 from dobb.registry import PAPER_DOBB
 from dobb.stats import block_stacks
 
-ENTRIES = ("dobb", "dobb2s")  # the registry entries it prices (``cost_model``)
+ENTRIES = ("dobb", "dobb_sign")  # the registry entries it prices (``cost_model``)
 
 # the options' defaults: the paper's configuration (dobb.registry.PAPER_DOBB, what the lab's
 # "dobb" runs), the library's for the others
