@@ -70,20 +70,20 @@ SMALL_INPUTS: dict[str, tuple[dict[str, Any], ...]] = {
     ),
     "dion": (
         {},
-        {"rank": 4, "mu": 1.0},
+        {"rank": 4, "momentum": 1.0},
         {"orthogonalize": "cholesky_qr", "rank_fraction": 0.5, "weight_decay": 0.0},
     ),
     "muon": (
         {},
         {"ns_dtype": torch.float32, "nesterov": False},
-        {"adjust_lr": "match_rms_adamw", "weight_decay": 0.1},
+        {"update_scale": "adamw", "weight_decay": 0.1},
         {"ns_coefficients": "polar_express", "ns_steps": 7},
     ),
     "muonbp": (
         {},
         {"row_blocks": 2, "period": 2, "block_lr_ratio": 0.5},
         {"col_blocks": (2, 2), "period": None, "ns_dtype": torch.float32},
-        {"adjust_lr": "spectral", "row_blocks": 4, "period": 1, "weight_decay": 0.1},
+        {"update_scale": "spectral", "row_blocks": 4, "period": 1, "weight_decay": 0.1},
         {"ns_coefficients": "polar_express", "row_blocks": 2, "period": 2},
     ),
     "blockmuon": ({}, {"row_blocks": 2, "col_blocks": 2}),
@@ -95,14 +95,14 @@ SMALL_INPUTS: dict[str, tuple[dict[str, Any], ...]] = {
     ),
     "dion2": (
         {},
-        {"fraction": 1.0, "ef_decay": 0.0, "ns_dtype": torch.float32},
-        {"fraction": 0.1, "row_blocks": (2, 2), "weight_decay": 0.0},
+        {"row_fraction": 1.0, "ef_decay": 0.0, "ns_dtype": torch.float32},
+        {"row_fraction": 0.1, "row_blocks": (2, 2), "weight_decay": 0.0},
         {"ns_coefficients": "polar_express"},
     ),
     "nordion2": (
         {},
-        {"fraction": 1.0, "ef_decay": 0.0, "ns_dtype": torch.float32, "beta2": 0.0},
-        {"fraction": 0.1, "row_blocks": (2, 2), "eps": 1e-10, "ns_coefficients": "quintic"},
+        {"row_fraction": 1.0, "ef_decay": 0.0, "ns_dtype": torch.float32, "beta2": 0.0},
+        {"row_fraction": 0.1, "row_blocks": (2, 2), "eps": 1e-10, "ns_coefficients": "quintic"},
     ),
     "adamw": ({}, {"weight_decay": 0.1}),
 }
@@ -131,7 +131,7 @@ ERROR_INPUTS: dict[str, tuple[ErrorInput, ...]] = {
     ),
     "dion": MATRIX_ERRORS
     + (
-        ErrorInput({"mu": 1.5}, ValueError, "invalid mu"),
+        ErrorInput({"momentum": 1.5}, ValueError, "invalid momentum"),
         ErrorInput({"rank_fraction": 0.0}, ValueError, "invalid rank_fraction"),
         ErrorInput({"rank": 0}, ValueError, "invalid rank"),
         ErrorInput({"orthogonalize": "svd"}, ValueError, "invalid orthogonalize"),
@@ -141,7 +141,7 @@ ERROR_INPUTS: dict[str, tuple[ErrorInput, ...]] = {
         ErrorInput({"momentum": 1.0}, ValueError, "invalid momentum"),
         ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
         ErrorInput({"ns_dtype": torch.int32}, ValueError, "invalid ns_dtype"),
-        ErrorInput({"adjust_lr": "sqrt"}, ValueError, "invalid adjust_lr"),
+        ErrorInput({"update_scale": "sqrt"}, ValueError, "invalid update_scale"),
         ErrorInput({"ns_coefficients": "Polar Express"}, ValueError, "invalid ns_coefficients"),
     ),
     "muonbp": MATRIX_ERRORS
@@ -163,7 +163,7 @@ ERROR_INPUTS: dict[str, tuple[ErrorInput, ...]] = {
     ),
     "dion2": MATRIX_ERRORS
     + (
-        ErrorInput({"fraction": 0.0}, ValueError, "invalid fraction"),
+        ErrorInput({"row_fraction": 0.0}, ValueError, "invalid row_fraction"),
         ErrorInput({"ef_decay": 1.5}, ValueError, "invalid ef_decay"),
         ErrorInput({"row_blocks": 0}, ValueError, "invalid row_blocks"),
         ErrorInput({"ns_steps": 0}, ValueError, "invalid ns_steps"),
@@ -171,7 +171,7 @@ ERROR_INPUTS: dict[str, tuple[ErrorInput, ...]] = {
     ),
     "nordion2": MATRIX_ERRORS
     + (
-        ErrorInput({"fraction": 1.5}, ValueError, "invalid fraction"),
+        ErrorInput({"row_fraction": 1.5}, ValueError, "invalid row_fraction"),
         ErrorInput({"ef_decay": -0.5}, ValueError, "invalid ef_decay"),
         ErrorInput({"beta2": 1.0}, ValueError, "invalid beta2"),
         ErrorInput({"eps": 0.0}, ValueError, "invalid eps"),

@@ -101,7 +101,7 @@ def test_stack_apply_stacks_equal_shapes_and_keys_once():
 @pytest.mark.parametrize("row_blocks, col_blocks", [(1, 1), (2, 1), (2, 3), ((2, 2), 1)])
 def test_block_muon_updates_equal_block_muon_update_per_piece(row_blocks, col_blocks):
     shapes = SHAPES + [(2, 9)]  # with (2, 2) rows: empty tiles
-    hp = dict(lr=0.05, beta=0.9, nesterov=True, weight_decay=0.1, adjust_lr="match_rms_adamw")
+    hp = dict(lr=0.05, beta=0.9, nesterov=True, weight_decay=0.1, update_scale="adamw")
     hp["ns_dtype"] = torch.float32
     W, M = tensors(shapes, 3), [torch.zeros(s) for s in shapes]
     W_ref, M_ref = clone(W), clone(M)
@@ -130,11 +130,11 @@ def test_muonbp_optimizer_equals_the_reference_loop():
         opt.step()
         for w, g, m in zip(W_ref, G, M_ref):
             if step % 2 == 0:
-                scale = lr_scale(w.shape, "match_rms_adamw")
+                scale = lr_scale(w.shape, "adamw")
                 muon_update(w, g, m, lr=0.05, scale=scale, **ref)
             else:
                 tiles = block_tiles(w.shape, 2, 2)
-                block_muon_update(w, g, m, tiles, lr=0.025, adjust_lr="match_rms_adamw", **ref)
+                block_muon_update(w, g, m, tiles, lr=0.025, update_scale="adamw", **ref)
     for p, w, m in zip(params, W_ref, M_ref):
         assert torch.equal(opt.state[p]["momentum"], m)
         assert opt.state[p]["step"].item() == 3

@@ -2,6 +2,7 @@
 registry alike; a batching key that holds every option marked as changing the update. (The
 docs' option tables, rendered from the configs: ``tests/repo/test_docs_tables.py``.)"""
 
+import copy
 import inspect
 from dataclasses import fields
 
@@ -52,29 +53,26 @@ OTHER = {
     "ns_steps": 3,
     "ns_dtype": lambda d: torch.float64 if d == torch.float32 else torch.float32,
     "ns_coefficients": lambda d: "quintic" if d == "polar_express" else "polar_express",
-    "adjust_lr": lambda d: "spectral" if d == "match_rms_adamw" else "match_rms_adamw",
+    "update_scale": lambda d: {"spectral": "adamw", "adamw": "spectral"}.get(d, 0.5),  # Dobb's
     "period": 1,
     "block_lr_ratio": 0.5,
     "row_blocks": 2,
     "col_blocks": 2,
     "beta2": 0.5,
     "eps": 1e-2,
-    "fraction": 0.5,
+    "row_fraction": 0.5,
     "ef_decay": 0.5,
-    "mu": 0.5,
     "rank_fraction": 0.5,
     "rank": 2,
     "orthogonalize": lambda d: "qr" if d == "cholesky_qr" else "cholesky_qr",
     "num_blocks": 4,
     "stats_beta": 0.5,
     "basis_interval": 2,
-    "update_scale": 0.5,
     "block_size": 2,
     "row_block_size": 2,
     "two_sided": lambda d: not d,
     "row_stats": "outputs",
     "coefficients": lambda d: "sign" if d == "adam" else "adam",
-    "coefficient_beta": 0.5,
     "projection_dtype": "bfloat16",
     "basis_method": "power_qr",
     "basis_source": "gradients",
@@ -87,7 +85,7 @@ NEEDS = {
     ("Dobb", "row_blocks"): {"two_sided": True},
     ("Dobb", "block_size"): {"num_blocks": None},
     ("Dobb", "row_stats"): {"two_sided": True},
-    ("Dobb", "coefficient_beta"): {"coefficients": "adam"},
+    ("Dobb", "beta2"): {"coefficients": "adam"},
 }
 MATH = [
     pytest.param(cls, name, id=f"{cls.__name__}-{name}")
@@ -133,3 +131,94 @@ def test_groups_that_differ_in_a_math_option_never_share_a_batch(cls, name):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     alike = train(lambda gs: [cls(gs, **options)], [{}, {}])
     assert not torch.equal(together[1], alike[1])  # the option changed the update
+
+
+# every option renamed before the first release, with its class (``Config.renamed``)
+RENAMES = [
+    pytest.param(cls, old, new, id=f"{cls.__name__}-{old}")
+    for cls in CLASSES
+    for old, new in cls.Config.renamed.items()
+]
+
+
+def test_the_renamed_options_are_the_vocabulary_docs_baselines_lists():
+    assert {(c.__name__, old, new) for c, old, new in (p.values for p in RENAMES)} == {
+        ("Dion", "mu", "momentum"),
+        ("Dobb", "coefficient_beta", "beta2"),
+        ("Dion2", "fraction", "row_fraction"),
+        ("NorDion2", "fraction", "row_fraction"),
+        ("Muon", "adjust_lr", "update_scale"),
+        ("MuonBP", "adjust_lr", "update_scale"),
+    }
+
+
+@pytest.mark.parametrize("cls, old, new", RENAMES)
+def test_an_old_spelling_is_refused_with_the_new_one(cls, old, new):
+    """In the constructor and in a parameter group, before anything changes."""
+    default = cls.Config.__dataclass_fields__[new].default
+    with pytest.raises(TypeError, match=f"'{old}' is now called '{new}'"):
+        cls([nn.Parameter(torch.randn(4, 4))], **{old: default})
+    opt = cls([nn.Parameter(torch.randn(4, 4))])
+    with pytest.raises(TypeError, match=f"'{old}' is now called '{new}'"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(4, 4))], old: default})
+    assert len(opt.param_groups) == 1
+
+
+def test_an_old_value_is_refused_with_the_new_one():
+    with pytest.raises(ValueError, match="update_scale='match_rms_adamw' is now update_scale="):
+        build_optimizer("muon", model(), update_scale="match_rms_adamw")
+
+
+def old_spellings(state_dict: dict, config) -> dict:
+    """``state_dict`` as written before the renames: each group's renamed options under the
+    old name and the old value (``Config.renamed``, ``renamed_values``), spelt out here."""
+    new_to_old = {new: old for old, new in config.renamed.items()}
+    old_values = {(name, new): old for (name, old), new in config.renamed_values.items()}
+    groups = [
+        {
+            new_to_old.get(k, k): old_values.get((k, v), v) if isinstance(v, str) else v
+            for k, v in g.items()
+        }
+        for g in state_dict["param_groups"]
+    ]
+    return {**state_dict, "param_groups": groups}
+
+
+@pytest.mark.parametrize("cls, old, new", RENAMES)
+def test_a_checkpoint_under_the_old_spelling_loads_and_continues_as_the_saved_run(cls, old, new):
+    """A run saved (an option set away from its default) in the old spelling loads into a
+    fresh optimizer under today's name with the saved value, leaves the given state dict as
+    it was, and its next step equals the uninterrupted run's, bit for bit (same machine)."""
+    default = cls.Config.__dataclass_fields__[new].default
+    value = OTHER[new](default) if callable(OTHER[new]) else OTHER[new]
+    options = {**BASE.get(cls.__name__, {}), new: value}
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+
+    def built(net):
+        opt = cls([net.weight], **options)
+        if hasattr(opt, "track"):
+            opt.track(net)
+        return opt
+
+    def step(net, opt):
+        net(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    torch.manual_seed(0)
+    net = nn.Linear(8, 8, bias=False)
+    opt = built(net)
+    for _ in range(2):
+        step(net, opt)
+    saved = old_spellings(copy.deepcopy(opt.state_dict()), cls.Config)  # as if from a file
+    assert old in saved["param_groups"][0] and new not in saved["param_groups"][0]
+    resumed = nn.Linear(8, 8, bias=False)
+    resumed.load_state_dict(net.state_dict())
+    again = built(resumed)
+    again.load_state_dict(saved)
+    assert old in saved["param_groups"][0]  # the caller's dict is left as given
+    group = again.param_groups[0]
+    assert old not in group and group[new] == value
+    step(net, opt)
+    step(resumed, again)
+    torch.testing.assert_close(resumed.weight, net.weight, rtol=0, atol=0)

@@ -32,7 +32,7 @@ def with_singular_values(shape, values, seed=0, dtype=torch.float64):
 def directions(M, rank, steps, mu=1.0, **options):
     """Dion's update direction ``P Qᵀ`` at each step: ``M`` as the first gradient, then 0."""
     p = torch.nn.Parameter(torch.zeros_like(M))
-    opt = Dion([p], lr=1.0, mu=mu, weight_decay=0.0, rank=rank, **options)
+    opt = Dion([p], lr=1.0, momentum=mu, weight_decay=0.0, rank=rank, **options)
     scale = math.sqrt(M.shape[0] / M.shape[1])
     out = []
     for t in range(steps):
@@ -128,7 +128,7 @@ def test_matches_algorithm_1(shape, orthogonalize):
     w0 = torch.randn(shape, generator=g, dtype=torch.float64)
     grads = [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(5)]
     p = torch.nn.Parameter(w0.clone())
-    opt = Dion([p], lr=0.1, mu=0.9, weight_decay=0.1, rank=3, orthogonalize=orthogonalize)
+    opt = Dion([p], lr=0.1, momentum=0.9, weight_decay=0.1, rank=3, orthogonalize=orthogonalize)
     p.grad = torch.zeros(shape, dtype=torch.float64)
     opt.step()  # a zero step: builds state, keeps Q_0, only decays W
     start, Q0 = p.detach().clone(), opt.state[p]["Q"].clone()
@@ -197,7 +197,7 @@ def test_defaults():
     # the registry's (lr 0.01: the tuned rate and the reference's; randomized Cholesky QR)
     p = torch.nn.Parameter(torch.zeros(8, 8))
     group = Dion([p]).param_groups[0]
-    assert (group["lr"], group["mu"], group["weight_decay"]) == (0.01, 0.95, 0.01)
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.01, 0.95, 0.01)
     expected = (1 / 16, None, "cholesky_qr")
     assert (group["rank_fraction"], group["rank"], group["orthogonalize"]) == expected
 

@@ -50,17 +50,18 @@ def gradients(shape, steps=4, seed=1):
 @pytest.mark.parametrize("shape", [(18, 16), (16, 24)])
 @pytest.mark.parametrize("blocks, fraction", [(1, 0.25), (4, 0.25), (3, 0.5)])
 def test_matches_float64_transcription(shape, blocks, fraction):
-    hp = dict(lr=0.02, fraction=fraction, ef_decay=0.9, weight_decay=0.1)
+    hp = dict(lr=0.02, ef_decay=0.9, weight_decay=0.1)
     grads = gradients(shape)
-    w0, ours, _ = run(shape, grads, row_blocks=blocks, ns_dtype=torch.float64, **hp)
-    ref = dion2_reference(w0, grads, blocks=blocks, **hp)
+    options = dict(row_blocks=blocks, row_fraction=fraction, ns_dtype=torch.float64)
+    w0, ours, _ = run(shape, grads, **options, **hp)
+    ref = dion2_reference(w0, grads, blocks=blocks, fraction=fraction, **hp)
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
 
 
 def test_only_selected_rows_move_and_the_rest_accumulate():
     shape = (16, 8)
     grads = gradients(shape, steps=1)
-    w0, w1, momentum = run(shape, grads, lr=0.1, weight_decay=0.0, fraction=0.25)
+    w0, w1, momentum = run(shape, grads, lr=0.1, weight_decay=0.0, row_fraction=0.25)
     moved = (w1 != w0).any(dim=1)
     assert int(moved.sum()) == 4  # ceil(0.25 * 16)
     # the moved rows are the 4 of largest L1 norm; their momentum decayed, the rest kept G
@@ -74,7 +75,7 @@ def test_all_rows_without_feedback_is_muon_without_momentum():
     shape = (24, 16)  # tall: Muon's sqrt(max(1, m/n)) equals Dion2's sqrt(m/n)
     grads = [g.float() for g in gradients(shape, steps=3)]
     a, b = (torch.nn.Parameter(torch.ones(shape)) for _ in range(2))
-    dion2 = Dion2([a], lr=0.02, fraction=1.0, ef_decay=0.0, ns_dtype=torch.float32)
+    dion2 = Dion2([a], lr=0.02, row_fraction=1.0, ef_decay=0.0, ns_dtype=torch.float32)
     muon = Muon([b], lr=0.02, momentum=0.0, weight_decay=0.01, ns_dtype=torch.float32)
     for G in grads:
         a.grad, b.grad = G.clone(), G.clone()
@@ -96,7 +97,7 @@ def test_select_rows_per_block():
 def test_dion2_updates_equal_dion2_update_per_matrix(ns_dtype, param_dtype):
     """The batched step (what the optimizer runs on unshared matrices) against the
     per-matrix reference: the same rows selected, decayed and updated in each matrix."""
-    hp = dict(lr=0.05, fraction=0.25, ef_decay=0.9, weight_decay=0.1, ns_dtype=ns_dtype)
+    hp = dict(lr=0.05, row_fraction=0.25, ef_decay=0.9, weight_decay=0.1, ns_dtype=ns_dtype)
     state_dtype = torch.promote_types(param_dtype, torch.float32)
     g = torch.Generator().manual_seed(5)
     W = [torch.randn(s, generator=g, dtype=torch.float64).to(param_dtype) for s in BATCH_SHAPES]

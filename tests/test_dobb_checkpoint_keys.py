@@ -52,6 +52,8 @@ RENAMED = {
     "row_basis_tail": "row_basis_1",
 }
 OLD = {new: old for old, new in RENAMED.items()}
+# each option the file's param groups spell as before, and today's name (its value is kept)
+OPTIONS_RENAMED = {"coefficient_beta": "beta2"}
 # the keys of every matrix's state, as written now (one-sided fc1; two-sided fc2 and fc3)
 INPUT = ["input_cov_0", "input_basis_0", "input_cov_1", "input_basis_1"]
 ROW = ["row_cov_0", "row_basis_0", "row_cov_1", "row_basis_1"]
@@ -84,7 +86,10 @@ def place(model, opt, saved, renamed=RENAMED) -> None:
     ``Optimizer.load_state_dict`` ends up doing, but with no renaming of the library's. The
     saved param groups are the ones ``build`` makes, so only the state has to be placed."""
     model.load_state_dict(saved["model"])
-    groups = saved["optimizer"]["param_groups"]
+    groups = [
+        {OPTIONS_RENAMED.get(k, k): v for k, v in g.items()}
+        for g in saved["optimizer"]["param_groups"]
+    ]
     # (the options the file predates, such as row_block_size, are the build's own)
     assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == [
         {k: v for k, v in g.items() if k != "params" and k in saved_group}
@@ -154,6 +159,11 @@ def test_an_old_checkpoint_loads_into_the_new_keys_and_continues_as_the_referenc
     model, opt = legacy.build()
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optimizer"])
+    for group, old in zip(opt.param_groups, saved["optimizer"]["param_groups"], strict=True):
+        for old_name, name in (
+            OPTIONS_RENAMED.items() if old["algorithm"] == "dobb" else ()
+        ):  # the old spelling's value, renamed
+            assert old_name in old and old_name not in group and group[name] == old[old_name]
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, entry in saved["optimizer"]["state"].items():
         state = opt.state[params[i]]

@@ -201,7 +201,7 @@ def test_two_sided_state_and_memory():
         ({"block_size": 0}, "invalid block_size"),
         ({"coefficients": "lion"}, "invalid coefficients"),
         ({"two_sided": True, "row_stats": "weights"}, "invalid row_stats"),
-        ({"coefficient_beta": 1.0}, "invalid coefficient_beta"),
+        ({"beta2": 1.0}, "invalid beta2"),
     ],
 )
 def test_bad_variant_options_raise(kwargs, message):

@@ -109,32 +109,32 @@ def run_pair(shape, ours, theirs, steps=5):
     return a.detach(), b.detach()
 
 
-TORCH_ADJUST = {"spectral": "original", "match_rms_adamw": "match_rms_adamw"}
+TORCH_ADJUST = {"spectral": "original", "adamw": "match_rms_adamw"}
 
 
-@pytest.mark.parametrize("adjust_lr", ["spectral", "match_rms_adamw"])
+@pytest.mark.parametrize("update_scale", ["spectral", "adamw"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_bf16_matches_torch_muon(shape, adjust_lr):
+def test_bf16_matches_torch_muon(shape, update_scale):
     hp = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
     ours, theirs = run_pair(
         shape,
-        lambda p: Muon(p, adjust_lr=adjust_lr, **hp),
-        lambda p: torch.optim.Muon(p, adjust_lr_fn=TORCH_ADJUST[adjust_lr], **hp),
+        lambda p: Muon(p, update_scale=update_scale, **hp),
+        lambda p: torch.optim.Muon(p, adjust_lr_fn=TORCH_ADJUST[update_scale], **hp),
     )
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("adjust_lr", ["spectral", "match_rms_adamw"])
+@pytest.mark.parametrize("update_scale", ["spectral", "adamw"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp32_matches_torch_muon_in_fp32(shape, adjust_lr, monkeypatch):
+def test_fp32_matches_torch_muon_in_fp32(shape, update_scale, monkeypatch):
     # torch.optim.Muon always casts to bf16 with `grad.bfloat16()`; make that an fp32 copy
     # so its whole pipeline (momentum, NS, lr adjustment, decay) runs in fp32.
     monkeypatch.setattr(torch.Tensor, "bfloat16", lambda self, *args, **kwargs: self.float())
     hp = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
     ours, theirs = run_pair(
         shape,
-        lambda p: Muon(p, adjust_lr=adjust_lr, ns_dtype=torch.float32, **hp),
-        lambda p: torch.optim.Muon(p, adjust_lr_fn=TORCH_ADJUST[adjust_lr], **hp),
+        lambda p: Muon(p, update_scale=update_scale, ns_dtype=torch.float32, **hp),
+        lambda p: torch.optim.Muon(p, adjust_lr_fn=TORCH_ADJUST[update_scale], **hp),
     )
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
@@ -142,19 +142,19 @@ def test_fp32_matches_torch_muon_in_fp32(shape, adjust_lr, monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_match_rms_adamw_scale(shape):
     assert lr_scale(shape, "spectral") == math.sqrt(max(1.0, shape[0] / shape[1]))
-    assert lr_scale(shape, "match_rms_adamw") == 0.2 * math.sqrt(max(shape))
+    assert lr_scale(shape, "adamw") == 0.2 * math.sqrt(max(shape))
     lr, w0 = 0.01, torch.zeros(shape)
     grad = with_condition_number(shape, 2.0)
     deltas = {}
-    for mode in ("spectral", "match_rms_adamw"):
+    for mode in ("spectral", "adamw"):
         p = torch.nn.Parameter(w0.clone())
         p.grad = grad.clone()
-        Muon([p], lr=lr, adjust_lr=mode, ns_dtype=torch.float32).step()
+        Muon([p], lr=lr, update_scale=mode, ns_dtype=torch.float32).step()
         deltas[mode] = p.detach() - w0
-    ratio = lr_scale(shape, "match_rms_adamw") / lr_scale(shape, "spectral")
-    torch.testing.assert_close(deltas["match_rms_adamw"], ratio * deltas["spectral"])
+    ratio = lr_scale(shape, "adamw") / lr_scale(shape, "spectral")
+    torch.testing.assert_close(deltas["adamw"], ratio * deltas["spectral"])
     # the point of the mode: update RMS ≈ 0.2 lr, AdamW's typical RMS
-    rms = deltas["match_rms_adamw"].pow(2).mean().sqrt() / lr
+    rms = deltas["adamw"].pow(2).mean().sqrt() / lr
     assert 0.15 < rms < 0.25
 
 
@@ -175,7 +175,7 @@ def test_momentum_state_and_defaults():
         True,
         5,
     )
-    assert (group["weight_decay"], group["ns_dtype"], group["adjust_lr"]) == (
+    assert (group["weight_decay"], group["ns_dtype"], group["update_scale"]) == (
         0.0,
         torch.bfloat16,
         "spectral",

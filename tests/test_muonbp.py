@@ -36,10 +36,10 @@ def test_chunk_sizes_are_torch_chunk_padded_with_empty_parts():
             assert chunk_sizes(n, (parts,)) == chunks + [0] * (parts - len(chunks))
 
 
-@pytest.mark.parametrize("adjust_lr", ["match_rms_adamw", "spectral"])
+@pytest.mark.parametrize("update_scale", ["adamw", "spectral"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_period_one_is_muon(shape, adjust_lr):
-    hp = dict(HP, adjust_lr=adjust_lr)
+def test_period_one_is_muon(shape, update_scale):
+    hp = dict(HP, update_scale=update_scale)
     ours, _ = run(lambda p: MuonBP(p, period=1, row_blocks=3, **hp), shape)
     theirs, _ = run(lambda p: Muon(p, **hp), shape)
     assert torch.equal(ours, theirs)
@@ -48,7 +48,7 @@ def test_period_one_is_muon(shape, adjust_lr):
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_blockmuon_with_one_block_is_muon(shape, nesterov):
-    hp = dict(HP, nesterov=nesterov, adjust_lr="match_rms_adamw")
+    hp = dict(HP, nesterov=nesterov, update_scale="adamw")
     ours, opt = run(lambda p: MuonBP(p, period=None, block_lr_ratio=1.0, **hp), shape)
     theirs, _ = run(lambda p: Muon(p, **hp), shape)
     assert torch.equal(ours, theirs)
@@ -86,7 +86,7 @@ def test_block_step_orthogonalizes_each_tile_on_its_own(shape, row_blocks, col_b
     for tile in block_tiles(shape, row_blocks, col_blocks):
         if N[tile].numel():
             ortho = newton_schulz(N[tile], dtype=torch.float32)  # this tile alone
-            scale = lr_scale(tuple(ortho.shape), "match_rms_adamw")
+            scale = lr_scale(tuple(ortho.shape), "adamw")
             expected[tile] = w0[tile] * (1 - lr * ratio * wd) - lr * ratio * scale * ortho
     torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
 

@@ -66,17 +66,18 @@ def run(shape, grads, **options):
 @pytest.mark.parametrize("shape", [(18, 16), (16, 24)])
 @pytest.mark.parametrize("blocks, fraction", [(1, 0.25), (4, 0.25), (3, 0.5)])
 def test_matches_float64_transcription(shape, blocks, fraction, ns):
-    hp = dict(lr=0.02, fraction=fraction, ef_decay=0.9, beta2=0.9, eps=1e-8, weight_decay=0.1)
+    hp = dict(lr=0.02, ef_decay=0.9, beta2=0.9, eps=1e-8, weight_decay=0.1)
     grads = gradients(shape)
-    w0, ours, _ = run(shape, grads, row_blocks=blocks, ns_coefficients=ns, **hp)
-    ref = nordion2_reference(w0, grads, blocks=blocks, ns=ns, **hp)
+    options = dict(row_blocks=blocks, row_fraction=fraction, ns_coefficients=ns)
+    w0, ours, _ = run(shape, grads, **options, **hp)
+    ref = nordion2_reference(w0, grads, blocks=blocks, fraction=fraction, ns=ns, **hp)
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
 
 
 def test_only_the_selected_rows_move_and_keep_the_norm_of_o():
     shape = (16, 8)
     grads = gradients(shape, steps=1)
-    w0, w1, state = run(shape, grads, lr=0.1, weight_decay=0.0, fraction=0.25)
+    w0, w1, state = run(shape, grads, lr=0.1, weight_decay=0.0, row_fraction=0.25)
     moved = (w1 != w0).any(dim=1)
     assert int(moved.sum()) == 4  # ceil(0.25 * 16)
     # v moved on those rows only; their momentum decayed, the rest kept G
@@ -93,10 +94,10 @@ def test_defaults_follow_the_authors_code():
     # but lr: the registry's 0.02 (the authors' code: 0.01), one default per option
     opt = NorDion2([torch.nn.Parameter(torch.zeros(4, 4))])
     group = opt.param_groups[0]
-    expected = dict(lr=0.02, fraction=0.25, ef_decay=0.95, beta2=0.95, eps=1e-8)
+    expected = dict(lr=0.02, row_fraction=0.25, ef_decay=0.95, beta2=0.95, eps=1e-8)
     assert {key: group[key] for key in expected} == expected
     assert group["weight_decay"] == 0.01 and group["ns_coefficients"] == "polar_express"
-    assert group["ns_dtype"] == torch.bfloat16 and group["row_blocks"] == 1
+    assert group["ns_dtype"] == torch.bfloat16 and group["row_blocks"] is None
 
 
 @pytest.mark.parametrize(
@@ -105,7 +106,7 @@ def test_defaults_follow_the_authors_code():
 def test_nordion2_updates_equal_nordion2_update_per_matrix(ns_dtype, param_dtype):
     """The batched step (what the optimizer runs on unshared matrices) against the
     per-matrix reference: the same rows selected, normalized and updated in each matrix."""
-    hp = dict(lr=0.05, fraction=0.25, ef_decay=0.9, beta2=0.9, eps=1e-8, weight_decay=0.1)
+    hp = dict(lr=0.05, row_fraction=0.25, ef_decay=0.9, beta2=0.9, eps=1e-8, weight_decay=0.1)
     hp["ns_dtype"] = ns_dtype
     state_dtype = torch.promote_types(param_dtype, torch.float32)
     g = torch.Generator().manual_seed(5)

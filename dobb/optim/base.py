@@ -138,6 +138,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             keys = GROUP_KEYS | {"lr"} | set(SCALAR_DEFAULTS[algorithm])
         else:
             keys = GROUP_KEYS | set(self.defaults)
+            self.config.refuse_old_spellings(f"{type(self).__name__} group", param_group)
         unknown = sorted(set(param_group) - keys)
         if unknown:
             raise ValueError(
@@ -372,7 +373,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
         ``torch.optim.Optimizer`` casts floating state to the parameter's dtype, which would
         turn fp32 state of bf16 parameters (and Dobb's bases) into bf16; we undo that. A
-        group saved before one of today's options existed takes this optimizer's value of it.
+        group saved before one of today's options existed takes this optimizer's value of it;
+        one saved under an option's old spelling loads as today's (``Config.upgrade_group``;
+        ``state_dict`` itself is left as given).
         """
         saved_algorithms = [g.get("algorithm") for g in state_dict["param_groups"]]
         algorithms = [g["algorithm"] for g in self.param_groups]
@@ -383,7 +386,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 "it into the optimizer (and scalar algorithm) that saved it, or start afresh"
             )
         saved = state_dict["state"]
-        super().load_state_dict(state_dict)
+        upgrade = self.config.upgrade_group
+        groups = [
+            upgrade(g) if g["algorithm"] == self.algorithm else g
+            for g in state_dict["param_groups"]
+        ]
+        super().load_state_dict({**state_dict, "param_groups": groups})
         for group in self._matrix_groups():  # saved before an option existed: its default
             for name, value in self.config.defaults().items():
                 group.setdefault(name, value)

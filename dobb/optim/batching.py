@@ -88,15 +88,16 @@ def foreach_mul_(tensors: list[Tensor], factor: float | Tensor) -> None:
             t.mul_(factor)
 
 
-def chunk_sizes(size: int, splits: int | Sequence[int]) -> list[int]:
+def chunk_sizes(size: int, splits: int | Sequence[int] | None) -> list[int]:
     """Sizes of ``size`` indices split like ``torch.chunk`` into ``splits[0]`` parts, each
     part into ``splits[1]`` parts, and so on (outer split first); empty parts are kept. An
-    integer is one split. MuonBP's tiles and Dion2's selection blocks emulate shards so.
+    integer is one split; None none (``[size]``, as ``1``). MuonBP's tiles and Dion2's
+    selection blocks emulate shards so.
 
     As FSDP2's ``Shard`` (18 over 4: 5/5/5/3); nested: ``_StridedShard`` (18: 5/4/5/4).
     """
     sizes = [size]
-    for parts in (splits,) if isinstance(splits, int) else splits:
+    for parts in splits if isinstance(splits, Sequence) else (splits or 1,):
         sizes = [piece for n in sizes for piece in _chunk(n, parts)]
     return sizes
 

@@ -19,6 +19,11 @@ Constructing a config validates it: every group is checked by building the optim
 config with the group's values (``for_group``); at each step the driver reads a group's
 options into a config once (``with_group``, unchecked: a scheduler's ``lr`` may be a tensor),
 which the core and the placements read as attributes, never by string keys.
+
+Options renamed before the first release (``renamed``, old -> new, and ``renamed_values``)
+are refused with the new spelling in the message, in the constructor and in a parameter
+group; a checkpoint saved under an old spelling loads (``upgrade_group``). One idea has one
+name in every config (docs/baselines.md, "One vocabulary").
 """
 
 import copy
@@ -26,7 +31,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -107,6 +112,11 @@ def inherit(config: type, name: str, default: Any):
 class OptimizerConfig:
     """The options every matrix optimizer takes; subclasses add theirs."""
 
+    renamed: ClassVar[dict[str, str]] = {}
+    """Options renamed before the first release, old -> new (subclasses')."""
+    renamed_values: ClassVar[dict[tuple[str, Any], Any]] = {}
+    """Values renamed so, ``(option, old) -> new``."""
+
     lr: float = option(None, NON_NEGATIVE, math=True)
     """Learning rate (each optimizer says its unit)."""
     weight_decay: float = option(0.0, NON_NEGATIVE, math=True)
@@ -153,6 +163,7 @@ class OptimizerConfig:
         ``TypeError`` naming an unknown option and the known ones (as Python would name it,
         with the list a signature does not give)."""
         names = [f.name for f in fields(cls)]
+        cls.refuse_old_spellings(owner, options)
         unknown = sorted(set(options) - set(names))
         if unknown:
             raise TypeError(
@@ -160,6 +171,27 @@ class OptimizerConfig:
                 f"{', '.join(names)}"
             )
         return cls(**options) if lr is None else cls(lr=lr, **options)
+
+    @classmethod
+    def refuse_old_spellings(cls, owner: str, options: dict[str, Any]) -> None:
+        """``TypeError`` for an option or value of ``options`` under its old spelling
+        (``renamed``, ``renamed_values``), giving the new one."""
+        for old in sorted(set(options) & set(cls.renamed)):
+            raise TypeError(f"{owner}'s option {old!r} is now called {cls.renamed[old]!r}")
+        for name, value in options.items():
+            new = cls.renamed_values.get((name, value)) if isinstance(value, str) else None
+            if new is not None:
+                raise ValueError(f"{owner}'s {name}={value!r} is now {name}={new!r}")
+
+    @classmethod
+    def upgrade_group(cls, group: dict[str, Any]) -> dict[str, Any]:
+        """A saved parameter group with its old spellings (``renamed``, ``renamed_values``)
+        replaced by today's: what a checkpoint written before a rename loads as."""
+        group = {cls.renamed.get(key, key): value for key, value in group.items()}
+        for (name, old), new in cls.renamed_values.items():
+            if group.get(name) == old and isinstance(group[name], str):
+                group[name] = new
+        return group
 
     @classmethod
     def signature(cls) -> inspect.Signature:

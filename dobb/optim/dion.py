@@ -127,7 +127,7 @@ class DionCore(Core):
         scales = [shape_scale(p.shape) for p in params]
         hp = dict(
             lr=config.lr,
-            mu=config.mu,
+            mu=config.momentum,
             weight_decay=config.weight_decay,
             orthogonalize=config.orthogonalize,
         )
@@ -177,8 +177,11 @@ class Dion(MatrixOptimizer):
         """Learning rate, scaled per matrix by ``sqrt(d_out/d_in)``, the paper's factor (no
         ``max(1, .)`` as in Muon: wide matrices take smaller steps); microsoft/dion's
         reference's 0.01, the tuned value at widths 128 and 256 (``dobb.registry.TUNED_LR``)."""
-        mu: float = option(0.95, between(0, 1, high_open=False), math=True)
-        """Momentum / error-feedback decay; ``mu = 1`` keeps the whole buffer."""
+        renamed = {"mu": "momentum"}  # the authors' name (microsoft/dion's Dion)
+
+        momentum: float = option(0.95, between(0, 1, high_open=False), math=True)
+        """``mu``, the momentum's decay in the error feedback (Muon's and Dobb's name):
+        ``M <- B - (1 - mu) P Rᵀ``; ``mu = 1`` keeps the whole buffer."""
         weight_decay: float = inherit(OptimizerConfig, "weight_decay", 0.01)
         """Decoupled, multiplied by ``lr`` (the reference's 0.01)."""
         rank_fraction: float = option(

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from dobb.optim.batching import chunk_sizes, foreach_mul_, group_by, solo
-from dobb.optim.config import SPLITS, between, inherit, option
+from dobb.optim.config import SPLITS, between, inherit, option, optional
 from dobb.optim.dion_core import shape_scale
 from dobb.optim.muon import (
     NS_STEPS,
@@ -47,12 +47,12 @@ from dobb.optim.muon import (
 from dobb.optim.owner_groups import ExchangeCore
 
 
-def selected_count(rows: int, fraction: float) -> int:
-    """``max(1, ceil(fraction rows))`` rows of a non-empty block are selected; 0 of none."""
-    return max(1, math.ceil(fraction * rows)) if rows else 0
+def selected_count(rows: int, row_fraction: float) -> int:
+    """``max(1, ceil(row_fraction rows))`` rows of a non-empty block are selected; 0 of none."""
+    return max(1, math.ceil(row_fraction * rows)) if rows else 0
 
 
-def select_rows(momentum: Tensor, blocks: list[int], fraction: float) -> Tensor:
+def select_rows(momentum: Tensor, blocks: list[int], row_fraction: float) -> Tensor:
     """Ascending indices of the ``selected_count`` rows of largest L1 norm in each block
     of consecutive rows (``blocks``: their sizes, summing to ``momentum.shape[-2]``).
     ``(m, n)`` gives ``(k,)``; a ``(b, m, n)`` stack gives ``(b, k)``, per matrix."""
@@ -60,7 +60,7 @@ def select_rows(momentum: Tensor, blocks: list[int], fraction: float) -> Tensor:
     norms = momentum.abs().sum(dim=-1)
     picks, start = [], 0
     for size in blocks:
-        k = selected_count(size, fraction)
+        k = selected_count(size, row_fraction)
         if k:
             picks.append(norms[..., start : start + size].topk(k).indices.sort().values + start)
         start += size
@@ -70,13 +70,13 @@ def select_rows(momentum: Tensor, blocks: list[int], fraction: float) -> Tensor:
 
 
 def dion2_direction(
-    grad: Tensor, momentum: Tensor, blocks: list[int], *, fraction: float, ef_decay: float
+    grad: Tensor, momentum: Tensor, blocks: list[int], *, row_fraction: float, ef_decay: float
 ) -> tuple[Tensor, Tensor]:
     """Update ``momentum`` in place; return the selected rows' indices and values (k x n)."""
     # M <- M + G
     momentum.add_(grad.to(momentum.dtype))
     # S = the top ceil(f m_b) rows of each block b by ||M_i||_1
-    rows = select_rows(momentum, blocks, fraction)
+    rows = select_rows(momentum, blocks, row_fraction)
     selected = momentum[rows]
     # M_S <- ef_decay M_S   (the unselected rows keep all of M: error feedback)
     momentum.index_copy_(0, rows, selected * ef_decay)
@@ -100,7 +100,7 @@ def dion2_update(
     blocks: list[int],
     *,
     lr: float,
-    fraction: float,
+    row_fraction: float,
     ef_decay: float,
     weight_decay: float,
     scale: float,
@@ -109,7 +109,9 @@ def dion2_update(
     ns_coefficients: str = "quintic",
 ) -> None:
     """One Dion2 update of a local piece of whole rows; ``param`` and ``momentum`` in place."""
-    rows, selected = dion2_direction(grad, momentum, blocks, fraction=fraction, ef_decay=ef_decay)
+    rows, selected = dion2_direction(
+        grad, momentum, blocks, row_fraction=row_fraction, ef_decay=ef_decay
+    )
     # O = NS5(M_S)
     update = newton_schulz(selected, ns_steps, ns_dtype, ns_coefficients)
     apply_rows(param, rows, update, lr=lr, weight_decay=weight_decay, scale=scale)
@@ -122,7 +124,7 @@ def dion2_updates(
     blocks: list[list[int]],
     *,
     lr: float,
-    fraction: float,
+    row_fraction: float,
     ef_decay: float,
     weight_decay: float,
     scales: list[float],
@@ -167,7 +169,7 @@ def dion2_updates(
         m, n = shape
         M, W = torch.stack([momenta[i] for i in indices]), torch.stack([params[i] for i in indices])
         # S = the top ceil(f m_b) rows of each block b by ||M_i||_1, per matrix: (b, k)
-        rows = select_rows(M, list(sizes), fraction)
+        rows = select_rows(M, list(sizes), row_fraction)
         # rows of the (b m, n) views
         flat = (rows + torch.arange(len(indices), device=device)[:, None] * m).flatten()
         selected = M.view(-1, n)[flat]
@@ -210,7 +212,7 @@ class Dion2Core(ExchangeCore):
             [state["momentum"] for state in states],
             [selection_blocks(p.shape[0], config.row_blocks) for p in params],
             lr=config.lr,
-            fraction=config.fraction,
+            row_fraction=config.row_fraction,
             ef_decay=config.ef_decay,
             weight_decay=config.weight_decay,
             scales=[shape_scale(p.shape) for p in params],
@@ -228,7 +230,7 @@ class Dion2Core(ExchangeCore):
                 g,
                 s["momentum"],
                 selection_blocks(len(g), config.row_blocks),
-                fraction=config.fraction,
+                row_fraction=config.row_fraction,
                 ef_decay=config.ef_decay,
             )
             for g, s in zip(grads, states)
@@ -242,7 +244,7 @@ class Dion2Core(ExchangeCore):
 
     def exchanged_rows(self, rows: int, config) -> int:
         blocks = selection_blocks(rows, config.row_blocks)
-        return sum(selected_count(b, config.fraction) for b in blocks)
+        return sum(selected_count(b, config.row_fraction) for b in blocks)
 
     def apply(self, params, updates, shapes, rows, config, sums) -> None:
         """``W_S <- W_S - lr s O`` of each piece from its rows of ``O``."""
@@ -277,7 +279,7 @@ class Dion2(OwnerExchangeOptimizer):
     owner, which runs NS5 on the ``k x n`` stack of them, and come back as rows of ``O``
     (the driver's owner exchange, ``dobb.optim.owner_groups``; whole rows only, a
     ``Shard(1)`` parameter raises). The selection sizes of a sharded matrix are planned at
-    construction from ``fraction`` and ``row_blocks``; changing either later raises.
+    construction from ``row_fraction`` and ``row_blocks``; changing either later raises.
 
     Where we chose (facts from the authors' code, microsoft/dion ``dion2.py``): the L1 row
     norm; selection along rows always (their code picks the shorter side of an unsharded
@@ -293,15 +295,19 @@ class Dion2(OwnerExchangeOptimizer):
     class Config(NewtonSchulzConfig):
         """Dion2's options (``dobb.optim.config``)."""
 
+        renamed = {"fraction": "row_fraction"}  # the authors' name (microsoft/dion's Dion2)
+
         lr: float = inherit(NewtonSchulzConfig, "lr", 0.02)
         """Learning rate, in spectral norm per update of the selected rows (scaled per
         matrix by ``sqrt(d_out/d_in)``; the authors' code: 0.01)."""
-        fraction: float = option(0.25, between(0, 1, low_open=True, high_open=False), math=True)
-        """``f``, the fraction of each block's rows selected (the authors')."""
+        row_fraction: float = option(0.25, between(0, 1, low_open=True, high_open=False), math=True)
+        """``f``, the fraction of each block's rows selected (the authors' 0.25, their
+        ``fraction``); not Dion's ``rank_fraction``, a rank."""
         ef_decay: float = option(0.95, between(0, 1, high_open=False), math=True)
         """Decay of the selected rows of ``M`` (error feedback; the authors' code's)."""
         weight_decay: float = inherit(NewtonSchulzConfig, "weight_decay", 0.01)
         """Decoupled, multiplied by ``lr`` (the authors' code's 0.01)."""
-        row_blocks: int | tuple[int, ...] = option(1, SPLITS, math=True)
+        row_blocks: int | tuple[int, ...] | None = option(None, optional(SPLITS), math=True)
         """Selection blocks of each local piece, cut as ``chunk_sizes`` (a tuple: nested
-        splits); on one device ``row_blocks=4`` selects as FSDP over 4 ranks does."""
+        splits); on one device ``row_blocks=4`` selects as FSDP over 4 ranks does. None: each
+        rank's piece is one block (as Dobb's and MuonBP's None)."""

@@ -252,7 +252,7 @@ class ShardedSteps(Placement):
                     for m, seed in zip(mine, seeds)
                 ],
                 lr=config.lr,
-                mu=config.mu,
+                mu=config.momentum,
                 weight_decay=config.weight_decay,
                 orthogonalize=config.orthogonalize,
             )

@@ -359,6 +359,8 @@ class Dobb(MatrixOptimizer):
     class Config(OptimizerConfig):
         """Dobb's options (``dobb.optim.config``)."""
 
+        renamed = {"coefficient_beta": "beta2"}  # NorMuon's name for a second moment's EMA
+
         lr: float = inherit(OptimizerConfig, "lr", 4e-3)
         """Learning rate; the update's RMS is about ``alpha lr`` (``update_scale``). The
         default is the recommended configuration's tuned rate at width 256; per width:
@@ -372,7 +374,8 @@ class Dobb(MatrixOptimizer):
         whole ``d_in``; each column shard must hold whole blocks; ``B >= d_in`` gives block
         size 1, i.e. Signum. None: blocks of ``block_size``."""
         stats_beta: float = option(0.95, UNIT, math=True)
-        """``beta2``, the EMA factor of the second-moment blocks ``C_b``."""
+        """``beta``, the EMA factor of the second-moment blocks ``C_b`` (the paper's
+        ``beta2``; SOAP's ``shampoo_beta``). Not ``beta2``, the Adam coefficients' EMA."""
         basis_interval: int = option(10, COUNT, math=True)
         """``k``: the eigenbases are refreshed every ``k`` steps."""
         update_scale: float | str | None = option(None, optional(UPDATE_SCALE), math=True)
@@ -407,8 +410,9 @@ class Dobb(MatrixOptimizer):
         """``"sign"``, or ``"adam"``: ``C / (sqrt(V_hat) + eps)`` with a SOAP-style second
         moment ``V`` of the coefficients, kept in the eigenbasis (+4 bytes per parameter;
         use ``update_scale=1.0``)."""
-        coefficient_beta: float = option(0.95, UNIT, math=True)
-        """The EMA factor of ``V`` (``coefficients="adam"``)."""
+        beta2: float = option(0.95, UNIT, math=True)
+        """The EMA factor of ``V`` (``coefficients="adam"``), as Adam's and NorMuon's
+        ``beta2``."""
         projection_dtype: str | None = option(None, one_of(*PROJECTION_DTYPES), math=True)
         """dtype of the rotations' matmuls (``"bfloat16"``: half their bytes, tensor
         cores; None: the state's dtype); parameters, momentum, statistics and the

@@ -126,7 +126,7 @@ class DobbCore(Core):
             nesterov=config.nesterov,
             weight_decay=config.weight_decay,
             scale=update_alpha(scale, layout.width),
-            beta2=config.coefficient_beta,
+            beta2=config.beta2,
             row_stacks=layout.row.stacks,
             projection_dtype=rotation_dtype(config, params[0]),
         )
@@ -448,10 +448,11 @@ def update_alpha(scale: float | str, d_in: int) -> float:
 EXPERT_TOKENS = "expert_tokens"  # an expert's state: its tokens seen, n_hat
 
 
-def expert_weights(counts: list[Tensor], seen: list[Tensor], beta: float, live=None) -> list:
+def expert_weights(counts: list[Tensor], seen: list[Tensor], stats_beta: float, live=None) -> list:
     """An expert's fold weights, its ``C`` being a token-weighted EMA of its routed tokens'
     moments: for expert ``e`` with ``n_e`` tokens this step and ``n_hat_e`` seen before
-    (``seen``, 0-d, updated in place)::
+    (``seen``, 0-d, updated in place), with ``beta = stats_beta`` (the kernels' ``beta``
+    elsewhere is the momentum's)::
 
         gamma_e = (1 - beta) n_e / (beta n_hat_e + (1 - beta) n_e)     (0 if n_e = 0)
         C_e <- C_e + gamma_e (S_e - C_e)
@@ -466,8 +467,8 @@ def expert_weights(counts: list[Tensor], seen: list[Tensor], beta: float, live=N
     idle expert keeps ``C`` and ``n_hat``. ``live`` (capturable): where 0, every gamma is 0 and
     ``n_hat`` stays. Returns the ``gamma_e``, 0-d tensors."""
     n, n_hat = torch.stack(counts), torch.stack(seen)
-    scaled = n * (1 - beta)
-    total = n_hat * beta + scaled
+    scaled = n * (1 - stats_beta)
+    total = n_hat * stats_beta + scaled
     gamma = torch.where(n > 0, scaled / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
     grown = torch.where(n > 0, torch.where(n_hat > 0, total, n), n_hat)
     if live is not None:
@@ -479,14 +480,15 @@ def expert_weights(counts: list[Tensor], seen: list[Tensor], beta: float, live=N
 def fold(first: tuple[list, list], later: dict[float, tuple[list, list]], live=None) -> None:
     """Fold this step's moments ``S`` into the second moments ``C``, in place:
     ``C <- S`` for the pairs ``first = (Cs, Ss)`` (a matrix's first statistics), and
-    ``C <- beta C + (1 - beta) S`` for ``later[beta] = (Cs, Ss)``; one foreach call each.
+    ``C <- beta C + (1 - beta) S`` for ``later[beta] = (Cs, Ss)``, ``beta`` a matrix's
+    ``stats_beta``; one foreach call each.
     ``live`` (capturable): where it is 0 every ``C`` stays (``S`` is replaced by ``C``)."""
     for covs, means in (first, *later.values()) if live is not None else ():
         means[:] = [torch.where(live.bool(), m, c) for c, m in zip(covs, means)]
     if first[0]:
         torch._foreach_copy_(*first)
-    for beta, (covs, means) in later.items():
-        torch._foreach_lerp_(covs, means, 1 - beta)
+    for stats_beta, (covs, means) in later.items():
+        torch._foreach_lerp_(covs, means, 1 - stats_beta)
 
 
 def gradient_moments(grads: list[Tensor], sides: list, dtypes: list, batched) -> list[list]:

@@ -308,7 +308,7 @@ class DobbSteps(Placement):
             torch._foreach_zero_([*sums, *dict.fromkeys(tokens)])  # each counter once
         self.statistics.clear_cache()
         self.statistics.reset_experts()  # every expert's rows: others' too (FSDP's)
-        first, later, weighted = ([], []), {}, {}  # (Cs, Ss) copied; lerped by beta; experts'
+        first, later, weighted = ([], []), {}, {}  # (Cs, Ss) copied; lerped by stats_beta; experts'
         for i, sources in folding:
             m = matrices[i]
             covs = [cov for side, _ in sources for cov in side]
@@ -317,21 +317,21 @@ class DobbSteps(Placement):
                 for side, src in sources
                 for mean in (src if isinstance(src, list) else [next(hook_means) for _ in side])
             ]
-            beta = m.config.stats_beta
+            stats_beta = m.config.stats_beta
             if i in counts:  # an expert's tokens: its token-weighted EMA
-                entry = weighted.setdefault(beta, ([], [], [], [], []))
+                entry = weighted.setdefault(stats_beta, ([], [], [], [], []))
                 values = (covs, means, [counts[i]], [m.state[EXPERT_TOKENS]], [len(covs)])
                 for part, value in zip(entry, values):
                     part.extend(value)
             else:
-                target = first if stats_steps[i] == 0 else later.setdefault(beta, ([], []))
+                target = first if stats_steps[i] == 0 else later.setdefault(stats_beta, ([], []))
                 target[0].extend(covs)
                 target[1].extend(means)
             stats_steps[i] += 1
             self._unsynced.add(id(m.param))
         fold(first, later, live)
-        for beta, (covs, means, ns, seen, widths) in weighted.items():
-            gammas = expert_weights(ns, seen, beta, live)
+        for stats_beta, (covs, means, ns, seen, widths) in weighted.items():
+            gammas = expert_weights(ns, seen, stats_beta, live)
             weights = [g for g, k in zip(gammas, widths) for _ in range(k)]
             torch._foreach_lerp_(covs, means, weights)
         counters = [matrices[i].state["stats_steps"] for i, _ in folding]

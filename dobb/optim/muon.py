@@ -50,7 +50,7 @@ NS_COEFFICIENTS = {"quintic": (((NS_A, NS_B, NS_C),), 1.0), "polar_express": (PO
 NS_STEPS = 5
 NS_EPS = 1e-7  # added to the Frobenius norm before dividing (Keller's value)
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-ADJUST_LR_MODES = ("spectral", "match_rms_adamw")
+UPDATE_SCALES = ("spectral", "adamw")  # Muon's update scales (``lr_scale``)
 
 
 def newton_schulz(
@@ -83,15 +83,16 @@ def newton_schulz(
     return X.mT if tall else X
 
 
-def lr_scale(shape: tuple[int, int], adjust_lr: str) -> float:
+def lr_scale(shape: tuple[int, int], update_scale: str) -> float:
     """Multiplier of ``lr`` for a ``(d_out, d_in)`` matrix.
 
     ``"spectral"`` (Keller): ``sqrt(max(1, d_out/d_in))``, the spectral-norm scale.
-    ``"match_rms_adamw"`` (Moonshot, arXiv 2502.16982): ``0.2 sqrt(max(d_out, d_in))``,
-    which puts the update's RMS at about AdamW's, so AdamW learning rates transfer.
+    ``"adamw"`` (Moonshot's RMS matching, arXiv 2502.16982): ``0.2 sqrt(max(d_out, d_in))``,
+    which puts the update's RMS at about AdamW's (0.2 lr, as Dobb's ``"adamw"``), so AdamW
+    learning rates transfer.
     """
     d_out, d_in = shape
-    if adjust_lr == "spectral":
+    if update_scale == "spectral":
         return math.sqrt(max(1.0, d_out / d_in))
     return 0.2 * math.sqrt(max(d_out, d_in))
 
@@ -300,7 +301,7 @@ class MuonCore(ExchangeCore):
             beta=config.momentum,
             nesterov=config.nesterov,
             weight_decay=config.weight_decay,
-            scales=[lr_scale(p.shape, config.adjust_lr) for p in params],
+            scales=[lr_scale(p.shape, config.update_scale) for p in params],
             ns_steps=config.ns_steps,
             ns_dtype=config.ns_dtype,
             ns_coefficients=config.ns_coefficients,
@@ -318,7 +319,7 @@ class MuonCore(ExchangeCore):
         return config.ns_dtype
 
     def apply(self, params, updates, shapes, aux, config, sums) -> None:
-        scales = [lr_scale(shape, config.adjust_lr) for shape in shapes]
+        scales = [lr_scale(shape, config.update_scale) for shape in shapes]
         apply_updates(
             params, updates, lr=config.lr, weight_decay=config.weight_decay, scales=scales
         )
@@ -370,13 +371,19 @@ class Muon(OwnerExchangeOptimizer):
     class Config(NewtonSchulzConfig):
         """Muon's options (``dobb.optim.config``)."""
 
+        # the Dion authors' name and value (torch.optim.Muon's: adjust_lr_fn)
+        renamed = {"adjust_lr": "update_scale"}
+        renamed_values = {("update_scale", "match_rms_adamw"): "adamw"}
+
         lr: float = inherit(NewtonSchulzConfig, "lr", 0.02)
         """Learning rate, in spectral norm per update (Keller's 0.02)."""
         momentum: float = option(0.95, UNIT, math=True)
         """``mu``, the momentum's EMA factor."""
         nesterov: bool = option(True, BOOL, math=True)
         """Nesterov momentum (the direction ``(1 - mu) G + mu M``), else ``M``."""
-        adjust_lr: str = option("spectral", one_of(*ADJUST_LR_MODES), math=True)
+        update_scale: str = option("spectral", one_of(*UPDATE_SCALES), math=True)
         """The lr's scale per ``(d_out, d_in)`` matrix: ``"spectral"`` (Keller's
-        ``sqrt(max(1, d_out/d_in))``) or ``"match_rms_adamw"`` (Moonshot's
-        ``0.2 sqrt(max(d_out, d_in))``: update RMS ``0.2 lr``; a deviation)."""
+        ``sqrt(max(1, d_out/d_in))``) or ``"adamw"`` (Moonshot's
+        ``0.2 sqrt(max(d_out, d_in))``: update RMS ``0.2 lr``, AdamW's; a deviation).
+        Dobb's option of the same name (the Dion authors' code and torch's: ``adjust_lr``,
+        ``adjust_lr_fn``)."""

@@ -99,7 +99,7 @@ def block_muon_update(
     beta: float,
     nesterov: bool,
     weight_decay: float,
-    adjust_lr: str,
+    update_scale: str,
     ns_steps: int = NS_STEPS,
     ns_dtype: torch.dtype = torch.bfloat16,
     ns_coefficients: str = "quintic",
@@ -121,7 +121,7 @@ def block_muon_update(
             update,
             lr=lr,
             weight_decay=weight_decay,
-            scale=lr_scale(tuple(update.shape), adjust_lr),
+            scale=lr_scale(tuple(update.shape), update_scale),
         )
 
 
@@ -137,13 +137,13 @@ def tiled(params: list[Tensor], grads: list[Tensor], momenta: list[Tensor], tili
 
 
 def block_muon_updates(
-    params, grads, momenta, tilings, *, lr, adjust_lr, batched=True, **options
+    params, grads, momenta, tilings, *, lr, update_scale, batched=True, **options
 ) -> None:
     """``block_muon_update`` of many local pieces sharing hyperparameters (``tilings[i]``:
     piece ``i``'s tiles): ``muon_updates`` of their tiles, one NS5 per tile shape across
     all pieces, each tile's lr scaled by its own shape; ``options``: ``muon_updates``'."""
     tiles = tiled(params, grads, momenta, tilings)
-    scales = [lr_scale(tuple(t.shape), adjust_lr) for t in tiles[0]]
+    scales = [lr_scale(tuple(t.shape), update_scale) for t in tiles[0]]
     muon_updates(*tiles, lr=lr, scales=scales, batched=batched, **options)
 
 
@@ -208,11 +208,11 @@ class MuonBP(OwnerExchangeOptimizer):
           block step, otherwise: for each block b (m_b x n_b), no communication
             O_b = NS5(N_b)
             W_b <- W_b (1 - lr_b wd) - lr_b s(m_b, n_b) O_b,   lr_b = block_lr_ratio lr
-          s(m, n) = 0.2 sqrt(max(m, n))   ("match_rms_adamw": update RMS 0.2 lr, any shape)
+          s(m, n) = 0.2 sqrt(max(m, n))   ("adamw": update RMS 0.2 lr, any shape)
 
     Blocks: on a DTensor parameter, the rank's local shard (FSDP ``Shard(0)``: its rows; TP
     row-parallel ``Shard(1)``: its columns; FSDP x TP: the intersection), cut into
-    ``row_blocks x col_blocks`` tiles (default 1 x 1: the shard itself). On a plain tensor
+    ``row_blocks x col_blocks`` tiles (default None: the shard itself). On a plain tensor
     (one device, or DDP) the local piece is the whole matrix, so the tiles emulate a shard
     layout: ``row_blocks=4`` is FSDP over 4 ranks, ``col_blocks=2`` TP row-parallel over 2,
     ``row_blocks=(2, 2)`` the rows of a column-parallel weight on a 2 x 2 FSDP x TP mesh.
@@ -222,11 +222,11 @@ class MuonBP(OwnerExchangeOptimizer):
     update scaled by the square root of the dimensions of the matrix it orthogonalizes,
     matching update RMS): ``lr`` is the full steps' rate, ``block_lr_ratio * lr`` the block
     steps', and ``s`` is Muon's ``lr_scale`` of the full shape on full steps and of the
-    block's shape on block steps. With the default ``adjust_lr="match_rms_adamw"`` a block
+    block's shape on block steps. With the default ``update_scale="adamw"`` a block
     and a full update both have RMS ``0.2 lr`` (for an exactly orthogonal ``O``), so
     ``block_lr_ratio=1`` (our default: the paper's theory lets the two rates differ, and we
     could not read the ratio its experiments used) changes only the direction, not the size.
-    ``adjust_lr="spectral"`` applies Keller's ``sqrt(max(1, m/n))`` the same way; it keeps
+    ``update_scale="spectral"`` applies Keller's ``sqrt(max(1, m/n))`` the same way; it keeps
     the RMS for row blocks but not for column blocks.
 
     Differences from the paper, all opt-out or harmless: Muon's momentum conventions (EMA
@@ -258,8 +258,8 @@ class MuonBP(OwnerExchangeOptimizer):
 
         lr: float = inherit(Muon.Config, "lr", 5e-3)
         """The full steps' learning rate; both kinds of update have RMS ``0.2 lr``
-        (``match_rms_adamw``), as AdamW's."""
-        adjust_lr: str = inherit(Muon.Config, "adjust_lr", "match_rms_adamw")
+        (``update_scale="adamw"``), as AdamW's."""
+        update_scale: str = inherit(Muon.Config, "update_scale", "adamw")
         """Muon's, here by default the paper's RMS matching ``0.2 sqrt(max(m, n))`` of the
         shape each step orthogonalizes (the whole matrix, or a block)."""
         period: int | None = option(5, optional(COUNT), math=True)
@@ -267,11 +267,13 @@ class MuonBP(OwnerExchangeOptimizer):
         secondary sources report it); ``1`` is Muon, None BlockMuon."""
         block_lr_ratio: float = option(1.0, NON_NEGATIVE, math=True)
         """The block steps' learning rate over ``lr``."""
-        row_blocks: int | tuple[int, ...] = option(1, SPLITS, math=True)
+        row_blocks: int | tuple[int, ...] | None = option(None, optional(SPLITS), math=True)
         """Row tiles of each local piece (a tuple: nested splits, as ``chunk_sizes``); on one
-        device ``row_blocks=4`` tiles as FSDP over 4 ranks shards."""
-        col_blocks: int | tuple[int, ...] = option(1, SPLITS, math=True)
-        """Column tiles of each local piece, as ``row_blocks``."""
+        device ``row_blocks=4`` tiles as FSDP over 4 ranks shards. None: each rank's piece
+        is one tile (as Dobb's and Dion2's None)."""
+        col_blocks: int | tuple[int, ...] | None = option(None, optional(SPLITS), math=True)
+        """Column tiles of each local piece, as ``row_blocks`` (Dobb's input blocks are
+        ``num_blocks`` per matrix, not per piece)."""
 
 
 def _slices(sizes: list[int]) -> list[slice]:

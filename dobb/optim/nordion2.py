@@ -46,7 +46,7 @@ def nordion2_update(
     blocks: list[int],
     *,
     lr: float,
-    fraction: float,
+    row_fraction: float,
     ef_decay: float,
     beta2: float,
     eps: float,
@@ -57,7 +57,9 @@ def nordion2_update(
     ns_coefficients: str = "polar_express",
 ) -> None:
     """One NorDion2 update of a local piece of whole rows; ``param`` and the state in place."""
-    rows, selected = dion2_direction(grad, momentum, blocks, fraction=fraction, ef_decay=ef_decay)
+    rows, selected = dion2_direction(
+        grad, momentum, blocks, row_fraction=row_fraction, ef_decay=ef_decay
+    )
     # O = NS(M_S)
     ortho = newton_schulz(selected, ns_steps, ns_dtype, ns_coefficients).to(row_second_moment.dtype)
     update = normalize_selected(ortho, row_second_moment, rows, beta2=beta2, eps=eps)

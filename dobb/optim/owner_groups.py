@@ -50,7 +50,7 @@ rows (DDP, FSDP ``Shard(0)``, HSDP, column-parallel TP); a parameter split along
 (row-parallel TP's ``Shard(1)``) raises ``NotImplementedError`` at construction. Where the
 core sends only some rows (``exchanged_rows``), the owner's matrix is the ``k x n`` stack of
 every rank's rows in row order, its size planned at construction: a sharded matrix whose
-selection sizes change later (another ``fraction`` or ``row_blocks``) raises. With
+selection sizes change later (another ``row_fraction`` or ``row_blocks``) raises. With
 ``ns_dtype=torch.float32`` the result equals the single-device update up to float rounding
 of the matmuls (the distributed tests hold every optimizer to one device).
 
@@ -264,7 +264,7 @@ class OwnerExchanges(Placement):
             elif len(pieces[j]) != len(rows):
                 raise RuntimeError(
                     f"{due[p].name}: {len(pieces[j])} rows selected but {len(rows)} "
-                    "planned; fraction and row_blocks of a sharded matrix are fixed at "
+                    "planned; row_fraction and row_blocks of a sharded matrix are fixed at "
                     "construction"
                 )
         device = pieces[0].device

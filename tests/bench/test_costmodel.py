@@ -121,7 +121,7 @@ def test_muonbp_block_flops_are_newton_schulz_per_tile_and_match_the_implementat
     def step():
         W, G, Mom = torch.zeros(8, 16), torch.randn(8, 16), torch.zeros(8, 16)
         tiles = block_tiles((8, 16), 2, 1)
-        kw = dict(lr=1e-3, beta=0.95, nesterov=True, weight_decay=0.0, adjust_lr="spectral")
+        kw = dict(lr=1e-3, beta=0.95, nesterov=True, weight_decay=0.0, update_scale="spectral")
         block_muon_update(W, G, Mom, tiles, **kw)
 
     assert counted(step) == 2 * tile

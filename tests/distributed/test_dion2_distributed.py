@@ -12,7 +12,7 @@ import pytest
 from multirank import run_ranks
 from row_runs import OPTIONS, TOLERANCE, compare
 
-DION2 = {**OPTIONS, "fraction": 0.3, "ef_decay": 0.9}
+DION2 = {**OPTIONS, "row_fraction": 0.3, "ef_decay": 0.9}
 # layout, world -> the row shards of fc1 and fc2 (18 rows over 4: 5/5/5/3; fc2's 3: 1/1/1/0;
 # HSDP 2 x 2 shards over its data_shard axis: 2)
 CASES = [("ddp", 2, 1), ("fsdp", 2, 2), ("fsdp", 4, 4), ("hsdp", 4, 2)]

@@ -15,7 +15,7 @@ from multirank import run_ranks
 from muon_runs import checkpoint_run, compare_layout
 
 TOLERANCE = 1e-5
-DION = {"lr": 0.05, "rank": 2, "mu": 0.9, "orthogonalize": "cholesky_qr"}
+DION = {"lr": 0.05, "rank": 2, "momentum": 0.9, "orthogonalize": "cholesky_qr"}
 
 # all-reduces per step, in order, as (group size, round) for each layout on its world size
 # (fc1: 18 x 16, fc2: out x 18; see LAYOUTS). Rounds: "BQ" (columns split), "SP", "PtP",

@@ -11,7 +11,7 @@ import pytest
 from multirank import run_ranks
 from row_runs import OPTIONS, TOLERANCE, compare
 
-NORDION2 = {**OPTIONS, "fraction": 0.3, "ef_decay": 0.9, "beta2": 0.9}
+NORDION2 = {**OPTIONS, "row_fraction": 0.3, "ef_decay": 0.9, "beta2": 0.9}
 # layout, world -> the row shards of fc1 (18 rows) and fc2 (3 rows): the reference's row_blocks
 CASES = [("ddp", 2, 1), ("fsdp", 2, 2), ("hsdp", 4, 2)]
 

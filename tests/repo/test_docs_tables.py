@@ -11,3 +11,25 @@ def test_the_docs_option_tables_are_rendered_from_the_configs(doc):
     text = (ROOT / doc).read_text()
     assert "<!-- options " in text
     assert render(text) == text, "stale option tables: run python -m bench.tools.config_docs"
+
+
+def test_the_vocabulary_lists_every_option_of_every_config_and_where_it_is():
+    """docs/baselines.md's "One vocabulary" table: one row per option name, naming exactly
+    the optimizers whose config has it."""
+    from dataclasses import fields
+
+    from dobb.registry import OPTIMIZERS
+
+    text = (ROOT / "docs" / "baselines.md").read_text()
+    table = text.split("<!-- vocabulary -->")[1].split("<!-- /vocabulary -->")[0]
+    rows = [line.split("|")[1:3] for line in table.strip().splitlines()[2:]]
+    listed = {name.strip().strip("`"): where.strip() for name, where in rows}
+    classes = {e.cls for e in OPTIMIZERS.values() if hasattr(e.cls, "Config")}
+    having: dict[str, set[str]] = {}
+    for cls in classes:
+        for f in fields(cls.Config):
+            having.setdefault(f.name, set()).add(cls.__name__)
+    assert set(listed) == set(having)
+    for name, where in listed.items():
+        assert where == "all" or set(where.split(", ")) == having[name], name
+        assert where != "all" or having[name] == {c.__name__ for c in classes}, name

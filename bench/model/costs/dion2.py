@@ -33,7 +33,7 @@ def work(
     matrices: list[Matrix],
     *,
     layout: Layout = ONE_DEVICE,
-    fraction: float = Dion2.Config.fraction,
+    row_fraction: float = Dion2.Config.row_fraction,
     send_bytes: int = FP32,
     return_bytes: int = BF16,
     launches: str = "per_shape",
@@ -51,9 +51,9 @@ def work(
     shapes: set[tuple[int, int]] = set()
     for m in matrices:
         rows, n = layout.local(m)
-        e, k = rows * n, math.ceil(fraction * rows)
+        e, k = rows * n, math.ceil(row_fraction * rows)
         ek = k * n
-        selected_total += math.ceil(fraction * m.d_out) * m.d_in
+        selected_total += math.ceil(row_fraction * m.d_out) * m.d_in
         first = launches != "per_shape" or group > 1 or (rows, n) not in shapes
         shapes.add((rows, n))
         ops = [
@@ -66,7 +66,7 @@ def work(
             Kernel("elementwise", bytes=ek * (BF16 + 2 * FP32)),  # W.index_add_(O)
         ]
         work.step += ops if first else [no_launch(k) for k in ops]
-        kernels = newton_schulz_kernels(math.ceil(fraction * m.d_out), m.d_in)
+        kernels = newton_schulz_kernels(math.ceil(row_fraction * m.d_out), m.d_in)
         ns += kernels if first else [no_launch(k) for k in kernels]
     # owners balance the work; the busiest holds about 1/g of it
     work.step += ns[: max(1, math.ceil(len(ns) / group))] if group > 1 else ns
@@ -87,7 +87,7 @@ def comm_bytes(opt, matrices, layout: str, world: int, step: int) -> int:
     for p, group in matrices:
         placement = matrix_placement(p)
         blocks = selection_blocks(len(placement.rows), group["row_blocks"])
-        k_local = sum(selected_count(b, group["fraction"]) for b in blocks)
+        k_local = sum(selected_count(b, group["row_fraction"]) for b in blocks)
         k = k_local * (1 if layout == "ddp" else world)
         split = bool(placement.row_groups or placement.col_groups)
         total += owner_exchange_bytes(k, p.shape[1], layout, world, split)

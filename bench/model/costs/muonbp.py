@@ -36,7 +36,7 @@ def work(
     *,
     layout: Layout = ONE_DEVICE,
     period: int | None = MuonBP.Config.period,
-    row_blocks: int = MuonBP.Config.row_blocks,
+    row_blocks: int | None = MuonBP.Config.row_blocks,
     launches: str = "per_shape",
     send_bytes: int = FP32,
     return_bytes: int = BF16,
@@ -54,7 +54,7 @@ def work(
     shapes: set[tuple[int, int]] = set()
     for m in matrices:
         rows, n = layout.local(m)
-        tiles = [t for t in chunk_sizes(rows, (row_blocks,)) if t]
+        tiles = [t for t in chunk_sizes(rows, row_blocks) if t]
         e = rows * n
         ops = [elementwise(e, 3), elementwise(e, 3, new=True)]  # M.lerp_(G), N
         for size in sorted(set(tiles)):

@@ -19,7 +19,7 @@ def work(
     matrices: list[Matrix],
     *,
     layout: Layout = ONE_DEVICE,
-    fraction: float = NorDion2.Config.fraction,
+    row_fraction: float = NorDion2.Config.row_fraction,
     launches: str = "per_shape",
     **exchange,
 ) -> Work:
@@ -28,11 +28,13 @@ def work(
     rows, the gather and scatter of ``v``, ``v_S <- beta2 v_S + (1 - beta2) mean(O²)``,
     ``Ô = O / (sqrt(v_S) + eps)``, the two norms ``||O||_F``, ``||Ô||_F`` and the rescale
     (one all-reduce of two floats per matrix when rows are split)."""
-    work = dion2.work(matrices, layout=layout, fraction=fraction, launches=launches, **exchange)
+    work = dion2.work(
+        matrices, layout=layout, row_fraction=row_fraction, launches=launches, **exchange
+    )
     shapes: set[tuple[int, int]] = set()
     for m in matrices:
         rows, n = layout.local(m)
-        k = math.ceil(fraction * rows)
+        k = math.ceil(row_fraction * rows)
         ek = k * n
         first = launches != "per_shape" or layout.splits(m)[0] > 1 or (rows, n) not in shapes
         shapes.add((rows, n))
