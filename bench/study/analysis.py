@@ -14,6 +14,7 @@ from bench.study import gap as study_gap
 from bench.study import moe as study_moe
 from bench.study import tuning as study_tuning
 from bench.study.runs import (
+    WIDTH_PAIR,
     StudySpec,
     at_edge,
     best_run,
@@ -182,7 +183,7 @@ def _width_rows(spec: StudySpec, results: dict, noise: float) -> list[dict[str, 
     """The Dobb - Dion gap at each width of (c), each at its best lr."""
     widths = []
     for w in spec.widths:
-        dobb, dion = (best_run(results["widths"][(n, w)]) for n in ("dobb", "dion"))
+        dobb, dion = (best_run(results["widths"][(n, w)]) for n in WIDTH_PAIR)
         gap = loss_of(dobb) - loss_of(dion)
         widths.append(
             {
@@ -194,7 +195,7 @@ def _width_rows(spec: StudySpec, results: dict, noise: float) -> list[dict[str, 
                 "dion_loss": loss_of(dion),
                 "gap": gap,
                 "exceeds": bool(abs(gap) > noise),
-                "at_edge": [n for n in ("dobb", "dion") if at_edge(results["widths"][(n, w)])],
+                "at_edge": [n for n in WIDTH_PAIR if at_edge(results["widths"][(n, w)])],
             }
         )
     return widths

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import OPTIONS
-from bench.optimizers import with_options
+from bench.optimizers import lab_entry, with_options
 from bench.study.runs import (
     Sweep,
     best_run,
@@ -44,6 +44,14 @@ from bench.study.stats import compare_seeds, seed_stats
 TP_DEGREE = 4  # the row-parallel TP degree the "shard-local under TP" column checks
 ROW_SHARDS = OPTIONS["dobb_sign"]["row_blocks"]  # the FSDP degree "shard-local" is judged at
 REFERENCE_OPTIMIZERS = ("muon", "blockmuon")  # each variant's seeds are set against these
+# The section's design, by lab name (labels: the lab's): the row-blocked optimizers traced
+# over shard counts; the unblocked Dobb each is set against (its loss at every count); the
+# width trend's optimizers, the wider widths' (the costliest runs) and its reference, Muon
+SHARD_TREND = ("dobb_sign", "blockmuon", "muonbp")
+UNBLOCKED = "dobb"
+WIDTH_TREND = ("dobb", "dobb_sign", "blockmuon", "muon")
+WIDER = ("muon", "blockmuon")
+REFERENCE = "muon"
 GOAL_GAP, GOAL_WIDTHS = 0.02, 2  # the goal: within GOAL_GAP of Muon at GOAL_WIDTHS widths
 
 
@@ -150,7 +158,7 @@ def run_gap(spec, base, out: Path, runner, best: dict[str, float], log=print) ->
             later[("seed", i, seed)] = Sweep(maker(v, seed=seed), [lr])
     shard_width = spec.gap_widths[0]
     for n in spec.shard_counts:
-        for name in ("dobb_sign", "blockmuon", "muonbp"):
+        for name in SHARD_TREND:
             options = row_block_options(name, n)  # at (a)'s count: the width trend's run
             run = partial(make, name, options=options, width=shard_width)
             later[("shards", name, n)] = Sweep(run, [best[name]])
@@ -173,7 +181,7 @@ def run_gap(spec, base, out: Path, runner, best: dict[str, float], log=print) ->
         "shards": {
             (name, n): done[("shards", name, n)][0]
             for n in spec.shard_counts
-            for name in ("dobb_sign", "blockmuon", "muonbp")
+            for name in SHARD_TREND
         },
         "shard_width": shard_width,
         "widths": {(name, w): done[("width", name, w)][0] for name, w in _width_keys(spec, top)},
@@ -185,10 +193,10 @@ def run_gap(spec, base, out: Path, runner, best: dict[str, float], log=print) ->
 def _width_keys(spec, top) -> list[tuple[str, int]]:
     """(optimizer, width) of the width trend: every trend optimizer at the first width;
     at the wider ones (the costliest runs) only Muon, BlockMuon and the best variant."""
-    names = ["dobb", "dobb_sign", "blockmuon", "muon"] + (["top"] if top is not None else [])
+    names = [*WIDTH_TREND] + (["top"] if top is not None else [])
     first, *wider = spec.gap_widths
     return [(n, first) for n in names] + [
-        (n, w) for w in wider for n in names if n in ("muon", "blockmuon", "top")
+        (n, w) for w in wider for n in names if n in (*WIDER, "top")
     ]
 
 
@@ -235,13 +243,13 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
             row["seeds"] = stats
         rows.append(row)
     # (a)'s two-sided Dobb and one-sided Dobb, as rows of the same table
-    for name in ("dobb_sign", "dobb"):
+    for name in (SHARD_TREND[0], UNBLOCKED):
         stats = dict(seeds[name])
         stats["pairs"] = {n: compare_seeds(stats, seeds[n]) for n in REFERENCE_OPTIMIZERS}
         rows.insert(
             0,
             {
-                "label": {"dobb": "Dobb (a)", "dobb_sign": "two-sided Dobb (a)"}[name],
+                "label": f"{lab_entry(name).label} (a)",
                 "optimizer": name,
                 "settings": dict(OPTIONS[name]),
                 "train": {},
@@ -259,22 +267,19 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
     shard_width = gap["shard_width"]
     counts = sorted({n for _, n in gap["shards"]})
     flat = {  # no row blocks: the same run at every shard count
-        "dobb": _width_run(gap, results, "dobb", shard_width),
-        "muon": gap["widths"][("muon", shard_width)],
+        UNBLOCKED: _width_run(gap, results, UNBLOCKED, shard_width),
+        REFERENCE: gap["widths"][(REFERENCE, shard_width)],
     }
-    shards = {
-        name: [loss_of(gap["shards"][(name, n)]) for n in counts]
-        for name in ("dobb_sign", "blockmuon", "muonbp")
-    }
+    shards = {name: [loss_of(gap["shards"][(name, n)]) for n in counts] for name in SHARD_TREND}
     crossings = {
-        name: next((n for n, x in zip(counts, losses) if x > loss_of(flat["dobb"])), None)
+        name: next((n for n, x in zip(counts, losses) if x > loss_of(flat[UNBLOCKED])), None)
         for name, losses in shards.items()
     }
     widths = sorted({w for _, w in gap["widths"]} - {width})
     trend = []
     for w in sorted({width, *widths}):
         entry = {"n_embd": w, "losses": {}}
-        for name in ("dobb", "dobb_sign", "blockmuon", "muon", "top"):
+        for name in (*WIDTH_TREND, "top"):
             if w == width:
                 loss = seeds[name]["mean"] if name in seeds else None
                 if name == "top" and gap["top"] is not None:
@@ -284,10 +289,10 @@ def analyse_gap(gap: dict, seeds: dict, results: dict) -> dict:
                 run = _width_run(gap, results, name, w)
                 loss = loss_of(run) if run else None
             entry["losses"][name] = loss
-        local = {n: x for n, x in entry["losses"].items() if n != "muon" and x is not None}
+        local = {n: x for n, x in entry["losses"].items() if n != REFERENCE and x is not None}
         best = min(local, key=local.get)
         entry["best_local"] = best
-        entry["gap"] = local[best] - entry["losses"]["muon"]
+        entry["gap"] = local[best] - entry["losses"][REFERENCE]
         trend.append(entry)
     top_label = rows[gap["top"] + 2]["label"] if gap["top"] is not None else None
     return {

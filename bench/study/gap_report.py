@@ -4,20 +4,24 @@ plot and the findings, from the numbers of `bench.study.gap.analyse_gap`."""
 from pathlib import Path
 
 from bench.compare import OPTIONS
+from bench.optimizers import lab_entry
 from bench.study.format import fmt_loss, in_words, times
-from bench.study.gap import GOAL_GAP, GOAL_WIDTHS, REFERENCE_OPTIMIZERS, ROW_SHARDS, TP_DEGREE
-
-NAMES = {
-    "dobb": "Dobb",
-    "dobb_sign": "two-sided Dobb",
-    "blockmuon": "BlockMuon",
-    "muonbp": "MuonBP",
-    "muon": "Muon",
-}
+from bench.study.gap import (
+    GOAL_GAP,
+    GOAL_WIDTHS,
+    REFERENCE,
+    REFERENCE_OPTIMIZERS,
+    ROW_SHARDS,
+    SHARD_TREND,
+    TP_DEGREE,
+    UNBLOCKED,
+    WIDTH_TREND,
+)
 
 
 def _name(report: dict, key: str) -> str:
-    return report["top_label"] if key == "top" else NAMES[key]
+    """How the section names a trend's line: the lab's label, or the best variant's."""
+    return report["top_label"] if key == "top" else lab_entry(key).label
 
 
 def gap_findings(report: dict) -> list[str]:
@@ -28,7 +32,7 @@ def gap_findings(report: dict) -> list[str]:
         lines.append(
             f"At (a)'s lrs (untuned), n_embd {entry['n_embd']}: best shard-local: "
             f"{_name(report, entry['best_local'])} "
-            f"{losses[entry['best_local']]:.4f} vs Muon {losses['muon']:.4f} "
+            f"{losses[entry['best_local']]:.4f} vs Muon {losses[REFERENCE]:.4f} "
             f"(gap {entry['gap']:+.3f})"
         )
     close = [e["n_embd"] for e in report["widths"] if e["gap"] <= GOAL_GAP]
@@ -38,12 +42,12 @@ def gap_findings(report: dict) -> list[str]:
         f"{in_words(GOAL_WIDTHS)} widths, or better): {goal}; within {GOAL_GAP:g} at n_embd "
         f"{', '.join(map(str, close)) or 'none'}."
     )
-    flat = report["flat"]["dobb"]
+    flat = report["flat"][UNBLOCKED]
     for name, n in report["crossings"].items():
         where = f"from {n} row shards on" if n else "at none of the shard counts tried"
         lines.append(
-            f"{NAMES[name]} is worse than one-sided Dobb ({flat:.4f}, which does not depend on "
-            f"the shard count) {where} (n_embd {report['shard_width']})."
+            f"{_name(report, name)} is worse than one-sided Dobb ({flat:.4f}, which does not "
+            f"depend on the shard count) {where} (n_embd {report['shard_width']})."
         )
     return lines
 
@@ -56,9 +60,9 @@ def plot_shards(out: Path, report: dict) -> str:
     ax = fig.subplots()
     counts = report["counts"]
     for name, losses in report["shards"].items():
-        ax.plot(counts, losses, "o-", label=NAMES[name])
-    for name, style in (("dobb", "--"), ("muon", ":")):
-        ax.axhline(report["flat"][name], linestyle=style, color="black", label=NAMES[name])
+        ax.plot(counts, losses, "o-", label=_name(report, name))
+    for name, style in ((UNBLOCKED, "--"), (REFERENCE, ":")):
+        ax.axhline(report["flat"][name], linestyle=style, color="black", label=_name(report, name))
     ax.set_xscale("log", base=2)
     ax.set_xticks(counts, [str(n) for n in counts])
     ax.set_xlabel("row shards (row blocks per matrix)")
@@ -101,7 +105,7 @@ def gap_section(report: dict, spec: dict, out: Path, link, table) -> list[str]:
             + "|".join(_seed_text(r))
         )
     widths = report["widths"]
-    keys = ["dobb", "dobb_sign", "top", "blockmuon", "muon"]
+    keys = [*WIDTH_TREND[:2], "top", *WIDTH_TREND[2:]]
     width_rows = [
         f"{e['n_embd']}|"
         + "|".join(fmt_loss(e["losses"].get(k)) for k in keys)
@@ -112,7 +116,7 @@ def gap_section(report: dict, spec: dict, out: Path, link, table) -> list[str]:
     shard_rows = [
         f"{n}|"
         + "|".join(fmt_loss(report["shards"][name][i]) for name in report["shards"])
-        + f"|{fmt_loss(report['flat']['dobb'])}|{fmt_loss(report['flat']['muon'])}"
+        + f"|{fmt_loss(report['flat'][UNBLOCKED])}|{fmt_loss(report['flat'][REFERENCE])}"
         for i, n in enumerate(counts)
     ]
     return [
@@ -121,7 +125,7 @@ def gap_section(report: dict, spec: dict, out: Path, link, table) -> list[str]:
         "Two-sided Dobb (`dobb_sign`, `Dobb(two_sided=True)`) rotates both sides of each tile: "
         "row blocks with eigenbases of their own moments (Shampoo's `G Gᵀ` of the rank's rows "
         "by default) and Dobb's input blocks. In (a) it uses "
-        f"{', '.join(f'{k}={v}' for k, v in OPTIONS['dobb_sign'].items())}. Each variant below "
+        f"{', '.join(f'{k}={v}' for k, v in OPTIONS[SHARD_TREND[0]].items())}. Each variant below "
         "changes the listed settings, runs at "
         f"{'/'.join(f'{f:g}' for f in spec['ablation_lr_factors'])} x its optimizer's tuned lr "
         f"of (a) (extended {times(spec['ablation_max_extensions'])} at an edge), and the best "
@@ -140,7 +144,9 @@ def gap_section(report: dict, spec: dict, out: Path, link, table) -> list[str]:
         f"### Row shards (n_embd {report['shard_width']}, one seed, tuned lrs of (a))",
         "",
         table(
-            "row shards|" + "|".join(NAMES[n] for n in report["shards"]) + "|one-sided Dobb|Muon",
+            "row shards|"
+            + "|".join(_name(report, n) for n in report["shards"])
+            + "|one-sided Dobb|Muon",
             shard_rows,
         ),
         "",

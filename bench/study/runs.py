@@ -31,6 +31,9 @@ from dobb.train.model import GPTConfig, gpt_config
 DEFAULT_CONFIG = Path(__file__).with_name("budget.yaml")  # the lab's: not in the wheel
 PER_RUN = (*compare.PER_RUN, "seed")  # set by the study for each run
 
+# (c)'s design, by lab name: the paper's comparison, Dobb against Dion, at each width
+WIDTH_PAIR = ("dobb", "dion")
+
 
 # ---- the budget ----------------------------------------------------------------------
 
@@ -495,7 +498,7 @@ def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) 
             run = partial(make, ab.optimizer, options={ab.option: ab.value}, seed=seed)
             later[("ablation", i, seed)] = Sweep(run, [center])
     for w in spec.widths:
-        for name in ("dobb", "dion"):
+        for name in WIDTH_PAIR:
             if w != width:
                 grid = [best[name] * f for f in spec.ablation_lr_factors]
                 sweep = Sweep(partial(make, name, width=w), grid, spec.ablation_max_extensions)
@@ -519,7 +522,7 @@ def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) 
         "widths": {
             (name, w): done[("width", name, w)] if w != width else main[name]
             for w in spec.widths
-            for name in ("dobb", "dion")
+            for name in WIDTH_PAIR
         },
         "width": width,
     }
