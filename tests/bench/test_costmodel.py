@@ -89,6 +89,43 @@ def test_two_sided_dobb_flops_match_the_implementation():
     assert solved == {100: -(-80 // 32), 400: -(-16 // 32), 50: 5, 200: 1}
 
 
+def test_adam_coefficients_add_a_rotation_of_the_gradient_and_match_the_implementation():
+    """``coefficients="adam"`` rotates the gradient into the bases too: one-sided 6 m n s
+    (three bmm of (4, 8, 4) @ (4, 4, 4)); two-sided one rotation more than the sign's 5120."""
+    stacks, rows = block_stacks(16, 4), block_stacks(8, 2)
+    one = dobb_cost.work([M], num_blocks=4, coefficients="adam", launches="per_matrix")
+    assert one.flops() == 6 * 8 * 16 * 4
+    two = dobb_cost.work([M], num_blocks=4, two_sided=True, row_blocks=2, coefficients="adam")
+    assert two.flops() == 5120 + 2048
+    hp = dict(lr=1e-3, beta=0.9, nesterov=True, weight_decay=0.0, scale=1.0)
+
+    def one_sided():
+        W, G, Mom, V = (
+            torch.zeros(8, 16),
+            torch.randn(8, 16),
+            torch.zeros(8, 16),
+            torch.zeros(8, 16),
+        )
+        dobb_update(W, G, Mom, [torch.eye(4).repeat(4, 1, 1)], stacks, variance=V, step=1, **hp)
+
+    def two_sided():
+        W, G, Mom, V = (
+            torch.zeros(8, 16),
+            torch.randn(8, 16),
+            torch.zeros(8, 16),
+            torch.zeros(8, 16),
+        )
+        dobb_update_batched(
+            [W], [G], [Mom], [torch.eye(4).repeat(1, 4, 1, 1)], stacks,
+            row_bases=[torch.eye(4).repeat(1, 2, 1, 1)], row_stacks=rows,
+            variances=[V], steps=[1.0], **hp,
+        )  # fmt: skip
+
+    assert counted(one_sided) == one.flops()
+    assert counted(two_sided) == 2 * 2048 + 2048  # the row moments' 1024 are not a bmm here
+    assert two.flops() - counted(two_sided) == 1024
+
+
 def test_dion_flops_are_8_m_n_r_plus_householder_qr():
     r = 2
     qr = 4 * 8 * r**2 - 4 / 3 * r**3
@@ -282,6 +319,19 @@ def test_dobb_sign_state_bytes_add_the_row_blocks(row_blocks, rows):
     opt = build_optimizer("dobb_sign", stack, num_blocks=4, row_blocks=row_blocks)
     with torch.enable_grad():
         stack()  # statistics for the step
+    opt.step()
+    assert calltime.state_bytes_measured(opt, list(stack.parameters())) == got
+
+
+def test_adam_coefficients_add_v_to_the_state_as_the_library_keeps_it():
+    got = cm.state_bytes("dobb_sign", M, num_blocks=4, row_blocks=2, coefficients="adam")
+    sign = cm.state_bytes("dobb_sign", M, num_blocks=4, row_blocks=2)
+    assert got == sign + 4 * M.numel
+    stack = linear_stack.LinearStack([M], tokens=8)
+    linear_stack.forward_backward(stack, autocast=False)
+    opt = build_optimizer("dobb", stack, num_blocks=4, row_blocks=2)  # the default: Adam's
+    with torch.enable_grad():
+        stack()
     opt.step()
     assert calltime.state_bytes_measured(opt, list(stack.parameters())) == got
 

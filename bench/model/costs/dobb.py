@@ -40,14 +40,18 @@ REFRESH = "sharded" if DEFAULTS.shard_refresh else "replicated"
 COMM_FORMULA = "refresh: Σ d_in²/B fp32 per data axis + bases all-gather Σ_s P⌈n_s/P⌉ s²; else 0"
 
 
-def state_formula(two_sided: bool = DEFAULTS.two_sided) -> str:
+def state_formula(
+    two_sided: bool = DEFAULTS.two_sided, coefficients: str = DEFAULTS.coefficients
+) -> str:
     """``state_bytes`` per parameter of an ``(m, n)`` matrix, in words (``s``: block size;
     two-sided: ``m`` the row-block size)."""
+    moments = " + 4 (V, Adam coefficients)" if coefficients == "adam" else ""
     if two_sided:
         return (
-            "4 (momentum) + 8 s / d_out (C_b, Q_b) + 8 m / d_in (P_r and its moments) + 8 / (m n)"
+            f"4 (momentum){moments} + 8 s / d_out (C_b, Q_b) + 8 m / d_in (P_r and its "
+            "moments) + 8 / (m n)"
         )
-    return "4 (momentum) + 8 s / d_out (C_b, Q_b) + 8 / (m n) (step counters)"
+    return f"4 (momentum){moments} + 8 s / d_out (C_b, Q_b) + 8 / (m n) (step counters)"
 
 
 def state_bytes(
@@ -56,6 +60,7 @@ def state_bytes(
     num_blocks: int = DEFAULTS.num_blocks,
     two_sided: bool = DEFAULTS.two_sided,
     row_blocks: int = XL_WORLD,
+    coefficients: str = DEFAULTS.coefficients,
 ) -> float:
     """Bytes of state for one fp32 matrix: momentum, per block ``C_b`` and ``Q_b``
     (``s x s`` each), ``step`` and ``stats_steps``; the statistics accumulators (another
@@ -64,12 +69,13 @@ def state_bytes(
     matrix's ``d_out`` rows; by default the call-time runs': one block per rank's rows
     under FSDP over the paper's ``XL_WORLD`` ranks), the moments ``row_cov`` and the basis
     ``P_r`` (``m x m`` each); its row moments come from the gradient in the step
-    (``row_stats="gradients"``), so no further accumulators. (``coefficients="adam"`` would
-    add a ``variance`` the size of the matrix; not modelled.)"""
+    (``row_stats="gradients"``), so no further accumulators. ``coefficients="adam"`` adds
+    the ``variance`` ``V``, the size of the matrix."""
     blocks = sum(s.count * s.size**2 for s in block_stacks(matrix.d_in, num_blocks))
     if two_sided:  # P_r and its moments, per row block
         blocks += sum(s.count * s.size**2 for s in block_stacks(matrix.d_out, row_blocks))
-    return matrix.numel * FP32 + 2 * blocks * FP32 + 2 * FP32
+    moments = 2 if coefficients == "adam" else 1  # the momentum, and V
+    return moments * matrix.numel * FP32 + 2 * blocks * FP32 + 2 * FP32
 
 
 def work(
@@ -83,6 +89,7 @@ def work(
     solver: str = CPU_SOLVER,
     two_sided: bool = DEFAULTS.two_sided,
     row_blocks: int | None = DEFAULTS.row_blocks,
+    coefficients: str = DEFAULTS.coefficients,
 ) -> Work:
     """Dobb's call: the statistics fold, ``dobb_update_batched`` per batch of same-shape
     matrices, and a refresh on the calls ``refresh_due`` marks (one in ``k``).
@@ -103,13 +110,15 @@ def work(
     rows) runs ``two_sided_ops`` instead of the one-sided rotations; its row bases are
     refreshed where they live (never shared out), and under row-parallel TP its row
     moments are all-reduced over the ranks splitting the columns at a refresh.
+    ``coefficients="adam"`` rotates the gradient into the bases too and updates ``V`` in
+    place of the sign (``adam_ops``).
     """
     work = Work(due=lambda step: refresh_due(step, basis_interval), period=basis_interval)
     eigh_blocks: dict[int, int] = {}  # input blocks: shared out over the data ranks
     row_eigh_blocks: dict[int, int] = {}  # row blocks: refreshed where they live
     cov_bytes = checked = 0
     shapes: set[tuple[int, int]] = set()
-    batched = launches == "per_shape"
+    batched, adam = launches == "per_shape", coefficients == "adam"
     for i, m in enumerate(matrices):
         rows, n = layout.local(m)
         e = rows * n
@@ -132,7 +141,7 @@ def work(
         ]
         if two_sided:
             rstacks = row_stacks(m, rows, row_blocks)
-            ops += two_sided_ops(rows, n, stacks, rstacks)
+            ops += two_sided_ops(rows, n, stacks, rstacks, adam)
             for r in rstacks:
                 row_eigh_blocks[r.size] = row_eigh_blocks.get(r.size, 0) + r.count
             row_cov = sum(r.count * r.size**2 for r in rstacks)
@@ -141,7 +150,7 @@ def work(
                 ranks = layout.splits(m)[1]
                 work.refresh_comm.append(Collective("all_reduce", row_cov * FP32, ranks))
         else:
-            ops += one_sided_ops(rows, n, stacks, batched)
+            ops += one_sided_ops(rows, n, stacks, batched, adam)
         ops.append(elementwise(e, 3))  # W.add_(U)
         work.step += fold if i == 0 or not batched else [no_launch(k) for k in fold]
         # batched per shape: the same FLOPs and bytes, launched with the first of its shape
@@ -186,11 +195,12 @@ def refresh_kernels(size: int, count: int, blocks: int, solver: str) -> list[Ker
     return [cat, *solve, elementwise(count * size * size, 2)]
 
 
-def one_sided_ops(rows: int, n: int, stacks, batched: bool) -> list[Kernel]:
+def one_sided_ops(rows: int, n: int, stacks, batched: bool, adam: bool = False) -> list[Kernel]:
     """``dobb_update`` (or, ``batched``, ``dobb_update_batched``) after the momentum, up to
     the final ``W.add_``: per block stack ``K_b = N_b Q_b``, ``sign_``, ``U_b = S_b Q_bᵀ``
     (``2 m n s`` FLOPs each); batching stacks the direction and the bases and copies each
-    stack's columns into block order and back."""
+    stack's columns into block order and back. ``adam``: ``G_b Q_b`` too (its copy into
+    block order where batched), and ``adam_ops`` in place of the sign."""
     ops = [elementwise(rows * n, 2, new=True)] if batched else []  # stack the directions
     for s in stacks:
         x = rows * s.count * s.size * FP32  # bytes of this stack's columns
@@ -202,14 +212,18 @@ def one_sided_ops(rows: int, n: int, stacks, batched: bool) -> list[Kernel]:
             ]
         ops += [
             matmul("bmm_fp32", bmm, x, x, block=s.size),  # K_b = N_b Q_b
-            elementwise(x / FP32, 2),  # sign_
             matmul("bmm_fp32", bmm, x, x, block=s.size),  # U_b = S_b Q_bᵀ
         ]
+        if adam:  # G_b Q_b, the rotated gradient (in block order where batched)
+            ops += [elementwise(x / FP32, 2, new=True)] if batched else []
+            ops.append(matmul("bmm_fp32", bmm, x, x, block=s.size))
+        else:
+            ops.append(elementwise(x / FP32, 2))  # sign_
         if batched:
             ops.append(elementwise(x / FP32, 2))  # U_b into the update's columns
     if not batched:
         ops.append(elementwise(rows * n, 2))  # W.mul_(1 - lr wd), skipped when batched, wd 0
-    return ops
+    return ops + (adam_ops(rows * n) if adam else [])
 
 
 def row_stacks(matrix: Matrix, rows: int, row_blocks: int | None) -> tuple:
@@ -221,7 +235,7 @@ def row_stacks(matrix: Matrix, rows: int, row_blocks: int | None) -> tuple:
     return local_block_stacks(block_stacks(matrix.d_out, row_blocks), 0, rows, matrix.name)
 
 
-def two_sided_ops(rows: int, n: int, stacks, rstacks) -> list[Kernel]:
+def two_sided_ops(rows: int, n: int, stacks, rstacks, adam: bool = False) -> list[Kernel]:
     """``dobb_update_batched``'s tile path with sign coefficients and the statistics' row
     moments on one ``(rows, n)`` piece (the momentum's two ops come before these).
 
@@ -229,7 +243,9 @@ def two_sided_ops(rows: int, n: int, stacks, rstacks) -> list[Kernel]:
     row block (``m`` rows) and an input block (``s`` columns), into the bases and back:
     ``N_b Q_b`` (``2 m s²``) then ``P_rᵀ (.)`` (``2 m² s``) and a copy into place, each way;
     ``matmul`` first copies the strided tiles and each basis broadcast over the other
-    side's blocks (``torch.matmul`` expands, then clones, its batch dimensions).
+    side's blocks (``torch.matmul`` expands, then clones, its batch dimensions). ``adam``:
+    the gradient rotated into the bases as well (a second ``"into"``), then ``adam_ops``
+    in place of the sign.
     """
     e = rows * n
     ops = [
@@ -246,7 +262,7 @@ def two_sided_ops(rows: int, n: int, stacks, rstacks) -> list[Kernel]:
             elementwise(moments, 2, new=True),  # stack P_r
         ]
     ops += [elementwise(s.count * s.size**2, 2, new=True) for s in stacks]  # stack Q_b
-    for way in ("into", "back"):
+    for _way in ("into", "into", "back") if adam else ("into", "back"):
         ops.append(Kernel("elementwise", alloc=e * FP32))  # empty_like
         for r in rstacks:
             for s in stacks:
@@ -264,9 +280,23 @@ def two_sided_ops(rows: int, n: int, stacks, rstacks) -> list[Kernel]:
                     ),  # P_rᵀ (.) (or P_r (.))
                     elementwise(tile, 2),  # into place
                 ]
-        if way == "into":
-            ops.append(elementwise(e, 2))  # sign_
-    return ops
+    return ops + (adam_ops(e) if adam else [elementwise(e, 2)])  # D = sign(C) or Adam's
+
+
+def adam_ops(e: int) -> list[Kernel]:
+    """Adam coefficients on ``e`` rotated elements, after the rotations into the bases
+    (``_rotated_update``): stack ``V``, square the rotated gradient, ``V.lerp_``, copy ``V``
+    back, ``sqrt``, the bias correction, ``+ eps``, ``C / denominator``."""
+    return [
+        elementwise(e, 2, new=True),  # torch.stack(V)
+        elementwise(e, 2),  # square_
+        elementwise(e, 3),  # V.lerp_
+        elementwise(e, 2),  # V copied back
+        elementwise(e, 2, new=True),  # sqrt
+        elementwise(e, 2),  # / sqrt(1 - beta2^t)
+        elementwise(e, 2),  # + eps
+        elementwise(e, 3),  # C / denominator
+    ]
 
 
 def jacobi_kernels(size: int, count: int) -> list[Kernel]:
