@@ -131,6 +131,7 @@ def tuned(spec=None) -> list[Tuned]:
             "dobb_sign",
             WHOLE | {"row_blocks": None, "coefficients": "adam", "update_scale": 1.0},
             True,
+            wide=True,
             lr_scale=2.0,
             front="Dobb, recommended",
         ),
