@@ -67,10 +67,10 @@ def test_recommended_lr_warns_once_beyond_the_widest_tuned_width(monkeypatch):
         assert recommended_lr("dobb", 32) == TUNED_LR["dobb"][128]
     with pytest.warns(
         UserWarning,
-        match=r"dobb's lr is tuned at widths \[128, 256\] only; "
-        r"width 1600 takes width 256's",
+        match=r"dobb's lr is tuned at widths \[128, 256, 512\] only; "
+        r"width 1600 takes width 512's",
     ):
-        assert recommended_lr("dobb", 1600) == TUNED_LR["dobb"][256]
+        assert recommended_lr("dobb", 1600) == TUNED_LR["dobb"][512]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         recommended_lr("dobb", 2048)  # once per entry
