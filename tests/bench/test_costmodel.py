@@ -99,27 +99,29 @@ def test_adam_coefficients_add_a_rotation_of_the_gradient_and_match_the_implemen
     assert two.flops() == 5120 + 2048
     hp = dict(lr=1e-3, beta=0.9, nesterov=True, weight_decay=0.0, scale=1.0)
 
+    def matrices():  # W, G, M, V of one (8, 16) matrix
+        return torch.zeros(8, 16), torch.randn(8, 16), torch.zeros(8, 16), torch.zeros(8, 16)
+
     def one_sided():
-        W, G, Mom, V = (
-            torch.zeros(8, 16),
-            torch.randn(8, 16),
-            torch.zeros(8, 16),
-            torch.zeros(8, 16),
-        )
+        W, G, Mom, V = matrices()
         dobb_update(W, G, Mom, [torch.eye(4).repeat(4, 1, 1)], stacks, variance=V, step=1, **hp)
 
     def two_sided():
-        W, G, Mom, V = (
-            torch.zeros(8, 16),
-            torch.randn(8, 16),
-            torch.zeros(8, 16),
-            torch.zeros(8, 16),
-        )
+        W, G, Mom, V = matrices()
+        row_bases = [torch.eye(4).repeat(1, 2, 1, 1)]
+        col_bases = [torch.eye(4).repeat(1, 4, 1, 1)]
         dobb_update_batched(
-            [W], [G], [Mom], [torch.eye(4).repeat(1, 4, 1, 1)], stacks,
-            row_bases=[torch.eye(4).repeat(1, 2, 1, 1)], row_stacks=rows,
-            variances=[V], steps=[1.0], **hp,
-        )  # fmt: skip
+            [W],
+            [G],
+            [Mom],
+            col_bases,
+            stacks,
+            row_bases=row_bases,
+            row_stacks=rows,
+            variances=[V],
+            steps=[1.0],
+            **hp,
+        )
 
     assert counted(one_sided) == one.flops()
     assert counted(two_sided) == 2 * 2048 + 2048  # the row moments' 1024 are not a bmm here
