@@ -23,9 +23,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.optimizers import BLOCK_OPTIONS, COMPARED, LAB, PAPER, lab_entry, tuned_lrs
+from bench.optimizers import BLOCK_OPTIONS, COMPARED, LAB, lab_entry, tuned_lrs
 from bench.tools.markdown import markdown_table
-from dobb.registry import RENAMED
+from bench.tools.records import stamped
+from dobb.registry import PAPER_DOBB, RENAMED, get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
 from dobb.train.trainer import train
 
@@ -84,8 +85,11 @@ PRE_PROTOCOL_WEIGHT_DECAY = {"dion": 0.01, "dion2": 0.01, "nordion2": 0.01, "ada
 # Until Dobb's defaults became the recommended configuration (issue #43) they were the
 # paper's, so a "dobb" run logged before the lab's options pinned them (one-sided, the sign,
 # statistics averaged on refresh steps) took them without naming them; its block count was
-# always named, and a block width given beside it overrode it (now the lab drops the count)
-PRE_RECOMMENDED_OPTIONS = {"dobb": {k: v for k, v in PAPER.items() if k != "num_blocks"}}
+# always named, and a block width given beside it overrode it (now the lab drops the count).
+# Logs since carry what their entry built (``optimizer_settings``) and need no such rule.
+PRE_RECOMMENDED_OPTIONS = {
+    "dobb": {k: v for k, v in PAPER_DOBB.items() if k not in ("lr", "num_blocks")}
+}
 
 
 def weight_decay_of(config: dict[str, Any]) -> dict[str, float]:
@@ -133,16 +137,39 @@ def run_config(base: TrainConfig, optimizer: str, lr: float | None, out: Path) -
     )
 
 
-def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The fields of a logged config that decide what a run computes; a field added later
-    and missing from an older log takes its `ADDED_FIELDS` value (the old behaviour), and a
-    renamed optimizer its new name (``dobb.registry.RENAMED``)."""
+def logged_settings(record: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer a run log (``run.json``, ``diverged.json``) trained: its class and the
+    options it took beyond the class's defaults (``OptimizerEntry.settings``). A log written
+    before logs recorded them names an entry: a renamed one by its new name
+    (``dobb.registry.RENAMED``), and "dobb" with the defaults it had then
+    (``PRE_RECOMMENDED_OPTIONS``)."""
+    if "optimizer_settings" in record:
+        return record["optimizer_settings"]
+    config = record["config"]
+    name = RENAMED.get(config["optimizer"], config["optimizer"])
+    options = PRE_RECOMMENDED_OPTIONS.get(name, {}) | config["optimizer_options"]
+    return get_entry(name).settings(options)
+
+
+def settings_record(cfg: TrainConfig) -> dict[str, Any]:
+    """``cfg`` as a run log records it (the fields ``comparable_config`` reads)."""
+    settings = get_entry(cfg.optimizer).settings(cfg.optimizer_options)  # as the trainer's
+    return {"config": cfg.to_dict(), "optimizer_settings": settings}
+
+
+def comparable_config(record: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a run log (``run.json``: ``config`` and ``optimizer_settings``) that
+    decide what the run computes; a field added later and missing from an older log takes
+    its `ADDED_FIELDS` value (the old behaviour). The optimizer is compared by what it
+    built (``logged_settings``), so a configuration keeps matching its runs when the lab
+    names it anew (the paper's Dobb: logged as "dobb", now "dobb_paper")."""
+    config = record["config"]
     logged = ADDED_FIELDS | config | weight_decay_of(config)
-    logged["optimizer"] = RENAMED.get(logged["optimizer"], logged["optimizer"])  # older logs
-    options = PRE_RECOMMENDED_OPTIONS.get(logged["optimizer"], {}) | logged["optimizer_options"]
+    settings = logged_settings(record)
+    options = json.loads(json.dumps(settings["options"]))  # as logged: tuples are lists
     overridden = {count for count, width in BLOCK_OPTIONS if options.get(width) is not None}
     options = {k: v for k, v in options.items() if k != "weight_decay" and k not in overridden}
-    logged["optimizer_options"] = options
+    logged["optimizer"], logged["optimizer_options"] = settings["class"], options
     return {k: v for k, v in logged.items() if k not in UNCOMPARED}
 
 
@@ -150,8 +177,8 @@ def run(cfg: TrainConfig, log=print) -> dict[str, Any]:
     """Train `cfg` unless its directory holds a finished run of the same config."""
     out = Path(cfg.out_dir)
     if (out / "run.json").exists():
-        old = comparable_config(json.loads((out / "run.json").read_text())["config"])
-        new = comparable_config(cfg.to_dict())
+        old = comparable_config(json.loads((out / "run.json").read_text()))
+        new = comparable_config(settings_record(cfg))
         if old != new:
             diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
             raise FileExistsError(
@@ -198,8 +225,8 @@ def compare(
             grids[name] = sorted((lrs or {}).get(name) or [default * f for f in lr_factors])
         else:
             grids[name] = [tuned_lrs().get(name, default)]
-    results = {
-        name: [run(run_config(base, name, lr, out), log) for lr in grid]
+    results = {  # each summary under the lab's name (an older log keeps the name it ran as)
+        name: [run(run_config(base, name, lr, out), log) | {"optimizer": name} for lr in grid]
         for name, grid in grids.items()
     }
     best = {name: min(runs, key=lambda s: s["final_val_loss"]) for name, runs in results.items()}
@@ -321,6 +348,8 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
             return "best of the sweep below"
         if name in tuned_lrs():
             return "best in benchmarks/STUDY.md (width 128)"
+        if lab_entry(name).tuned_in == "(f)":  # the class's lr: its tuned lr at width 256
+            return "the class's default: its tuned lr at width 256 (benchmarks/STUDY.md (f))"
         return "registry starting value (not tuned)"
 
     lr_rows = [
@@ -328,7 +357,7 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
             name,
             f"{s['lr']:.4g}",
             "-" if s["scalar_lr"] is None else f"{s['scalar_lr']:.4g}",
-            _options(name),
+            options_text(name),
             source(name),
         ]
         for name, s in best.items()
@@ -374,14 +403,17 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
         for name, d in run_dirs.items()
     ]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps(report, indent=1, default=float))
+    (out / "results.json").write_text(json.dumps(stamped(report), indent=1, default=float))
 
 
-def _options(name: str) -> str:
-    options = OPTIONS.get(name) or {}
-    return (
-        ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in options.items()
-        )
-        or "-"
-    )
+def spell_options(options: dict[str, Any]) -> str:
+    """Options as `key=value, ...` (floats to 4 significant digits); "-" for none."""
+    spelt = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in options.items())
+    return ", ".join(spelt) or "-"
+
+
+def options_text(name: str) -> str:
+    """What the lab runs ``name`` with beyond its class's defaults, e.g.
+    `rank_fraction=0.0625`: its registry entry's settings and the lab's
+    (``OptimizerEntry.settings``)."""
+    return spell_options(get_entry(name).settings(OPTIONS.get(name))["options"])

@@ -112,21 +112,21 @@ def gpu_calibration(bench: Path) -> str:
 def prediction() -> str:
     """The cost model's GPT-2 XL prediction beside the paper's (section 5 of RESULTS.md)."""
     _, rows = paper_section(H100)
-    dobb = rows["dobb (hierarchical)"]
+    dobb = rows["dobb_paper (hierarchical)"]
 
     def total(label: str) -> str:
         return ms(rows[label]["total"])
 
     paper = PAPER_XL_32_H100_MS
     return (
-        f"It *predicts* GPT-2 XL on {XL_WORLD} H100 beside the paper's {paper['dobb']} ms / "
+        f"It *predicts* GPT-2 XL on {XL_WORLD} H100 beside the paper's {paper['dobb_paper']} ms / "
         f"{paper['dion']} ms (predicted: Dobb {ms(dobb['total'])} ms eager, of which matmul "
         f"and memory {ms(dobb['matmul'] + dobb['memory'])} ms, per-op costs "
         f"{ms(dobb['overhead'])} ms and the refresh's small factorizations "
-        f"{ms(dobb['factorization'])} ms; {total(captured_label('dobb'))} ms captured; Muon "
+        f"{ms(dobb['factorization'])} ms; {total(captured_label('dobb_paper'))} ms captured; Muon "
         f"{total('muon (hierarchical)')} ms; Dion {total('dion (hierarchical)')} ms; Dobb with "
         f"the Jacobi refresh it replaced {total(JACOBI)} ms, before batching "
-        f"{total(UNBATCHED['dobb'] + ' (hierarchical)')} ms)."
+        f"{total(UNBATCHED['dobb_paper'] + ' (hierarchical)')} ms)."
     )
 
 
@@ -196,7 +196,7 @@ def gpu_bullet(bench: Path) -> str:
     meta, calls = record["meta"], record["optimizers"]
     s = sorted(read(bench / "gpu" / "eigh.json")["eigh_backends"]["s"].items())[0]
     size, eigh = int(s[0]), s[1]
-    dobb = calls["dobb"]
+    dobb = calls["dobb_paper"]
 
     def t(entry: dict, key: str = "call_s") -> str:
         return f"{entry[key]['median'] * 1e3:.1f}"

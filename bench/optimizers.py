@@ -60,13 +60,17 @@ class LabEntry:
     """How reports name it in prose (``"two-sided Dobb"``)."""
     harness_options: dict[str, Any] = field(default_factory=dict)
     """Constructor overrides of the comparisons (``python -m bench compare`` and ``study``,
-    the communication table): the settings compared in the Dobb paper's abstract (Dobb's 16
-    blocks, Dion's rank 1/16: the classes' defaults, read from their configs and written
-    into every run's record). Row-blocked optimizers emulate FSDP over ``EMULATED_SHARDS``
+    the communication table) on top of the registry entry's settings, which are the
+    configuration the name stands for (the paper's Dobb's 16 blocks and the sign are
+    ``dobb_paper``'s own; Dion's rank 1/16 is its class's default, written into every run's
+    record). Besides the lr, an override only lays out a single process as a sharded job
+    would be: row-blocked optimizers emulate FSDP over ``EMULATED_SHARDS``
     (4) ranks in one process: MuonBP and BlockMuon tile each matrix's rows as its shards
-    would, Dion2 selects rows per such block, two-sided Dobb keeps one row basis per block,
-    with input blocks of ``DOBB_SIGN_INPUT_BLOCK`` (32) columns (which tile row-parallel TP's
-    column shards over 4 ranks at every width the study runs, >= 128)."""
+    would, Dion2 selects rows per such block, two-sided Dobb keeps one row basis per block.
+    One exception remains: two-sided Dobb also takes input blocks of
+    ``DOBB_SIGN_INPUT_BLOCK`` (32) columns, finer than the registry's ``dobb_sign`` (one
+    block up to 1,024 columns): its study runs were trained so, and (b) to (f) build on them
+    (the registry's ``dobb_sign`` is (f)'s "two-sided Dobb, one input block")."""
     tables: frozenset[str] = MEASURED
     """The tables of ``TABLES`` that carry it (BlockMuon's calls are MuonBP's block calls;
     the time-budget runs, ``bench.timebudget``, train the paper's comparison and BlockMuon
@@ -94,6 +98,10 @@ class LabEntry:
     registry's lr: the study's runs are named by their lr, and the registry's lrs have
     since become the tuned ones (``dobb.registry.TUNED_LR``)."""
 
+    tuned_in: str = "(a)"
+    """The study's section that tunes it: "(a)", the tuned comparison (its lr sweeps, seeds
+    and ablations), or "(f)", the tuned-at-each-width table only."""
+
     @property
     def start_lr(self) -> float:
         """The lab's starting lr of this entry: (a)'s grid centre, the main job's default."""
@@ -112,10 +120,6 @@ class LabEntry:
 
 
 _DOBB_CALLTIME = ("num_blocks", "basis_interval", "basis_method")
-# The lab's "dobb" is the paper's configuration (the registry's "dobb_paper", but for its lr,
-# which the lab tunes): its runs, named "dobb-...", were trained so before the library's
-# default became the recommended two-sided configuration
-PAPER = {k: v for k, v in PAPER_DOBB.items() if k != "lr"}
 _ROW_ONLY = dict(splits_columns=False)  # normalizes or selects whole rows
 _ROW_BLOCKS = {"row_blocks": EMULATED_SHARDS}
 _REFRESHES = dict(  # Dobb's periodic work: a refresh of the bases
@@ -125,14 +129,21 @@ LAB: dict[str, LabEntry] = {
     e.name: e
     for e in (
         LabEntry(
-            "dobb",
-            "Dobb",
-            PAPER,
+            "dobb_paper",
+            "Dobb (paper)",
             tables=MEASURED | {"timebudget"},
             **_REFRESHES,
             calltime_settings=_DOBB_CALLTIME,
-            calltime_fixed={k: v for k, v in PAPER.items() if k != "num_blocks"},
             grid_centre=1e-3,
+        ),
+        # the library's default; (a) does not tune it: (f) does, as "recommended Dobb"
+        LabEntry(
+            "dobb",
+            "Dobb",
+            tables=frozenset({"calltime"}),
+            **_REFRESHES,
+            calltime_settings=("basis_interval", "basis_method"),
+            tuned_in="(f)",
         ),
         LabEntry(
             "dobb_sign",
@@ -170,13 +181,12 @@ LAB: dict[str, LabEntry] = {
         LabEntry("adamw", "AdamW", tables=frozenset({"calltime", "timebudget"})),
     )
 }
-# the lab's Dobb, the entry the reports set the others' call times against
-SUBJECT = "dobb"
-COMPARED = tuple(LAB)  # the main job and the study: every entry, in this order
-# Registry entries the lab runs under another name: the paper's Dobb is the lab's "dobb"
-# (its harness options pin the paper's configuration, so its runs keep their names); the
-# library's default, the recommended Dobb, is studied in (f) (bench/study/tuning.py).
-STUDIED_AS = {"dobb_paper": "dobb", "dobb": "(f) recommended Dobb"}
+# the lab's Dobb, the entry the reports set the others' call times against: the paper's
+# configuration, whose call time the paper reports
+SUBJECT = "dobb_paper"
+RATIO_KEY = f"ratio_vs_{SUBJECT}"  # a call-time record's field: an entry's median over SUBJECT's
+COMPARED = tuple(LAB)  # the main job: every entry, in this order
+STUDIED = tuple(name for name, e in LAB.items() if e.tuned_in == "(a)")  # the study's (a)
 
 
 # A block count and a block width set the same thing: one given on top of the harness's
@@ -186,12 +196,17 @@ BLOCK_OPTIONS = (("num_blocks", "block_size"), ("row_blocks", "row_block_size"))
 
 def with_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     """Entry ``name``'s harness options with ``options`` on top, where a block count or
-    width in ``options`` replaces the harness's other one (``BLOCK_OPTIONS``)."""
+    width in ``options`` replaces the other one: the harness's is dropped, the registry
+    entry's is set to None (the paper's Dobb names 16 blocks: ``block_size=32`` replaces
+    them)."""
     merged = dict(LAB[name].harness_options) | options
+    named = get_entry(name).hyperparameters
     for pair in BLOCK_OPTIONS:
         for given, other in (pair, pair[::-1]):
             if options.get(given) is not None and other not in options:
                 merged.pop(other, None)
+                if named.get(other) is not None:
+                    merged[other] = None
     return merged
 
 

@@ -113,6 +113,14 @@ class OptimizerEntry:
         """True if each step needs activation statistics from forward passes (Dobb)."""
         return issubclass(self.cls, Dobb)
 
+    def settings(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What this entry builds beyond its class's defaults, the lr aside: its class's name
+        and its hyperparameters with ``options`` on top. Run logs record it
+        (``optimizer_settings``), so a log keeps saying what trained after an entry's meaning
+        changes (``dobb``'s did: the paper's configuration, then the recommended one)."""
+        named = {k: v for k, v in self.hyperparameters.items() if k != "lr"}
+        return {"class": self.cls.__name__, "options": named | dict(options or {})}
+
     def distributed_options(self, data_parallel) -> dict[str, Any]:
         """Constructor arguments for a job whose DDP or FSDP averages the gradients over
         ``data_parallel`` (a ProcessGroup or a mesh of data axes; None: one process): the

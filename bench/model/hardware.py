@@ -94,7 +94,7 @@ class Hardware:
 
     @classmethod
     def from_json(cls, data: dict) -> "Hardware":
-        data = dict(data)
+        data = {k: v for k, v in data.items() if k != "lab_names"}  # the record's naming
         data["bmm_rates"] = {int(k): v for k, v in data["bmm_rates"].items()}
         data["eigh_s"] = tuple(data["eigh_s"])
         return cls(**data)

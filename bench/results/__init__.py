@@ -29,6 +29,7 @@ from bench.model.workload import hidden_matrices
 from bench.results import calibrate, calltime, calltime_sharded
 from bench.results.report import CALIBRATION_FILE, CALLTIME_FILE, RUN_FILE, render
 from bench.results.sections import gpu_section
+from bench.tools.records import stamped
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # the repository's
 FULL = dict(config="gpt2-xl", layers=1, tokens=512, repeats=5, calls=1, warmup=1)
@@ -62,7 +63,7 @@ def measure(
     matrices = hidden_matrices(settings["config"], settings["layers"])
     log("calibrating the cost model on this machine ...")
     hw = calibrate.calibrate("cpu", matrices, quick=quick, progress=log)
-    (out_dir / CALIBRATION_FILE).write_text(json.dumps(hw.to_json(), indent=1))
+    (out_dir / CALIBRATION_FILE).write_text(json.dumps(stamped(hw.to_json()), indent=1))
     thread_flag = f" --threads {threads}" if threads else ""
     shown = out_dir.resolve()
     shown = shown.relative_to(Path.cwd()) if shown.is_relative_to(Path.cwd()) else shown

@@ -31,6 +31,7 @@ from bench.model.workload import Matrix, dion_rank, hidden_matrices
 from bench.optimizers import CALL_SETTINGS
 from bench.results.calltime import OPTIMIZERS, device_name, optimizer_overrides, write_json
 from bench.results.linear_stack import LinearStack, Progress, forward_backward
+from bench.tools.records import stamped
 from bench.tools.timing import timed
 from dobb.optim.config import batched_by_default
 from dobb.registry import build_optimizer, get_entry
@@ -333,7 +334,8 @@ def main(argv: list[str]) -> None:
     if argv[0] == "calibrate":
         matrices = hidden_matrices(args.config, args.layers)
         kw = dict(num_blocks=args.num_blocks, rank_fraction=args.rank_fraction)
-        result = calibrate(args.device, matrices, quick=args.quick, progress=log, **kw).to_json()
+        hw = calibrate(args.device, matrices, quick=args.quick, progress=log, **kw)
+        result = stamped(hw.to_json())  # its matrix_s is keyed by today's lab names
     else:
         result = {"eigh_backends": eigh_backends(args.device, progress=log)}
     if args.out:

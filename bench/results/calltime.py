@@ -59,12 +59,15 @@ from bench.optimizers import (
     DOBB_SIGN_ROW_BLOCKS,
     EMULATED_SHARDS,
     LAB,
+    RATIO_KEY,
+    SUBJECT,
     in_table,
     lab_entry,
 )
 from bench.results.linear_stack import LinearStack, Progress, autocast_context, hook_overhead
 from bench.tools.markdown import markdown_table
 from bench.tools.matmul_dtype import fastest_ns_dtype
+from bench.tools.records import LAB_NAMES
 from bench.tools.timing import spread, timed
 from dobb.optim.config import batched_by_default
 from dobb.optim.dobb import Dobb
@@ -266,10 +269,10 @@ def summarize(results: dict, optimizers: dict, params: list[Tensor]) -> dict:
         entry["state_bytes"] = state
         entry["state_bytes_per_param"] = state / numel
         out[name] = entry
-    if "dobb" in out:
-        base = out["dobb"]["call_s"]["median"]
+    if SUBJECT in out:
+        base = out[SUBJECT]["call_s"]["median"]
         for entry in out.values():
-            entry["ratio_vs_dobb"] = entry["call_s"]["median"] / base
+            entry[RATIO_KEY] = entry["call_s"]["median"] / base
     return out
 
 
@@ -318,6 +321,7 @@ def run(
     stack = LinearStack(matrices, tokens, device=device_, seed=seed)
     newton_schulz = fastest_ns_dtype(device_, ns_dtype)
     record = {
+        "lab_names": LAB_NAMES,  # the record names optimizers as the lab's table does today
         "meta": {
             "config": config,
             "layers": layers,
@@ -348,7 +352,7 @@ def run(
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "command": command,
             "complete": False,
-        }
+        },
     }
 
     def write(partial: dict | None = None) -> None:
@@ -408,7 +412,7 @@ def format_table(record: dict) -> str:
                 f"{c['median']:.1f}",
                 f"{c['q1']:.1f}–{c['q3']:.1f}",
                 f"{c['min']:.1f}–{c['max']:.1f}",
-                f"{e.get('ratio_vs_dobb', float('nan')):.2f}",
+                f"{e.get(RATIO_KEY, float('nan')):.2f}",
                 f"{e['state_bytes_per_param']:.3f}",
             ]
         )

@@ -6,7 +6,7 @@ out-of-memory or a timeout costs that optimizer's row, not the others'), then me
     python -m bench.results.calltime_merge --out calltime_xl.json part_dobb.json part_muon.json
 
 The merged record has the first readable part's ``meta`` and ``hooks``, every part's
-``optimizers`` entries (``ratio_vs_dobb`` recomputed over all of them), ``meta.commands``
+``optimizers`` entries (``RATIO_KEY`` recomputed over all of them), ``meta.commands``
 (one per part), ``meta.complete`` (every part complete) and ``meta.missing`` (the parts that
 could not be read, or were incomplete, by file name). Parts timed on another device, or
 with another Newton-Schulz dtype, are refused: one table never mixes machines.
@@ -15,8 +15,9 @@ with another Newton-Schulz dtype, are refused: one table never mixes machines.
 import argparse
 from pathlib import Path
 
+from bench.optimizers import RATIO_KEY, SUBJECT
 from bench.results.calltime import write_json
-from bench.tools.records import read_record
+from bench.tools.records import read_record, stamped
 
 
 def setting(record: dict, key: str):
@@ -41,7 +42,8 @@ def merge(parts: list[Path]) -> dict:
             missing.append(path.name)
         commands.append(part.get("meta", {}).get("command", ""))
         if record is None:
-            record = {"meta": dict(part["meta"]), "hooks": part.get("hooks"), "optimizers": {}}
+            record = stamped({"meta": dict(part["meta"]), "hooks": part.get("hooks")})
+            record["optimizers"] = {}  # each part's, read under today's names
         for key in ("device_name", "ns_dtype"):  # never one table from two machines
             if setting(part, key) != setting(record, key):
                 raise ValueError(
@@ -53,11 +55,9 @@ def merge(parts: list[Path]) -> dict:
         raise ValueError(f"no readable call-time record among {[p.name for p in parts]}")
     optimizers = record["optimizers"]
     for entry in optimizers.values():
-        entry.pop("ratio_vs_dobb", None)
-        if "dobb" in optimizers:
-            entry["ratio_vs_dobb"] = (
-                entry["call_s"]["median"] / optimizers["dobb"]["call_s"]["median"]
-            )
+        entry.pop(RATIO_KEY, None)
+        if SUBJECT in optimizers:
+            entry[RATIO_KEY] = entry["call_s"]["median"] / optimizers[SUBJECT]["call_s"]["median"]
     record["meta"].update(complete=not missing, missing=missing, commands=commands)
     record["meta"]["command"] = " ; ".join(c for c in commands if c)
     return record

@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from bench.model.workload import hidden_matrices
-from bench.optimizers import CALL_SETTINGS, lab_entry
+from bench.optimizers import CALL_SETTINGS, SUBJECT, lab_entry
 from bench.results.calltime import OPTIMIZERS, device_name, time_optimizers
 from bench.results.linear_stack import LinearStack, forward_backward
 from bench.tools.matmul_dtype import fastest_ns_dtype
+from bench.tools.records import stamped
 from dobb.registry import get_entry
 from dobb.train.parallel import ROW_PARALLEL
 
@@ -169,7 +170,7 @@ def table(record: dict) -> str:
     ]
     for name in names:
         t = slowest[name]
-        ratio = t["median"] / slowest["dobb"]["median"] if "dobb" in slowest else float("nan")
+        ratio = t["median"] / slowest[SUBJECT]["median"] if SUBJECT in slowest else float("nan")
         lines.append(
             f"| {name} | {layout} | {world} | {t['median']:.1f} | {t['q1']:.1f}–{t['q3']:.1f} "
             f"| {ratio:.2f} |"
@@ -220,7 +221,7 @@ def main(argv: list[str]) -> None:
         timeout=args.timeout,
     )
     if args.out:
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        args.out.write_text(json.dumps(stamped(record), indent=1) + "\n")
     print(f"`{record['command']}`, torch {torch.__version__}\n")
     print(table(record))
 

@@ -133,7 +133,7 @@ def report(results: list[list[dict]], world: int, config: str, command: str) -> 
         "gradient reduction in the backward pass is not counted. Dion: rank fraction "
         f"{fraction}, randomized Cholesky QR. Muon: bf16 Newton-Schulz; under DDP the replicas "
         "split the matrices (Keller's distributed Muon). Dobb: basis interval "
-        f"{settings['dobb']['basis_interval']} (step 1 refreshes). MuonBP: period "
+        f"{settings['dobb_paper']['basis_interval']} (step 1 refreshes). MuonBP: period "
         f"{settings['muonbp']['period']} (step 1 is a full step, step 2 a block step on local "
         "shards).",
         "",

@@ -25,7 +25,7 @@ from bench.model.workload import (
     hidden_matrices,
     transformer_matrices,
 )
-from bench.optimizers import CALL_SETTINGS, in_table
+from bench.optimizers import CALL_SETTINGS, in_table, lab_entry
 from bench.tools.markdown import markdown_table
 from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH
 from dobb.stats import block_stacks
@@ -35,19 +35,19 @@ SETTINGS = CALL_SETTINGS  # the hyperparameters of every prediction here
 OPTIMIZERS = in_table("calltime")  # the optimizers predicted: the call-time table's
 # sensitivity rows: another option of ours, or our implementation before batching
 VARIANTS = {
-    "Dobb, refresh replicated (shard_refresh=False)": ("dobb", dict(refresh="replicated")),
-    "Dobb, eigh refresh (torch.linalg.eigh per block)": ("dobb", dict(solver="eigh")),
-    "Dobb, Jacobi refresh (the CUDA default before #32)": ("dobb", dict(solver="jacobi")),
+    "Dobb, refresh replicated (shard_refresh=False)": ("dobb_paper", dict(refresh="replicated")),
+    "Dobb, eigh refresh (torch.linalg.eigh per block)": ("dobb_paper", dict(solver="eigh")),
+    "Dobb, Jacobi refresh (the CUDA default before #32)": ("dobb_paper", dict(solver="jacobi")),
     "Dobb before batching (per-matrix ops, eigh)": (
-        "dobb",
+        "dobb_paper",
         dict(launches="per_matrix", solver="eigh"),
     ),
     "Muon before batching (per-matrix ops)": ("muon", dict(launches="per_matrix")),
     "MuonBP before batching (per-matrix ops)": ("muonbp", dict(launches="per_matrix")),
     "BlockMuon (period None)": ("muonbp", dict(period=None)),
 }
-UNBATCHED = {"dobb": "Dobb before batching (per-matrix ops, eigh)"}  # dashed in the plots
-CAPTURED = ("dobb", "muon")  # also priced as a replayed CUDA graph (hardware.captured)
+UNBATCHED = {"dobb_paper": "Dobb before batching (per-matrix ops, eigh)"}  # dashed in the plots
+CAPTURED = ("dobb_paper", "muon")  # also priced as a replayed CUDA graph (hardware.captured)
 # Published figures the assumed constants of ``bench.model.hardware`` rest on (its comments
 # give the same sources); quoted beside the constants, never used by the model.
 NVLINK4_BYTES_S = 450e9  # per direction per GPU (NVLink 4 datasheet)
@@ -66,8 +66,11 @@ def ms(seconds: float) -> str:
 
 
 def xl_predict(name: str, matrices, hw: Hardware, **options) -> dict[str, float]:
-    """``predict`` of ``name`` with ``SETTINGS`` (``options`` override them)."""
-    return predict(name, matrices, hw, **{**SETTINGS, **options})
+    """``predict`` of ``name`` with the ``SETTINGS`` its lab entry takes in the call-time
+    runs (``calltime_settings``; the recommended Dobb keeps its own blocks), ``options``
+    over them."""
+    taken = {k: v for k, v in SETTINGS.items() if k in lab_entry(name).calltime_settings}
+    return predict(name, matrices, hw, **{**taken, **options})
 
 
 def predict_variant(label, matrices, hw, **options):
@@ -108,9 +111,9 @@ def paper_section(hw: Hardware = H100) -> tuple[str, dict[str, dict[str, float]]
             network=Network(algorithm=algorithm),
             collectives="per_matrix",
         )
-    dobb, dion = rows["dobb (hierarchical)"]["total"], rows["dion (hierarchical)"]["total"]
-    before = rows[UNBATCHED["dobb"] + " (hierarchical)"]["total"]
-    replayed = rows[captured_label("dobb")]["total"]
+    dobb, dion = rows["dobb_paper (hierarchical)"]["total"], rows["dion (hierarchical)"]["total"]
+    before = rows[UNBATCHED["dobb_paper"] + " (hierarchical)"]["total"]
+    replayed = rows[captured_label("dobb_paper")]["total"]
     paper = PAPER_XL_32_H100_MS
 
     def versus(label, model, reference):
@@ -119,11 +122,11 @@ def paper_section(hw: Hardware = H100) -> tuple[str, dict[str, dict[str, float]]
     table = markdown_table(
         ["", "paper (ms)", "model, our implementation (ms)", "model / paper"],
         [
-            versus("Dobb", dobb, paper["dobb"]),
-            versus("Dobb, captured (CUDA graph replay)", replayed, paper["dobb"]),
+            versus("Dobb", dobb, paper["dobb_paper"]),
+            versus("Dobb, captured (CUDA graph replay)", replayed, paper["dobb_paper"]),
             versus("Dion", dion, paper["dion"]),
-            ["Dion / Dobb", f"{paper['dion'] / paper['dobb']:.1f}", f"{dion / dobb:.2f}", ""],
-            versus(UNBATCHED["dobb"], before, paper["dobb"]),
+            ["Dion / Dobb", f"{paper['dion'] / paper['dobb_paper']:.1f}", f"{dion / dobb:.2f}", ""],
+            versus(UNBATCHED["dobb_paper"], before, paper["dobb_paper"]),
         ],
         "lrrr",
         pad=False,
@@ -211,8 +214,8 @@ def sweep_tables(hw: Hardware = H100) -> tuple[str, dict, dict]:
 def scaling(worlds: dict[str, list[float]], widths: dict[str, list[float]]) -> str:
     """What drives each curve of the sweeps (``sweep_tables``' series), with their numbers."""
     first, last = WORLDS[0], WORLDS[-1]
-    dobb, dion, muon = worlds["dobb"], worlds["dion"], worlds["muon"]
-    before = worlds[UNBATCHED["dobb"]]
+    dobb, dion, muon = worlds["dobb_paper"], worlds["dion"], worlds["muon"]
+    before = worlds[UNBATCHED["dobb_paper"]]
     turn = WORLDS[min(range(len(WORLDS)), key=muon.__getitem__)]
     models, nb, period = list(WIDTHS), SETTINGS["num_blocks"], SETTINGS["period"]
     return f"""\
@@ -232,8 +235,8 @@ batching, per-matrix ops and a per-block eigh):
 - MuonBP (P = {period}) runs Newton-Schulz on every rank's shard of every matrix on its block
   steps, batched per shape; its full steps' all-to-alls grow with p.
 - AdamW falls as 1/p: elementwise on the local shard, no communication.
-- With width ({XL_WORLD} GPUs, {models[0]} to {models[-1]}: Dobb {ms(widths["dobb"][0])} to
-  {ms(widths["dobb"][-1])} ms), Dobb's block size grows (s = d/{nb} and 4d/{nb} with {nb}
+- With width ({XL_WORLD} GPUs, {models[0]} to {models[-1]}: Dobb {ms(widths["dobb_paper"][0])} to
+  {ms(widths["dobb_paper"][-1])} ms), Dobb's block size grows (s = d/{nb} and 4d/{nb} with {nb}
   blocks) and its refresh with s³; a fixed block size would keep it linear in d. Muon's
   whole-matrix Newton-Schulz grows as d³ on the owner; MuonBP's block steps as d³/p.
 - By layout (last table): HSDP shares Dobb's refresh only among the ranks of a replica (the
@@ -245,12 +248,12 @@ batching, per-matrix ops and a per-block eigh):
 
 def discussion(rows: dict[str, dict[str, float]]) -> str:
     """How to read the GPT-2 XL prediction, with its numbers (``rows`` of ``paper_section``)."""
-    dobb, dion = rows["dobb (hierarchical)"], rows["dion (hierarchical)"]
+    dobb, dion = rows["dobb_paper (hierarchical)"], rows["dion (hierarchical)"]
     replicated = rows["Dobb, refresh replicated (shard_refresh=False) (hierarchical)"]
     eigh = rows["Dobb, eigh refresh (torch.linalg.eigh per block) (hierarchical)"]
     jacobi = rows["Dobb, Jacobi refresh (the CUDA default before #32) (hierarchical)"]
-    replayed = rows[captured_label("dobb")]
-    before = rows[UNBATCHED["dobb"] + " (hierarchical)"]
+    replayed = rows[captured_label("dobb_paper")]
+    before = rows[UNBATCHED["dobb_paper"] + " (hierarchical)"]
     muonbp, muon = rows["muonbp (hierarchical)"], rows["muon (hierarchical)"]
     paper = PAPER_XL_32_H100_MS
 
@@ -259,7 +262,7 @@ def discussion(rows: dict[str, dict[str, float]]) -> str:
 
     xl = hidden_matrices("gpt2-xl")
     shapes = len({(m.d_out, m.d_in) for m in xl})
-    refresh = build_work("dobb", xl, layout=Layout(shard=XL_WORLD), **SETTINGS, solver="eigh")
+    refresh = build_work("dobb_paper", xl, layout=Layout(shard=XL_WORLD), **SETTINGS, solver="eigh")
     blocks_per_rank = sum(k.count for k in refresh.refresh if k.kind == "eigh")
     rounds, issued = dion_all_reduces(), dion_all_reduces("per_matrix")
     per_matrix = ms(rows[f"Dion, {rounds} all-reduces per matrix (hierarchical)"]["total"])
@@ -283,8 +286,8 @@ How to read this (and where and why it disagrees with the paper):
   with NCCL-like two-level collectives and {per_matrix_ring} ms on one flat ring.
   The agreement with the paper rests on assumed latencies of small cuSOLVER calls and of
   PyTorch ops (the GPU section measures both on an H200).
-- **Dobb**: {ms(dobb["total"])} ms predicted against the paper's {paper["dobb"]} ms
-  ({dobb["total"] * 1e3 / paper["dobb"]:.1f}x; Muon {ms(muon["total"])} ms): matmul and memory
+- **Dobb**: {ms(dobb["total"])} ms predicted against the paper's {paper["dobb_paper"]} ms
+  ({dobb["total"] * 1e3 / paper["dobb_paper"]:.1f}x; Muon {ms(muon["total"])} ms): matmul and memory
   {ms(dobb["matmul"] + dobb["memory"])} ms, per-op costs {ms(dobb["overhead"])} ms, the
   refresh's small factorizations {ms(dobb["factorization"])} ms and the statistics
   all-reduce and bases all-gather {ms(dobb["comm_latency"] + dobb["comm_bandwidth"])} ms
@@ -299,7 +302,7 @@ How to read this (and where and why it disagrees with the paper):
   {ms(muonbp["overhead"])} ms are per-op costs: shard-local Newton-Schulz on a rank's rows
   is cheap (a = d_out / p).
 - So the predicted Dion/Dobb ratio ({dion["total"] / dobb["total"]:.1f} for our batched code,
-  {dion["total"] / before["total"]:.2f} before batching, {paper["dion"] / paper["dobb"]:.1f}
+  {dion["total"] / before["total"]:.2f} before batching, {paper["dion"] / paper["dobb_paper"]:.1f}
   in the paper) hinges on assumed constants: per-op and factorization latencies above all.
   Read the absolute numbers as order-of-magnitude and the breakdown as the useful part.
 """

@@ -55,6 +55,7 @@ from bench.study.moe import check_moe_tuned, run_moe
 from bench.study.report import write_document
 from bench.study.runs import Runner, base_config, code_version, load_spec, run_study
 from bench.study.tuning import run_tuning
+from bench.tools.records import stamped
 
 
 def study(
@@ -106,6 +107,6 @@ def study(
         "new_runs": runner.new_runs,
     }
     write_document(report, out, doc)
-    (out / "study.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "study.json").write_text(json.dumps(stamped(report), indent=1, default=str))
     log(f"{runner.new_runs} new runs; report: {doc}")
     return report

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import compare
-from bench.compare import OPTIMIZERS, read_metrics
+from bench.compare import read_metrics
+from bench.optimizers import STUDIED
 from bench.study import gap as study_gap
 from bench.study import moe as study_moe
 from bench.study import tuning as study_tuning
@@ -27,7 +28,7 @@ from bench.study.runs import (
 from bench.study.stats import NOISE_FACTOR, compare_seeds, seed_stats
 from dobb.train.config import TrainConfig
 
-BASELINES = tuple(name for name in OPTIMIZERS if name != "dobb")
+BASELINES = tuple(name for name in STUDIED if name != "dobb_paper")
 
 
 def trace_difference(out: Path, run_a: str, run_b: str) -> float:
@@ -61,7 +62,7 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
     """The numbers of the report, from the runs' summaries and logs."""
     best_lr, main = results["best_lr"], results["main"]
     seeds = {name: seed_stats(runs) for name, runs in results["seeds"].items()}
-    pairs = {name: compare_seeds(seeds["dobb"], seeds[name]) for name in BASELINES}
+    pairs = {name: compare_seeds(seeds["dobb_paper"], seeds[name]) for name in BASELINES}
     references = {  # each ablated optimizer at its tuned lr, seed 0, and its seed noise
         name: {
             "run": results["seeds"][name][0]["run"],
@@ -71,9 +72,9 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
         for name in dict.fromkeys(ab.optimizer for ab, _ in results["ablations"])
     }
     rows = _ablation_rows(results, seeds, references)
-    width_noise = compare_seeds(seeds["dobb"], seeds["dion"])["pooled_std"] * NOISE_FACTOR
+    width_noise = compare_seeds(seeds["dobb_paper"], seeds["dion"])["pooled_std"] * NOISE_FACTOR
     used = {s["run"]: s for runs in _all_runs(results) for s in runs}
-    info = json.loads((out / "runs" / references["dobb"]["run"] / "run.json").read_text())
+    info = json.loads((out / "runs" / references["dobb_paper"]["run"] / "run.json").read_text())
     return {
         "budget": {k: v for k, v in base.to_dict().items() if k not in compare.UNCOMPARED},
         "spec": asdict(spec),
@@ -88,7 +89,7 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
         "pairs": pairs,
         "references": references,
         "ablations": rows,
-        "checks": _checks(out, results, rows, references["dobb"]["run"]),
+        "checks": _checks(out, results, rows, references["dobb_paper"]["run"]),
         "width": results["width"],
         "width_noise": width_noise,
         "widths": _width_rows(spec, results, width_noise),
@@ -173,8 +174,8 @@ def _checks(out: Path, results: dict, rows: list[dict], dobb_run: str) -> dict[s
             )
     signum = [r for r in rows if is_one_column(r, results["width"])]
     identity = [r for r in rows if r["option"] == "basis_source" and r["value"] == "identity"]
-    if signum and identity and best_lr["dobb"] in signum[0]["lrs"]:
-        run = signum[0]["runs"][signum[0]["lrs"].index(best_lr["dobb"])]
+    if signum and identity and best_lr["dobb_paper"] in signum[0]["lrs"]:
+        run = signum[0]["runs"][signum[0]["lrs"].index(best_lr["dobb_paper"])]
         checks["signum"] = trace_difference(out, identity[0]["runs"][0], run)
     return checks
 

@@ -20,7 +20,7 @@ def findings(report: dict[str, Any]) -> list[str]:
     """Plain-language statements, each computed from the report's numbers."""
     return [
         *_comparison_findings(report),
-        *_ablation_findings(report, "dobb"),
+        *_ablation_findings(report, "dobb_paper"),
         *_signum_findings(report),
         *_check_findings(report),
         *_width_findings(report),
@@ -189,7 +189,7 @@ def _scope_findings(report: dict[str, Any]) -> list[str]:
         )
     budget = report["budget"]
     tokens = budget["steps"] * budget["batch_size"] * budget["block_size"]
-    scalar = sorted({get_entry(n).scalar_lr for n in BASELINES + ("dobb",)} - {None})
+    scalar = sorted({get_entry(n).scalar_lr for n in BASELINES + ("dobb_paper",)} - {None})
     lines.append(
         f"Scope: one {report['info']['num_params']:,}-parameter byte-level GPT, {tokens:,} "
         "tokens per run, one process per run on CPU. Only the hidden-matrix lr is tuned: the "

@@ -3,7 +3,6 @@
 import math
 from typing import Any
 
-from bench.compare import OPTIONS
 from bench.study.stats import NOISE_FACTOR
 from bench.tools.markdown import markdown_table
 from dobb.registry import get_entry
@@ -20,17 +19,6 @@ def fmt_loss(x: float | None) -> str:
 def title(name: str) -> str:
     """The optimizer's class name: Dobb, MuonBP, ..."""
     return get_entry(name).cls.__name__
-
-
-def options_text(name: str) -> str:
-    """The options of `name` in (a), e.g. `rank_fraction=0.0625`."""
-    return spell_options(OPTIONS[name])
-
-
-def spell_options(options: dict[str, Any]) -> str:
-    """Options as `key=value, ...` (floats to 4 significant digits); "-" for none."""
-    spelt = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in options.items())
-    return ", ".join(spelt) or "-"
 
 
 def label(row: dict[str, Any]) -> str:

@@ -48,8 +48,8 @@ REFERENCE_OPTIMIZERS = ("muon", "blockmuon")  # each variant's seeds are set aga
 # over shard counts; the unblocked Dobb each is set against (its loss at every count); the
 # width trend's optimizers, the wider widths' (the costliest runs) and its reference, Muon
 SHARD_TREND = ("dobb_sign", "blockmuon", "muonbp")
-UNBLOCKED = "dobb"
-WIDTH_TREND = ("dobb", "dobb_sign", "blockmuon", "muon")
+UNBLOCKED = "dobb_paper"
+WIDTH_TREND = ("dobb_paper", "dobb_sign", "blockmuon", "muon")
 WIDER = ("muon", "blockmuon")
 REFERENCE = "muon"
 GOAL_GAP, GOAL_WIDTHS = 0.02, 2  # the goal: within GOAL_GAP of Muon at GOAL_WIDTHS widths
@@ -79,10 +79,10 @@ def variants() -> list[Variant]:
     blocks of 32 columns (``compare.OPTIONS["dobb_sign"]``)."""
     adam = {"coefficients": "adam", "update_scale": 1.0}  # RMS ~0.2 by itself
     return [
-        Variant("Dobb, input blocks of 32", "dobb", {"block_size": 32}),
-        Variant("Dobb, input blocks of 64", "dobb", {"block_size": 64}),
-        Variant("Dobb, one input block", "dobb", {"num_blocks": 1}),
-        Variant("Dobb, Adam coefficients", "dobb", adam),
+        Variant("Dobb, input blocks of 32", "dobb_paper", {"block_size": 32}),
+        Variant("Dobb, input blocks of 64", "dobb_paper", {"block_size": 64}),
+        Variant("Dobb, one input block", "dobb_paper", {"num_blocks": 1}),
+        Variant("Dobb, Adam coefficients", "dobb_paper", adam),
         Variant("two-sided, input blocks of 64", "dobb_sign", {"block_size": 64}),
         Variant("two-sided, one input block", "dobb_sign", WHOLE),
         Variant(

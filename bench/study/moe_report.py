@@ -5,7 +5,8 @@ pair's difference against the seed noise, and the lr sweeps' plot."""
 import math
 from pathlib import Path
 
-from bench.study.format import NOISE, fmt_loss, in_words, spell_options
+from bench.compare import spell_options
+from bench.study.format import NOISE, fmt_loss, in_words
 from bench.study.stats import NOISE_FACTOR
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import compare
+from bench.compare import options_text
 from bench.study.findings import findings
-from bench.study.format import NOISE, fmt_loss, options_text, table, title
+from bench.study.format import NOISE, fmt_loss, table, title
 from bench.study.gap_report import gap_section
 from bench.study.moe_report import moe_section
 from bench.study.plots import plot_ablations, plot_widths
@@ -30,7 +31,7 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         return Path(os.path.relpath(out / name, doc.parent)).as_posix()
 
     seeds, best_lr, spec = report["seeds"], report["best_lr"], report["spec"]
-    dobb, muonbp = report["references"]["dobb"], report["references"]["muonbp"]
+    dobb, muonbp = report["references"]["dobb_paper"], report["references"]["muonbp"]
     sweeps = {  # compare's plot wants summaries; a diverged run is a gap (NaN)
         name: [
             {"lr": s["lr"], "final_val_loss": s["loss"] if s["loss"] < math.inf else math.nan}
@@ -40,7 +41,7 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
     }
     runs, unlogged = curve_runs(out, seeds, best_lr)
     plots = [compare.plot_sweep(out, sweeps), *compare.plot_curves(out, runs)]
-    ablation_plot = plot_ablations(out, report, "dobb", "ablations.png")
+    ablation_plot = plot_ablations(out, report, "dobb_paper", "ablations.png")
     period_plot = plot_ablations(out, report, "muonbp", "muonbp_period.png")
     width_plot = plot_widths(out, report)
     model = gpt_config(report["budget"]["model"], **report["budget"]["model_overrides"])
@@ -118,15 +119,15 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         "",
         "## (b) Dobb ablations",
         "",
-        f"Each row changes one option of Dobb ({options_text('dobb')}, class defaults "
+        f"Each row changes one option of Dobb ({options_text('dobb_paper')}, class defaults "
         "otherwise) and is compared with Dobb's seed-0 run at its tuned lr "
-        f"({fmt_loss(dobb['loss'])}, lr {best_lr['dobb']:.4g}). num_blocks and "
+        f"({fmt_loss(dobb['loss'])}, lr {best_lr['dobb_paper']:.4g}). num_blocks and "
         f"update_scale move the best lr, so they run at {spec['ablation_lr_factors']} x an lr "
         "centre (Dobb's tuned lr; for a numeric update_scale the lr keeping alpha x lr; for "
         f"'muon' Muon's tuned lr) and report the best. Beyond noise: |Δ| > {NOISE} Dobb's seed std "
         f"({dobb['noise']:.4f}).",
         "",
-        _ablation_table(report, "dobb"),
+        _ablation_table(report, "dobb_paper"),
         "",
         f"![ablations]({link(ablation_plot)})",
         "",

@@ -21,8 +21,8 @@ import torch
 import yaml
 
 from bench import compare
-from bench.compare import OPTIMIZERS, OPTIONS
-from bench.optimizers import lab_entry, with_options
+from bench.compare import OPTIONS
+from bench.optimizers import STUDIED, lab_entry, with_options
 from dobb.optim.dobb_core import update_alpha, update_scale_of
 from dobb.registry import get_entry
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
@@ -32,7 +32,7 @@ DEFAULT_CONFIG = Path(__file__).with_name("budget.yaml")  # the lab's: not in th
 PER_RUN = (*compare.PER_RUN, "seed")  # set by the study for each run
 
 # (c)'s design, by lab name: the paper's comparison, Dobb against Dion, at each width
-WIDTH_PAIR = ("dobb", "dion")
+WIDTH_PAIR = ("dobb_paper", "dion")
 
 
 # ---- the budget ----------------------------------------------------------------------
@@ -88,7 +88,7 @@ class StudySpec:
             "tuning_max_extensions": self.tuning_max_extensions >= 0,
             "tuning_seeds": self.tuning_seeds >= 2,
             "tuning_wide_seeded": self.tuning_wide_seeded >= 0,
-            "moe_optimizers": set(self.moe_optimizers) <= set(OPTIMIZERS),
+            "moe_optimizers": set(self.moe_optimizers) <= set(STUDIED),
             "moe_model": not (self.moe_optimizers or self.moe_tuned)
             or self.moe_model.get("n_experts", 0) > 0,
             "moe_lr_factors": len(self.moe_lr_factors) >= 2 and min(self.moe_lr_factors) > 0,
@@ -154,7 +154,7 @@ def run_config(
 ) -> TrainConfig:
     """`base` for one run, logging under `out/runs/<name>`; the name spells what differs.
 
-    Runs of (a) at seed 0 are named as `python -m bench compare` names them (`dobb-lr0.002`).
+    Runs of (a) at seed 0 are named as `python -m bench compare` names them (`dobb_paper-lr0.002`).
     `train`: TrainConfig fields set for this run (e.g. `eval_ema`); `model`: GPTConfig
     fields on top of `base.model_overrides` (e.g. (g)'s `n_experts`), named first.
     """
@@ -248,7 +248,8 @@ def _run_unlocked(cfg: TrainConfig, out: Path) -> dict[str, Any]:
     marker = out / "diverged.json"
     if marker.exists():
         old = json.loads(marker.read_text())
-        if compare.comparable_config(old["config"]) != compare.comparable_config(cfg.to_dict()):
+        new = compare.settings_record(cfg)
+        if compare.comparable_config(old) != compare.comparable_config(new):
             raise FileExistsError(f"{out} holds a diverged run with a different config")
         return old["summary"]
     if not (out / "summary.json").exists():
@@ -258,7 +259,7 @@ def _run_unlocked(cfg: TrainConfig, out: Path) -> dict[str, Any]:
     except FloatingPointError as e:  # NonFiniteGradientError from a matrix optimizer
         summary = {"optimizer": cfg.optimizer, "lr": cfg.lr, "final_val_loss": math.nan}
         summary["diverged"] = str(e).splitlines()[0]
-        marker.write_text(json.dumps({"config": cfg.to_dict(), "summary": summary}, indent=1))
+        marker.write_text(json.dumps(compare.settings_record(cfg) | {"summary": summary}, indent=1))
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
         print(f"{out.name}: diverged ({summary['diverged']})", flush=True)
         return summary
@@ -394,7 +395,7 @@ class Ablation:
     value: Any
     sweep: bool = False  # its best lr moves: a small sweep around `lr_center`
     note: str = ""
-    optimizer: str = "dobb"
+    optimizer: str = "dobb_paper"
     seeds: int = 1  # > 1: also run seeds 1.. at `lr_center`, set against the optimizer's seeds
 
 
@@ -457,13 +458,13 @@ def lr_center(ablation: Ablation, best: dict[str, float]) -> float:
     if ablation.option == "update_scale":
         if ablation.value == "muon":
             return best["muon"]
-        return best["dobb"] * base_alpha() / ablation.value
+        return best["dobb_paper"] * base_alpha() / ablation.value
     return best[ablation.optimizer]
 
 
 def base_alpha() -> float:
     """Dobb's default update scale alpha (0.2, the "adamw" setting) as a number."""
-    options = defaults("dobb")
+    options = defaults("dobb_paper")
     return update_alpha(update_scale_of(options["update_scale"], options["coefficients"]), 1)
 
 
@@ -476,7 +477,7 @@ def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) 
             [lab_entry(name).start_lr * f for f in spec.lr_factors],
             spec.max_extensions,
         )
-        for name in OPTIMIZERS
+        for name in STUDIED
     }
     log(f"(a) lr sweeps: {sum(len(s.grid) for s in sweeps.values())} runs + extensions")
     main = tune(runner, sweeps)
@@ -484,7 +485,7 @@ def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) 
 
     width = width_of(base)
     later: dict[Hashable, Sweep] = {}
-    for name in OPTIMIZERS:
+    for name in STUDIED:
         for seed in range(1, spec.seeds):
             later[("seed", name, seed)] = Sweep(partial(make, name, seed=seed), [best[name]])
     for i, ab in enumerate(ablations(width)):
@@ -510,7 +511,7 @@ def run_study(spec: StudySpec, base: TrainConfig, out: Path, runner, log=print) 
         "best_lr": best,
         "seeds": {
             n: [best_run(main[n])] + [done[("seed", n, s)][0] for s in range(1, spec.seeds)]
-            for n in OPTIMIZERS
+            for n in STUDIED
         },
         "ablations": [(ab, done[("ablation", i)]) for i, ab in enumerate(ablations(width))],
         "ablation_seeds": {

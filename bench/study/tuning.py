@@ -88,7 +88,7 @@ def tuned(spec=None) -> list[Tuned]:
     rules = [
         Tuned(
             "Dobb, one block, Muon's RMS scale",
-            "dobb",
+            "dobb_paper",
             {"num_blocks": 1} | muon_rms,
             True,
             centre="muon",
@@ -110,10 +110,10 @@ def tuned(spec=None) -> list[Tuned]:
         Tuned("BlockMuon", "blockmuon", shard_local=True, wide=True),
         Tuned("MuonBP", "muonbp"),
         Tuned("Dion", "dion", front="Dion"),
-        Tuned("Dobb, 16 blocks", "dobb", shard_local=True, front="Dobb, the paper's"),
-        Tuned("Dobb, one block", "dobb", {"num_blocks": 1}, shard_local=True, wide=True),
+        Tuned("Dobb, 16 blocks", "dobb_paper", shard_local=True, front="Dobb, the paper's"),
+        Tuned("Dobb, one block", "dobb_paper", {"num_blocks": 1}, shard_local=True, wide=True),
         Tuned("two-sided Dobb, one input block", "dobb_sign", WHOLE, shard_local=True, wide=True),
-        Tuned("one-sided SOAP (Dobb, Adam coefficients, one block)", "dobb", soap, True),
+        Tuned("one-sided SOAP (Dobb, Adam coefficients, one block)", "dobb_paper", soap, True),
         # variance adaptation in place of the sign at the recommended layout (arXiv 2510.25000
         # finds it ahead of sign descent); one-sided, Adam coefficients wanted twice the sign's
         # lr at width 128, so its grid is centred on twice two-sided Dobb's

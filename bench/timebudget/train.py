@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from bench.optimizers import in_table, lab_entry
 from bench.results.calltime import device_name, write_json
+from bench.tools.records import LAB_NAMES
 from bench.tools.timing import synchronize
 from dobb.registry import build_optimizer, get_entry
 from dobb.train.config import TrainConfig
@@ -112,7 +113,7 @@ def train_for(
     record = {
         "lr": base_lrs[0],
         "group_lrs": base_lrs,
-        "options": options,
+        "options": get_entry(name).settings(options)["options"],  # beyond the class's defaults
         "points": [],
         "curve": [],
         "steps": 0,
@@ -232,9 +233,11 @@ def run(
     with torch.device("meta"):
         params = GPT(cfg).num_params()
     options = {name: dict(lab_entry(name).harness_options) for name in names}
-    if basis_method is not None and "dobb" in options:
-        options["dobb"]["basis_method"] = basis_method
+    for name in options if basis_method is not None else ():
+        if get_entry(name).needs_statistics:  # every Dobb entry takes the solver given
+            options[name]["basis_method"] = basis_method
     record = {
+        "lab_names": LAB_NAMES,  # the record names optimizers as the lab's table does today
         "meta": {
             "command": command,
             "config": config,

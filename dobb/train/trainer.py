@@ -209,6 +209,7 @@ def run_info(cfg: TrainConfig, data: TokenStream, world_size: int, num_params: i
     """What ran, where, on what: the head of every run log."""
     return {
         "config": cfg.to_dict(),
+        "optimizer_settings": get_entry(cfg.optimizer).settings(cfg.optimizer_options),
         "corpus": asdict(data.corpus),
         "num_params": num_params,
         "world_size": world_size,

@@ -38,10 +38,10 @@ def test_every_optimizer_is_timed_and_summarized_from_its_own_calls(record):
     one whole period (its number of calls), the amortized time is the period's mean, the
     spread is of those means, and the ratio is to Dobb's median."""
     assert tuple(record["optimizers"]) == OPTIMIZERS  # the cost model's optimizers
-    assert OPTIMIZERS[:2] == ("dobb", "dobb_sign")
+    assert OPTIMIZERS[:3] == ("dobb_paper", "dobb", "dobb_sign")
     meta = record["meta"]
     options = {"basis_interval": meta["basis_interval"], "period": meta["period"]}
-    dobb_median = record["optimizers"]["dobb"]["call_s"]["median"]
+    dobb_median = record["optimizers"]["dobb_paper"]["call_s"]["median"]
     for name, entry in record["optimizers"].items():
         periods = entry["period_calls"]
         assert len(periods) == meta["repeats"] == 2, name
@@ -50,11 +50,11 @@ def test_every_optimizer_is_timed_and_summarized_from_its_own_calls(record):
         assert all(t > 0 and math.isfinite(t) for p in periods for t in p), name
         assert entry["amortized_s"] == [sum(p) / len(p) for p in periods], name
         assert entry["call_s"] == spread(entry["amortized_s"]), name
-        assert entry["ratio_vs_dobb"] == entry["call_s"]["median"] / dobb_median, name
-    assert record["optimizers"]["dobb"]["ratio_vs_dobb"] == 1.0
+        assert entry["ratio_vs_dobb_paper"] == entry["call_s"]["median"] / dobb_median, name
+    assert record["optimizers"]["dobb_paper"]["ratio_vs_dobb_paper"] == 1.0
 
 
-@pytest.mark.parametrize("name", ["dobb", "dobb_sign"])
+@pytest.mark.parametrize("name", ["dobb_paper", "dobb_sign"])
 def test_dobb_period_is_one_refresh_plus_steady_calls(record, name):
     dobb = record["optimizers"][name]
     assert [len(p) for p in dobb["period_calls"]] == [3, 3]
@@ -66,7 +66,7 @@ def test_dobb_period_is_one_refresh_plus_steady_calls(record, name):
 def test_dobb_sign_refresh_call_is_periodic_as_dobbs():
     options = {"basis_interval": 7, "period": 5}
     assert calltime.calls_per_period("dobb_sign", options, calls=1) == 7
-    assert calltime.periodic_calls("dobb_sign") == calltime.periodic_calls("dobb")
+    assert calltime.periodic_calls("dobb_sign") == calltime.periodic_calls("dobb_paper")
     assert calltime.periodic_calls("dobb_sign") == ("refresh_call_s", "steady_call_s")
     assert calltime.periodic_calls("muon") is None
     assert calltime.calls_per_period("muon", options, calls=2) == 2
@@ -83,7 +83,7 @@ def test_each_timed_period_opens_with_the_call_the_library_schedules(monkeypatch
     ...; MuonBP's full steps at 1, 1 + P, ...; Muon has no periodic work), and a timed period
     that would not open with its one periodic call is refused, not mislabelled."""
     options = {"basis_interval": 3, "period": 5}
-    assert calltime.periodic_flags("dobb", options, 4, 3) == [True, False, False]
+    assert calltime.periodic_flags("dobb_paper", options, 4, 3) == [True, False, False]
     assert calltime.periodic_flags("dobb_sign", options, 2, 3) == [False, False, True]
     assert calltime.periodic_flags("muonbp", options, 6, 5) == [True] + [False] * 4
     assert calltime.periodic_flags("muon", options, 1, 2) == [False, False]
@@ -91,7 +91,7 @@ def test_each_timed_period_opens_with_the_call_the_library_schedules(monkeypatch
     linear_stack.forward_backward(stack, autocast=False)
     monkeypatch.setattr(calltime, "periodic_flags", lambda *args: [False, True, False])
     with pytest.raises(RuntimeError, match="do not open with its one periodic call"):
-        calltime.time_optimizers(stack, ("dobb",), repeats=1, basis_interval=3, num_blocks=4)
+        calltime.time_optimizers(stack, ("dobb_paper",), repeats=1, basis_interval=3, num_blocks=4)
 
 
 def test_dobb_sign_takes_dobbs_options_and_its_row_blocks():
@@ -118,18 +118,25 @@ def test_muonbp_period_is_one_full_step_plus_block_steps(record):
 def test_state_bytes_per_param_match_the_formulas(record):
     matrices = hidden_matrices("tiny", 1)
     numel = sum(m.numel for m in matrices)
+    meta = record["meta"]
+    knobs = {k: meta[k] for k in ("num_blocks", "basis_interval", "rank_fraction", "period")}
     for name, entry in record["optimizers"].items():
-        expected = sum(state_bytes(name, m, num_blocks=4) for m in matrices)
+        options = calltime.optimizer_overrides(name, **knobs)  # as it was timed
+        expected = sum(state_bytes(name, m, **options) for m in matrices)
         assert entry["state_bytes"] == expected, name
     per_param = {n: e["state_bytes_per_param"] for n, e in record["optimizers"].items()}
     assert per_param["muon"] == 4.0
     assert per_param["adamw"] == pytest.approx(8.0, abs=1e-3)
     # tiny: d = 64, 4 blocks of 16 (d_in = 64) or of 64 (d_in = 256): C_b and Q_b
     blocks = sum(2 * 4 * m.d_in * (m.d_in // 4) for m in matrices)
-    assert per_param["dobb"] == pytest.approx(4 + (blocks + 8 * len(matrices)) / numel)
+    assert per_param["dobb_paper"] == pytest.approx(4 + (blocks + 8 * len(matrices)) / numel)
     # two-sided: plus P_r and its moments, 32 row blocks of d_out / 32 rows (2 or 8)
     rows = sum(2 * 4 * m.d_out * (m.d_out // 32) for m in matrices)
-    assert per_param["dobb_sign"] == pytest.approx(per_param["dobb"] + rows / numel)
+    assert per_param["dobb_sign"] == pytest.approx(per_param["dobb_paper"] + rows / numel)
+    # the recommended Dobb: one input block and one row block of each whole matrix (all at
+    # most 1,024 wide), V beside the momentum
+    whole = sum(2 * 4 * (m.d_in**2 + m.d_out**2) for m in matrices)
+    assert per_param["dobb"] == pytest.approx(8 + (whole + 8 * len(matrices)) / numel)
     r = 4  # ceil(64 / 16) for every tiny matrix
     dion = sum(4 * m.d_in * r + 4 for m in matrices)
     assert per_param["dion"] == pytest.approx(4 + dion / numel)
@@ -150,7 +157,7 @@ def test_json_is_written_complete(record):
     assert saved["meta"]["complete"] and saved["meta"]["config"] == "tiny"
     assert saved["meta"]["dobb_sign_row_blocks"] == 32
     table = calltime.format_table(saved)
-    assert "| dobb |" in table and "| dobb_sign | 3 |" in table
+    assert "| dobb_paper |" in table and "| dobb_sign | 3 |" in table
     assert "\nDobb: refresh call" in table and "\nTwo-sided Dobb: refresh call" in table
 
 
@@ -160,7 +167,7 @@ def test_results_tables_predict_dobb_sign_and_every_periodic_call(record):
     assert len(ratios) == len(rows)  # every row has a prediction
     labels = [r.split("|")[1].strip() for r in rows]
     for name, (periodic, other) in (
-        ("dobb", ("refresh", "steady")),
+        ("dobb_paper", ("refresh", "steady")),
         ("dobb_sign", ("refresh", "steady")),
         ("muonbp", ("full", "block")),
     ):
@@ -173,7 +180,9 @@ def test_results_tables_predict_dobb_sign_and_every_periodic_call(record):
     (state,) = [line for line in lines if line.startswith("| dobb_sign |")]
     measured, expected, formula = (cell.strip() for cell in state.split("|")[2:5])
     assert float(measured) == pytest.approx(float(expected), abs=1e-4)
-    assert float(expected) > float(next(x for x in lines if x.startswith("| dobb |")).split("|")[3])
+    assert float(expected) > float(
+        next(x for x in lines if x.startswith("| dobb_paper |")).split("|")[3]
+    )
     assert "8 m / d_in (P_r and its moments)" in formula
 
 
@@ -214,20 +223,18 @@ def test_bad_layer_count_raises():
 
 def test_basis_method_option_reaches_dobb(tmp_path):
     out = tmp_path / "power_qr.json"
-    args = ["--config", "tiny", "--tokens", "16", "--repeats", "1", "--optimizers", "dobb"]
+    args = ["--config", "tiny", "--tokens", "16", "--repeats", "1", "--optimizers", "dobb_paper"]
     calltime.main([*args, "--basis-interval", "2", "--basis-method", "power_qr", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["meta"]["complete"] and saved["meta"]["basis_method"] == "power_qr"
-    assert calltime.optimizer_overrides("dobb", 4, 2, 0.5, basis_method="power_qr") == {
+    assert calltime.optimizer_overrides("dobb_paper", 4, 2, 0.5, basis_method="power_qr") == {
         "num_blocks": 4,
         "basis_interval": 2,
         "basis_method": "power_qr",
-        # the lab's "dobb" is the paper's configuration (bench.optimizers.PAPER)
-        "two_sided": False,
-        "coefficients": "sign",
-        "stats_sync": "refresh",
-    }
-    assert "basis_method" not in calltime.optimizer_overrides("dobb", 4, 2, 0.5)
+    }  # the rest of the paper's configuration is the registry entry's own
+    # the recommended Dobb keeps its own blocks: the comparison's block count is not its
+    assert calltime.optimizer_overrides("dobb", 4, 2, 0.5) == {"basis_interval": 2}
+    assert "basis_method" not in calltime.optimizer_overrides("dobb_paper", 4, 2, 0.5)
     assert "basis_method" not in calltime.optimizer_overrides("muon", 4, 2, 0.5, basis_method="x")
     with pytest.raises(ValueError, match="basis_method"):  # Dobb itself rejects the name
         calltime.main([*args, "--basis-method", "no-such-solver"])
@@ -237,14 +244,15 @@ def test_cli_measures_dobb_sign(tmp_path, capsys):
     out = tmp_path / "dobb_sign.json"
     args = ["--config", "tiny", "--tokens", "16", "--repeats", "1", "--num-blocks", "4"]
     calltime.main(
-        [*args, "--optimizers", "dobb,dobb_sign", "--basis-interval", "2", "--out", str(out)]
+        [*args, "--optimizers", "dobb_paper,dobb_sign", "--basis-interval", "2", "--out", str(out)]
     )
     saved = json.loads(out.read_text())
-    assert list(saved["optimizers"]) == ["dobb", "dobb_sign"]
+    assert list(saved["optimizers"]) == ["dobb_paper", "dobb_sign"]
     assert [len(p) for p in saved["optimizers"]["dobb_sign"]["period_calls"]] == [2]
     assert "Two-sided Dobb: refresh call" in capsys.readouterr().out
     matrices = hidden_matrices("tiny", 1)
-    expected = sum(state_bytes("dobb_sign", m, num_blocks=4) for m in matrices)
+    options = calltime.optimizer_overrides("dobb_sign", 4, 2, 0.0625)  # as it was timed
+    expected = sum(state_bytes("dobb_sign", m, **options) for m in matrices)
     assert saved["optimizers"]["dobb_sign"]["state_bytes"] == expected
 
 
@@ -268,8 +276,10 @@ def test_the_muon_family_runs_newton_schulz_in_the_recorded_dtype(record, monkey
     monkeypatch.setattr(calltime, "build_optimizer", spy)
     stack = linear_stack.LinearStack(hidden_matrices("tiny", 1), 16)
     linear_stack.forward_backward(stack, autocast=False)
-    calltime.time_optimizers(stack, ("muon", "nordion2", "dobb"), repeats=1, ns_dtype="float32")
-    assert built == {"muon": torch.float32, "nordion2": torch.float32, "dobb": None}
+    calltime.time_optimizers(
+        stack, ("muon", "nordion2", "dobb_paper"), repeats=1, ns_dtype="float32"
+    )
+    assert built == {"muon": torch.float32, "nordion2": torch.float32, "dobb_paper": None}
 
 
 def test_a_given_newton_schulz_dtype_is_kept_and_a_bad_one_refused():

@@ -1,6 +1,7 @@
 """`python -m bench compare --quick`: the table, the plots and summary.md, from the runs' logs."""
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,8 +32,8 @@ def test_quick_compare_writes_table_plots_and_summary(tmp_path, capsys, monkeypa
     out = tmp_path / "report"
     assert lab.main(["compare", "--quick", "--steps", "4", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| optimizer | lr" in printed and "final val loss" in printed
-    for name in ("dobb", "dion", "muon", "adamw"):
+    assert re.search(r"\| optimizer +\| lr", printed) and "final val loss" in printed
+    for name in ("dobb_paper", "dobb", "dion", "muon", "adamw"):
         assert f"| {name} " in printed
 
     assert sorted(p.name for p in (out / "runs").iterdir()) == RUNS
@@ -155,22 +156,41 @@ def test_a_dobb_run_logged_before_the_recommended_defaults_reads_as_it_trained(
     tmp_path, logged, now, same
 ):
     """A "dobb" run logged when the class's defaults were the paper's (one-sided, the sign,
-    averaged on refresh steps) and a block width overrode the count is the same config as
-    the lab's paper-pinned options now; a run that named another setting is not."""
-    cfg = compare.run_config(compare.base_config(quick=True), "dobb", None, tmp_path)
-    cfg = replace(cfg, optimizer_options=with_options("dobb", now))
-    old = cfg.to_dict() | {"optimizer_options": logged}
-    same_config = compare.comparable_config(old) == compare.comparable_config(cfg.to_dict())
-    assert same_config == same
+    averaged on refresh steps), before logs named what their entry built, and a block width
+    overrode the count is the same config as the lab's ``dobb_paper`` now; a run that named
+    another setting is not."""
+    cfg = compare.run_config(compare.base_config(quick=True), "dobb_paper", None, tmp_path)
+    cfg = replace(cfg, optimizer_options=with_options("dobb_paper", now))
+    old = {"config": cfg.to_dict() | {"optimizer": "dobb", "optimizer_options": logged}}
+    new = compare.settings_record(cfg)
+    assert (compare.comparable_config(old) == compare.comparable_config(new)) == same
+
+
+def test_the_recommended_dobb_is_not_a_paper_run_logged_under_its_name(tmp_path):
+    """Today's "dobb" (the recommended configuration) logs what it built, so a directory
+    holding an old "dobb" run (the paper's) under the same name is refused, not reused; the
+    trainer's own log is what ``settings_record`` says."""
+    base = compare.base_config(quick=True)
+    cfg = compare.run_config(base, "dobb", None, tmp_path)
+    old = {"config": cfg.to_dict() | {"optimizer_options": {"num_blocks": 16}}}
+    recommended = compare.settings_record(cfg)
+    assert recommended["optimizer_settings"] == {"class": "Dobb", "options": {}}
+    assert compare.comparable_config(old) != compare.comparable_config(recommended)
+    paper = compare.settings_record(replace(cfg, optimizer="dobb_paper"))
+    assert compare.comparable_config(old) == compare.comparable_config(paper)
+    compare.train(replace(cfg, steps=1, warmup_steps=0, eval_interval=1, checkpoint_interval=0))
+    logged = json.loads((Path(cfg.out_dir) / "run.json").read_text())
+    assert logged["optimizer_settings"] == recommended["optimizer_settings"]
 
 
 def test_a_run_logged_under_a_renamed_optimizer_reads_as_the_new_name(tmp_path):
     """A run logged as ``dobb2s`` (now ``dobb_sign``: ``dobb.registry.RENAMED``) is the same
     config as the lab's ``dobb_sign`` run, so a study finds it done; another name is not."""
     cfg = compare.run_config(compare.base_config(quick=True), "dobb_sign", None, tmp_path)
-    new = compare.comparable_config(cfg.to_dict())
-    assert compare.comparable_config(cfg.to_dict() | {"optimizer": "dobb2s"}) == new
-    assert compare.comparable_config(cfg.to_dict() | {"optimizer": "dobb_paper"}) != new
+    new = compare.comparable_config(compare.settings_record(cfg))
+    assert compare.comparable_config({"config": cfg.to_dict() | {"optimizer": "dobb2s"}}) == new
+    other = {"config": cfg.to_dict() | {"optimizer": "dobb_paper"}}
+    assert compare.comparable_config(other) != new
 
 
 def test_a_renamed_optimizer_is_refused_with_its_new_name():

@@ -13,7 +13,7 @@ import dobb
 from dobb.registry import OPTIMIZERS, TUNED_LR, recommended_lr
 
 STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "study" / "study.json"
-# the (f) row of each entry's configuration (the lab's "dobb" is the paper's Dobb)
+# the (f) row of each entry's configuration
 ROWS = {
     "dobb": "recommended Dobb (two-sided SOAP, one input block, one row block per shard)",
     "dobb_paper": "Dobb, 16 blocks",

@@ -17,7 +17,7 @@ from bench.compare import write_report
 from bench.results import gpu_section
 from bench.results.report import render
 from bench.study.report import write_document
-from bench.tools.records import read_record
+from bench.tools.records import read_record, stamped
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -41,7 +41,8 @@ def test_results_md_is_its_json_rendered(tmp_path):
     copy(["COMM.md"], tmp_path)
     written = render(tmp_path)
     assert written.read_text() == (BENCHMARKS / "RESULTS.md").read_text(), (
-        "benchmarks/RESULTS.md is not its JSON rendered: python -m bench.results --render"
+        'benchmarks/RESULTS.md is not its JSON rendered: python -c "from pathlib import Path; '
+        "from bench.results.report import render; render(Path('benchmarks'))\""
     )
 
 
@@ -97,7 +98,38 @@ def test_read_record_renames_keys_values_and_fields_but_not_longer_names(tmp_pat
     }
     path.write_text(json.dumps(record))
     assert read_record(path) == {
-        "dobb_sign": {"run": "dobb_sign-lr0.008", "command": "--optimizers dobb,dobb_sign"},
+        "dobb_sign": {
+            "run": "dobb_sign-lr0.008",
+            "command": "--optimizers dobb_paper,dobb_sign",  # the lab's dobb then: the paper's
+        },
         "dobb_sign_row_blocks": 32,
         "names": ["dobb_sign, steady call", "xdobb2s", "dobb2sx"],
     }
+
+
+def test_read_record_reads_the_lab_s_old_dobb_as_the_paper_s_where_it_names_an_optimizer(
+    tmp_path,
+):
+    """A record without ``lab_names`` was written when the lab's "dobb" was the paper's
+    configuration: where it names an optimizer (a key, a whole value, a run, an
+    ``--optimizers`` list, the ratio's field) it reads ``dobb_paper``; the package's name in
+    a command and longer names stay. A stamped record is read as written."""
+    record = {
+        "optimizers": {"dobb": {"ratio_vs_dobb": 1.0}, "dobb_sign": {"ratio_vs_dobb": 2.5}},
+        "best": "dobb",
+        "runs": ["dobb-lr0.002", "dobb_sign-lr0.008", "dobbx-lr1"],
+        "commands": ["python -m dobb train x", "bench --optimizers dobb,muon --out dobb"],
+    }
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(record))
+    assert read_record(path) == {
+        "optimizers": {
+            "dobb_paper": {"ratio_vs_dobb_paper": 1.0},
+            "dobb_sign": {"ratio_vs_dobb_paper": 2.5},
+        },
+        "best": "dobb_paper",
+        "runs": ["dobb_paper-lr0.002", "dobb_sign-lr0.008", "dobbx-lr1"],
+        "commands": ["python -m dobb train x", "bench --optimizers dobb_paper,muon --out dobb"],
+    }
+    path.write_text(json.dumps(stamped(record)))
+    assert read_record(path) == stamped(record)

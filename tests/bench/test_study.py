@@ -250,7 +250,7 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     for heading in ("## What the data show", "## (a) Tuned comparison", "## (b) Dobb ablations"):
         assert heading in text
     assert "## (c) Width trend" in text and f"python -m bench study --tiny --out {out}" in text
-    assert "| optimizer | options " in text
+    assert re.search(r"\| optimizer +\| options ", text)
     assert re.search(r"\| Dobb vs +\| difference of means", text)
     assert "| option " in text and "| n_embd | parameters |" in text
     for link in re.findall(r"\]\(([^)]+\.png)\)", text):  # every plot exists and is a PNG
@@ -268,8 +268,8 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
         assert s["mean"] == pytest.approx(np.mean(losses))
         assert s["std"] == pytest.approx(np.std(losses, ddof=1))
         assert f"{s['mean']:.4f} ± {s['std']:.4f}" in text
-        if name != "dobb":
-            diff = report["seeds"]["dobb"]["mean"] - s["mean"]
+        if name != "dobb_paper":
+            diff = report["seeds"]["dobb_paper"]["mean"] - s["mean"]
             assert report["pairs"][name]["diff"] == pytest.approx(diff)
     for row in report["ablations"]:
         assert row["loss"] == min(summary(run)["final_val_loss"] for run in row["runs"])
@@ -280,7 +280,7 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
         losses = [summary(run)["final_val_loss"] for run in row["seeds"]["runs"]]
         assert row["seeds"]["n"] == 4 and row["seeds"]["mean"] == pytest.approx(np.mean(losses))
         assert row["seeds"]["pair"]["diff"] == pytest.approx(
-            np.mean(losses) - report["seeds"]["dobb"]["mean"]
+            np.mean(losses) - report["seeds"]["dobb_paper"]["mean"]
         )
         assert f"4 seeds: mean {row['seeds']['mean']:.4f}" in text
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from bench import timebudget
-from bench.optimizers import PAPER, in_table
+from bench.optimizers import in_table
 from bench.timebudget import report as timebudget_report
 from bench.timebudget import train as timebudget_train
-from dobb.registry import recommended_lr
+from dobb.registry import PAPER_DOBB, recommended_lr
 from dobb.train import trainer
 from dobb.train.data import write_bin_shard
 
@@ -49,7 +49,7 @@ def record(data_dir, tmp_path_factory):
         patch.setattr(trainer, "time", SimpleNamespace(perf_counter=ticking_clock(TICK / 8)))
         timebudget_train.run(
             data_dir,
-            ("dobb", "adamw"),
+            ("dobb_paper", "adamw"),
             config="tiny",
             budget_s=1.0,
             device="cpu",
@@ -68,7 +68,7 @@ def test_each_optimizer_trained_for_the_budget(record):
     meta = record["meta"]
     assert meta["complete"] and meta["budget_s"] == 1.0 and meta["tokens_per_step"] == 4 * 64
     assert meta["data"]["train_tokens"] == 20_000 and meta["data"]["val_tokens"] == 2_000
-    assert list(record["optimizers"]) == ["dobb", "adamw"]
+    assert list(record["optimizers"]) == ["dobb_paper", "adamw"]
     for name, entry in record["optimizers"].items():
         assert entry["steps"] >= 1 and not entry["diverged"], name
         # stops at the first step that reaches the budget: 8 steps of 1/8 s, not a 9th
@@ -88,8 +88,10 @@ def test_each_optimizer_trained_for_the_budget(record):
         assert [row[1] for row in entry["curve"]] == sorted(row[1] for row in entry["curve"])
     assert record["optimizers"]["adamw"]["lr"] == 3e-3  # --lr override
     # the registry's recommended lr at the model's width (64: the table's nearest is 128)
-    assert record["optimizers"]["dobb"]["lr"] == recommended_lr("dobb", 64)
-    assert record["optimizers"]["dobb"]["options"] == PAPER  # the lab's dobb: the paper's
+    assert record["optimizers"]["dobb_paper"]["lr"] == recommended_lr("dobb_paper", 64)
+    # the record names what trained beyond the class's defaults: the paper's configuration
+    paper = {k: v for k, v in PAPER_DOBB.items() if k != "lr"}
+    assert record["optimizers"]["dobb_paper"]["options"] == paper
 
 
 def test_render_writes_table_and_plot(record, tmp_path):
@@ -97,7 +99,10 @@ def test_render_writes_table_and_plot(record, tmp_path):
     path.write_text(json.dumps(record))
     md, png = timebudget_report.render(path, tmp_path / "rendered")
     text = md.read_text()
-    assert f"| dobb | {recommended_lr('dobb', 64):.3g} |" in text and "| adamw | 0.003 |" in text
+    assert (
+        f"| dobb_paper | {recommended_lr('dobb_paper', 64):.3g} |" in text
+        and "| adamw | 0.003 |" in text
+    )
     assert "`test`" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -138,7 +143,7 @@ def test_each_step_is_the_harness_step_at_the_clocks_learning_rate(data_dir, mon
 
 def test_the_default_optimizers_are_the_labs_time_budget_table():
     assert timebudget_train.NAMES == in_table("timebudget")
-    assert timebudget_train.NAMES == ("dobb", "dion", "muon", "blockmuon", "adamw")
+    assert timebudget_train.NAMES == ("dobb_paper", "dion", "muon", "blockmuon", "adamw")
 
 
 def test_bad_inputs_name_the_fix(data_dir, tmp_path):
@@ -155,21 +160,21 @@ def test_a_failing_optimizer_is_recorded_and_the_others_still_run(data_dir, tmp_
     out = tmp_path / "timebudget.json"
     record = timebudget_train.run(
         data_dir,
-        ("dobb", "adamw"),
+        ("dobb_paper", "adamw"),
         config="tiny",
         budget_s=0.3,
         device="cpu",
         batch_size=2,
         evals=1,
         eval_batches=1,
-        lrs={"dobb": -1.0},  # the constructor rejects it
+        lrs={"dobb_paper": -1.0},  # the constructor rejects it
         out=out,
     )
     assert record["meta"]["complete"]
-    assert "invalid learning rate" in record["optimizers"]["dobb"]["error"]
+    assert "invalid learning rate" in record["optimizers"]["dobb_paper"]["error"]
     assert record["optimizers"]["adamw"]["steps"] >= 1
     md, _ = timebudget_report.render(out, tmp_path)
-    assert "| dobb (FAILED: ValueError: invalid learning rate" in md.read_text()
+    assert "| dobb_paper (FAILED: ValueError: invalid learning rate" in md.read_text()
 
 
 def test_cli_render_writes_the_table_from_the_json(record, tmp_path, capsys):

@@ -33,3 +33,21 @@ def test_the_vocabulary_lists_every_option_of_every_config_and_where_it_is():
     for name, where in listed.items():
         assert where == "all" or set(where.split(", ")) == having[name], name
         assert where != "all" or having[name] == {c.__name__ for c in classes}, name
+
+
+def test_the_main_jobs_table_in_the_harness_doc_is_the_jobs_own_and_its_prose_holds():
+    """docs/harness.md copies the main job's results table from benchmarks/compare/summary.md
+    (the job writes it) and states three orderings of it in words: each holds on the job's
+    JSON, so a rerun that changes them fails here until the prose is mended."""
+    import json
+
+    text = (ROOT / "docs" / "harness.md").read_text()
+    copy = text.split("<!-- main-job table -->\n")[1].split("<!-- /main-job table -->")[0]
+    assert copy.strip() and copy in (ROOT / "benchmarks" / "compare" / "summary.md").read_text()
+    best = json.loads((ROOT / "benchmarks" / "compare" / "results.json").read_text())["best"]
+    loss = {name: run["final_val_loss"] for name, run in best.items()}
+    others = sorted(loss, key=loss.get)
+    assert others[:2] == ["muon", "dobb"]  # "the recommended Dobb trails Muon and beats ..."
+    assert {n for n in loss if loss[n] > loss["dobb_paper"]} == {"dion", "adamw"}
+    state = {name: run["state_bytes_per_param"] for name, run in best.items()}
+    assert max(state, key=state.get) == "dobb"  # "keeps the most state per parameter"

@@ -1,7 +1,7 @@
 """Dobb's cost model (``dobb.optim.dobb``): its state, one call's work, its statistics
-hooks, and the bytes its ``step()`` sends (registry entries ``dobb`` and ``dobb_sign``)."""
+hooks, and the bytes its ``step()`` sends (registry entries ``dobb``, ``dobb_paper`` and
+``dobb_sign``)."""
 
-import dataclasses
 import math
 from collections import Counter
 
@@ -20,19 +20,17 @@ from bench.model.costs.kernels import (
 )
 from bench.model.costs.traced import solver_kernels
 from bench.model.hardware import Collective
-from bench.model.workload import ONE_DEVICE, XL_WORLD, Layout, Matrix
+from bench.model.workload import ONE_DEVICE, Layout, Matrix
+from dobb._dtensor import DTensor
 from dobb.eigensolve import JACOBI_SWEEPS, JACOBI_WIDTH, resolve_method
-from dobb.optim.dobb import Dobb
+from dobb.optim.dobb import BLOCK_WIDTH, Dobb
 from dobb.optim.dobb_core import refresh_due
 from dobb.optim.dobb_steps import local_block_stacks
-from dobb.registry import PAPER_DOBB
 from dobb.stats import block_stacks
 
-ENTRIES = ("dobb", "dobb_sign")  # the registry entries it prices (``cost_model``)
+ENTRIES = ("dobb", "dobb_paper", "dobb_sign")  # the registry entries it prices (``cost_model``)
 
-# the options' defaults: the paper's configuration (dobb.registry.PAPER_DOBB, what the lab's
-# "dobb" runs), the library's for the others
-DEFAULTS = dataclasses.replace(Dobb.Config(), **{k: v for k, v in PAPER_DOBB.items() if k != "lr"})
+DEFAULTS = Dobb.Config()  # the options' defaults: the library's (each entry's on top of them)
 # the refresh Dobb's default basis_method runs on the CPU, and its default refresh layout
 CPU_SOLVER = resolve_method(DEFAULTS.basis_method, torch.device("cpu"))
 REFRESH = "sharded" if DEFAULTS.shard_refresh else "replicated"
@@ -57,23 +55,25 @@ def state_formula(
 def state_bytes(
     matrix: Matrix,
     *,
-    num_blocks: int = DEFAULTS.num_blocks,
+    num_blocks: int | None = DEFAULTS.num_blocks,
     two_sided: bool = DEFAULTS.two_sided,
-    row_blocks: int = XL_WORLD,
+    row_blocks: int | None = DEFAULTS.row_blocks,
     coefficients: str = DEFAULTS.coefficients,
 ) -> float:
     """Bytes of state for one fp32 matrix: momentum, per block ``C_b`` and ``Q_b``
     (``s x s`` each), ``step`` and ``stats_steps``; the statistics accumulators (another
     ``s x s`` per block) live outside the state and are not counted. Two-sided (sign
     coefficients) adds, per row block (``row_blocks`` near-equal blocks of the whole
-    matrix's ``d_out`` rows; by default the call-time runs': one block per rank's rows
-    under FSDP over the paper's ``XL_WORLD`` ranks), the moments ``row_cov`` and the basis
+    matrix's ``d_out`` rows; two-sided Dobb's call-time runs take ``XL_WORLD``, one block
+    per rank's rows under FSDP over the paper's ranks), the moments ``row_cov`` and the basis
     ``P_r`` (``m x m`` each); its row moments come from the gradient in the step
     (``row_stats="gradients"``), so no further accumulators. ``coefficients="adam"`` adds
-    the ``variance`` ``V``, the size of the matrix."""
-    blocks = sum(s.count * s.size**2 for s in block_stacks(matrix.d_in, num_blocks))
+    the ``variance`` ``V``, the size of the matrix. A count of None is the defaults' blocks
+    of at most ``BLOCK_WIDTH`` (``widest_blocks``) of the whole matrix's columns or rows
+    (one process)."""
+    blocks = sum(s.count * s.size**2 for s in widest_blocks(matrix.d_in, num_blocks))
     if two_sided:  # P_r and its moments, per row block
-        blocks += sum(s.count * s.size**2 for s in block_stacks(matrix.d_out, row_blocks))
+        blocks += sum(s.count * s.size**2 for s in widest_blocks(matrix.d_out, row_blocks))
     moments = 2 if coefficients == "adam" else 1  # the momentum, and V
     return moments * matrix.numel * FP32 + 2 * blocks * FP32 + 2 * FP32
 
@@ -82,7 +82,7 @@ def work(
     matrices: list[Matrix],
     *,
     layout: Layout = ONE_DEVICE,
-    num_blocks: int = DEFAULTS.num_blocks,
+    num_blocks: int | None = DEFAULTS.num_blocks,
     basis_interval: int = DEFAULTS.basis_interval,
     refresh: str = REFRESH,
     launches: str = "per_shape",
@@ -122,7 +122,7 @@ def work(
     for i, m in enumerate(matrices):
         rows, n = layout.local(m)
         e = rows * n
-        stacks = local_block_stacks(block_stacks(m.d_in, num_blocks), 0, n, m.name)
+        stacks = input_stacks(m, n, num_blocks)
         first = not batched or (rows, n) not in shapes
         shapes.add((rows, n))
         cov = sum(s.count * s.size**2 for s in stacks)
@@ -226,12 +226,30 @@ def one_sided_ops(rows: int, n: int, stacks, batched: bool, adam: bool = False) 
     return ops + (adam_ops(rows * n) if adam else [])
 
 
+def widest_blocks(size: int, count: int | None) -> tuple:
+    """``count`` near-equal blocks of ``range(size)``; None: the fewest of at most
+    ``BLOCK_WIDTH`` (``dobb.optim.dobb.side_stacks`` with no block width given)."""
+    if count is None:
+        return block_stacks(size, -(-size // BLOCK_WIDTH)) if size else ()
+    return block_stacks(size, count)
+
+
+def input_stacks(matrix: Matrix, n: int, num_blocks: int | None) -> tuple:
+    """Dobb's input blocks of a rank holding ``n`` of ``matrix``'s columns: ``num_blocks``
+    blocks of all ``d_in`` columns, which must tile the rank's columns (``Dobb``'s rule), or
+    None: ``widest_blocks`` of the rank's columns."""
+    if num_blocks is None:
+        return widest_blocks(n, None)
+    return local_block_stacks(block_stacks(matrix.d_in, num_blocks), 0, n, matrix.name)
+
+
 def row_stacks(matrix: Matrix, rows: int, row_blocks: int | None) -> tuple:
-    """Two-sided Dobb's row blocks of a rank holding ``rows`` rows of ``matrix``: one block
-    of them (``row_blocks=None``), or ``row_blocks`` blocks of all ``d_out`` rows, which
-    must tile the rank's rows (``Dobb``'s rule)."""
+    """Two-sided Dobb's row blocks of a rank holding ``rows`` rows of ``matrix``: the
+    ``widest_blocks`` of them (``row_blocks=None``: one block at every shard the lab
+    prices), or ``row_blocks`` blocks of all ``d_out`` rows, which must tile the rank's rows
+    (``Dobb``'s rule)."""
     if row_blocks is None:
-        return block_stacks(rows, 1) if rows else ()
+        return widest_blocks(rows, None)
     return local_block_stacks(block_stacks(matrix.d_out, row_blocks), 0, rows, matrix.name)
 
 
@@ -341,7 +359,7 @@ def hook_work(
     matrices: list[Matrix],
     tokens: int,
     *,
-    num_blocks: int = DEFAULTS.num_blocks,
+    num_blocks: int | None = DEFAULTS.num_blocks,
     low_precision: bool = False,
     share_inputs: bool = True,
 ) -> list[Kernel]:
@@ -353,7 +371,7 @@ def hook_work(
     hooks before ``GramCache``)."""
     ops, seen = [], set()
     for m in matrices:
-        for s in block_stacks(m.d_in, num_blocks):
+        for s in widest_blocks(m.d_in, num_blocks):
             sums = s.count * s.size**2
             source = m.input if share_inputs else m.name
             if (source, s) not in seen:
@@ -372,14 +390,18 @@ def hook_work(
 
 
 def comm_bytes(opt, matrices, layout: str, world: int, step: int) -> int:
-    """This rank's bytes in ``opt.step()`` (``matrices``: ``(param, group)`` pairs): on a
-    refresh step, the statistics of the blocks it holds, one all-reduce per data axis,
+    """This rank's bytes in ``opt.step()`` (``matrices``: ``(param, group)`` pairs): the
+    statistics of the blocks it holds, one all-reduce per data axis, on a refresh step, or
+    on every step where they are averaged so (``stats_sync="step"``, or ``"auto"`` for a
+    plain parameter, as under DDP: ``dobb_steps.averaged_every_step``); on a refresh step
     then one all-gather of the bases per block size, padded to a multiple of the group."""
     total, gathered = 0, Counter()  # blocks per size, all matrices
+    sync = opt.config.stats_sync
     for p, group in matrices:
         refresh = refresh_due(step, group["basis_interval"])
+        every = sync == "step" or (sync == "auto" and not isinstance(p, DTensor))
         blocks = sum(s.count * s.size**2 for s in opt.local_blocks(p))  # local C_b
-        axes = len(opt.stats_groups) if refresh else 0
+        axes = len(opt.stats_groups) if refresh or every else 0
         total += FP32 * blocks * axes
         if refresh and axes:
             gathered.update({s.size: s.count for s in opt.local_blocks(p)})
