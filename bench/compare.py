@@ -4,10 +4,10 @@
     python -m bench compare --quick     # smoke run: tiny GPT, a few steps, < 1 min
     python -m bench compare --lr-sweep  # a log-spaced lr grid per optimizer, then the best
 
-Each optimizer trains at its best learning rate from `python -m bench study` (read from the
-committed `benchmarks/study/study.json` by `bench.optimizers.tuned_lrs`; the registry's
-starting lr for one the study has not tuned) with the settings of the paper's comparison:
-Dobb with 16 blocks, Dion with rank fraction 1/16. Every run writes its own log under
+Each optimizer trains at its tuned learning rate at the model's width
+(`dobb.registry.recommended_lr`: the study's tuned lr at the nearest width it tuned that
+entry at, held to `benchmarks/study/study.json` by a test) with its registry entry's settings
+(`dobb_paper`: the paper's 16 blocks; Dion: rank fraction 1/16). Every run writes its own log under
 `<out>/runs/<optimizer>-lr<lr>/`; the report (`summary.md`, `results.json`, PNG plots)
 is built from those logs only. A finished run (its `summary.json` exists) is not repeated,
 and an interrupted one resumes from its last checkpoint, so re-running the same command
@@ -23,11 +23,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.optimizers import BLOCK_OPTIONS, COMPARED, LAB, lab_entry, tuned_lrs
+from bench.optimizers import BLOCK_OPTIONS, COMPARED, LAB, lab_entry
 from bench.tools.markdown import markdown_table
 from bench.tools.records import stamped
-from dobb.registry import PAPER_DOBB, RENAMED, get_entry
+from dobb.registry import PAPER_DOBB, RENAMED, TUNED_LR, get_entry, recommended_lr
 from dobb.train.config import ConfigError, TrainConfig, apply_overrides
+from dobb.train.model import gpt_config
 from dobb.train.trainer import train
 
 OPTIMIZERS = COMPARED  # the main job runs every entry of the lab's table, in its order
@@ -117,6 +118,11 @@ def base_config(quick: bool = False, steps: int | None = None, overrides=None) -
             budget["checkpoint_interval"] = max(1, steps // 5)
     cfg = TrainConfig(**budget, decay="cosine")
     return apply_overrides(cfg, overrides or {}).validate()
+
+
+def width_of(cfg: TrainConfig) -> int:
+    """The model width (``n_embd``) ``cfg`` trains."""
+    return gpt_config(cfg.model, **cfg.model_overrides).n_embd
 
 
 def run_name(optimizer: str, lr: float) -> str:
@@ -224,7 +230,7 @@ def compare(
         if lr_sweep:
             grids[name] = sorted((lrs or {}).get(name) or [default * f for f in lr_factors])
         else:
-            grids[name] = [tuned_lrs().get(name, default)]
+            grids[name] = [recommended_lr(name, width_of(base))]
     results = {  # each summary under the lab's name (an older log keeps the name it ran as)
         name: [run(run_config(base, name, lr, out), log) | {"optimizer": name} for lr in grid]
         for name, grid in grids.items()
@@ -346,10 +352,11 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
     def source(name: str) -> str:
         if report["lr_sweep"]:
             return "best of the sweep below"
-        if name in tuned_lrs():
-            return "best in benchmarks/STUDY.md (width 128)"
-        if lab_entry(name).tuned_in == "(f)":  # the class's lr: its tuned lr at width 256
-            return "the class's default: its tuned lr at width 256 (benchmarks/STUDY.md (f))"
+        width = gpt_config(budget["model"], **budget["model_overrides"]).n_embd
+        tuned = sorted(TUNED_LR.get(name, ()))
+        if not tuned:
+            return "registry starting value (not tuned)"
+        return f"recommended_lr at width {width} (tuned at {', '.join(map(str, tuned))})"
         return "registry starting value (not tuned)"
 
     lr_rows = [

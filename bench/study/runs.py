@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from bench import compare
-from bench.compare import OPTIONS
+from bench.compare import OPTIONS, width_of
 from bench.optimizers import STUDIED, lab_entry, with_options
 from dobb.optim.dobb_core import update_alpha, update_scale_of
 from dobb.registry import get_entry
@@ -134,10 +134,6 @@ def moe_config(spec: StudySpec) -> GPTConfig:
 
 def base_config(spec: StudySpec) -> TrainConfig:
     return apply_overrides(TrainConfig(), dict(spec.train)).validate()
-
-
-def width_of(cfg: TrainConfig) -> int:
-    return gpt_config(cfg.model, **cfg.model_overrides).n_embd
 
 
 def run_config(

@@ -12,11 +12,12 @@ from bench import cli as lab
 from bench import compare
 from bench.optimizers import tuned_lrs, with_options
 from dobb import cli
-from dobb.registry import get_entry
+from dobb.registry import get_entry, recommended_lr
 
 # each optimizer at its best lr from the study's committed JSON (registry lr if untuned)
 RUNS = sorted(
-    f"{name}-lr{tuned_lrs().get(name, get_entry(name).lr):.4g}" for name in compare.OPTIMIZERS
+    f"{name}-lr{recommended_lr(name, 64):.4g}"
+    for name in compare.OPTIMIZERS  # tiny: width 64
 )
 
 
