@@ -12,10 +12,8 @@ table) and below what runs and reports the optimizers (``bench.compare``,
 ``bench.results``, ``bench.study``, ...): ``bench.tools.import_graph.LAYERS["bench"]``.
 """
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -47,8 +45,6 @@ DOBB_SIGN_INPUT_BLOCK = 32
 # call time and cost model; bytes sent inside step(); loss against wall-clock time
 TABLES = ("calltime", "comm", "timebudget")
 MEASURED = frozenset({"calltime", "comm"})  # the tables an entry is in unless it says
-# where `python -m bench study` writes its tuned learning rates (in the clone)
-STUDY_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "study" / "study.json"
 
 
 @dataclass(frozen=True)
@@ -227,12 +223,3 @@ def lab_entry(name: str) -> LabEntry:
 def cost_model(name: str) -> ModuleType:
     """The cost-model module of the lab's entry ``name``; ``ValueError`` if it has none."""
     return costs.cost_model(lab_entry(name).name)
-
-
-def tuned_lrs(path: Path = STUDY_RESULTS) -> dict[str, float]:
-    """Best hidden-matrix learning rate of each optimizer in the committed study (section
-    (a) of ``benchmarks/STUDY.md``); empty if the file is missing."""
-    try:
-        return dict(json.loads(Path(path).read_text())["best_lr"])
-    except FileNotFoundError:
-        return {}
