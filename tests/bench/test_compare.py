@@ -10,7 +10,7 @@ import torch
 
 from bench import cli as lab
 from bench import compare
-from bench.optimizers import tuned_lrs, with_options
+from bench.optimizers import with_options
 from dobb import cli
 from dobb.registry import get_entry, recommended_lr
 
@@ -82,14 +82,6 @@ def test_compare_rejects_per_run_overrides(tmp_path, capsys):
 def test_train_command_reports_config_errors(capsys):
     assert cli.main(["train", "stepz=3"]) == 2
     assert "unknown config key 'stepz'" in capsys.readouterr().err
-
-
-def test_tuned_lrs_come_from_the_study_json(tmp_path):
-    """The registry reads tuned lrs from the study's JSON; none without the file."""
-    path = tmp_path / "study.json"
-    assert tuned_lrs(path) == {}
-    path.write_text(json.dumps({"best_lr": {"dobb": 0.003, "muon": 0.02}}))
-    assert tuned_lrs(path) == {"dobb": 0.003, "muon": 0.02}
 
 
 def test_a_run_logged_before_eval_ema_existed_is_the_same_config(tmp_path, monkeypatch):
@@ -172,10 +164,13 @@ def test_the_recommended_dobb_is_not_a_paper_run_logged_under_its_name(tmp_path)
     holding an old "dobb" run (the paper's) under the same name is refused, not reused; the
     trainer's own log is what ``settings_record`` says."""
     base = compare.base_config(quick=True)
-    cfg = compare.run_config(base, "dobb", None, tmp_path)
-    old = {"config": cfg.to_dict() | {"optimizer_options": {"num_blocks": 16}}}
+    # the recommended Dobb with the paper's block count: only the rest of its options differ
+    cfg = replace(
+        compare.run_config(base, "dobb", None, tmp_path), optimizer_options={"num_blocks": 16}
+    )
+    old = {"config": cfg.to_dict()}  # the same name and options, logged before the settings
     recommended = compare.settings_record(cfg)
-    assert recommended["optimizer_settings"] == {"class": "Dobb", "options": {}}
+    assert recommended["optimizer_settings"] == {"class": "Dobb", "options": {"num_blocks": 16}}
     assert compare.comparable_config(old) != compare.comparable_config(recommended)
     paper = compare.settings_record(replace(cfg, optimizer="dobb_paper"))
     assert compare.comparable_config(old) == compare.comparable_config(paper)
