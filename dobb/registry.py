@@ -57,7 +57,7 @@ PAPER_DOBB = {
 # read it (``recommended_lr``), each class's default lr is its value at width 256, and a test
 # holds it to the study's JSON. Where an lr halves with the width, wider models want less.
 TUNED_LR: dict[str, dict[int, float]] = {
-    "dobb": {128: 1.6e-2, 256: 4e-3, 512: 4e-3},
+    "dobb": {128: 8e-3, 256: 4e-3, 512: 8e-3},  # with its width rule (update_scale="width")
     "dobb_paper": {128: 2e-3, 256: 2e-3},
     "dobb_sign": {128: 8e-3, 256: 8e-3, 512: 4e-3},
     "dion": {128: 1e-2, 256: 1e-2},
@@ -155,10 +155,11 @@ def recommended_lr(name: str, width: int = 256) -> float:
     starting lr.
 
     The evidence ends at the table's widest width. Beyond it the rule is the same (the
-    widest width's lr, unchanged), though the trend may change (the recommended Dobb's tuned
-    lr fell x0.25 from 128 to 256, then held to 512): a ``UserWarning``, once per entry,
-    says so and lists the widths tuned. Narrower models than the narrowest take the
-    narrowest's lr, silently."""
+    widest width's lr, unchanged), though the trend may change: a ``UserWarning``, once per
+    entry, says so and lists the widths tuned. Narrower models than the narrowest take the
+    narrowest's lr, silently. The recommended Dobb scales its update by 256/width
+    (``update_scale="width"``), so one lr serves it from width 128 to 512: STUDY.md (f)
+    gives what its default lr costs against the tuned one at each width."""
     tuned = TUNED_LR.get(get_entry(name).name)
     if not tuned:
         return get_entry(name).lr

@@ -620,3 +620,55 @@ def test_a_layout_reads_only_the_options_it_is_cached_by(options):
     matrix_layout(layer.weight, 1, Recording(opt.config), (), "weight")
     layout_options = set(dobb.Dobb.Config.layout_options())
     assert read and read <= layout_options, read - layout_options
+
+
+def _trained(model, steps=4, **options) -> list[torch.Tensor]:
+    """``model``'s hidden weights after ``steps`` steps of the recommended Dobb with
+    ``options``, on a fixed stream of inputs."""
+    opt = dobb.Dobb(dobb.param_groups(model), **options)
+    opt.track(model)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 12, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters() if p.dim() == 2], opt
+
+
+def test_the_width_rule_scales_the_update_by_256_over_the_narrowest_input():
+    """update_scale="width" (the default with Adam coefficients): alpha = 256/model_width,
+    model_width the group's narrowest input (12 here: the hidden layer's 20 is wider). With
+    no weight decay, lr x under the rule is lr x * 256/12 at alpha 1, step for step; an
+    explicit model_width takes its place."""
+    rule, opt = _trained(mlp(), lr=1e-3)
+    assert [c.model_width for _, c in opt.configs()] == [12]
+    fixed, _ = _trained(mlp(), lr=1e-3 * 256 / 12, update_scale=1.0)
+    torch.testing.assert_close(rule, fixed, rtol=1e-6, atol=1e-7)  # lr * alpha's rounding
+    wide, _ = _trained(mlp(), lr=1e-3, model_width=512)
+    half, _ = _trained(mlp(), lr=0.5e-3, update_scale=1.0)
+    torch.testing.assert_close(wide, half, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(rule[0], wide[0])
+
+
+def test_the_width_rule_reads_each_groups_own_width():
+    """Two groups, two widths: the second holds only the 20-wide layer."""
+    model = mlp()
+    first, second = model[0].weight, model[2].weight
+    opt = dobb.Dobb([{"params": [first]}, {"params": [second]}])
+    assert [c.model_width for _, c in opt.configs()] == [12, 20]
+
+
+def test_a_checkpoint_from_before_the_width_rule_keeps_its_scale_of_1():
+    """A group saved without ``model_width``, when update_scale=None with Adam coefficients
+    meant 1.0, resumes at 1.0 (not the rule, which would change its update mid-run)."""
+    model = mlp()
+    _, opt = _trained(model, steps=1)
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        group.pop("model_width", None)  # the AdamW group has none
+    resumed = dobb.Dobb(dobb.param_groups(model))
+    resumed.load_state_dict(saved)
+    matrices = [g for g in resumed.param_groups if g["algorithm"] == "dobb"]
+    assert [g["update_scale"] for g in matrices] == [1.0]
+    resumed.load_state_dict(opt.state_dict())  # a group of today's keeps the rule
+    assert [g["update_scale"] for g in resumed.param_groups if g["algorithm"] == "dobb"] == [None]

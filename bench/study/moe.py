@@ -48,6 +48,7 @@ class Entry:
     optimizer: str
     options: dict[str, Any] = field(default_factory=dict)
     tuned: int | None = None
+    unit: float = 1.0  # its (f) configuration's `Tuned.unit` at (g)'s width
 
 
 def entries(spec) -> list[Entry]:
@@ -56,8 +57,8 @@ def entries(spec) -> list[Entry]:
     configs = tuned(spec)
     index = {t.front: i for i, t in enumerate(configs) if t.front}
     return [Entry(name, title(name), name) for name in spec.moe_optimizers] + [
-        Entry(front, front, configs[i].optimizer, dict(configs[i].options), i)
-        for front, i in ((front, index[front]) for front in spec.moe_tuned)
+        Entry(front, front, t.optimizer, dict(t.options), i, t.unit(width(spec)))
+        for front, i, t in ((f, index[f], configs[index[f]]) for f in spec.moe_tuned)
     ]
 
 
@@ -114,13 +115,16 @@ def run_moe(spec, base, out: Path, runner, best: dict[str, float], tuning: dict,
             partial(make, e.optimizer, options=e.options),
             [centre[e.name] * f for f in spec.moe_lr_factors],
             spec.moe_max_extensions,
+            e.unit,
         )
         for e in entries(spec)
     }
     log(f"(g) mixture of experts: {sum(len(s.grid) for s in sweeps.values())} runs + extensions")
     swept = tune(runner, sweeps)
     later = {
-        (name, seed): Sweep(partial(sweeps[name].make, seed=seed), [best_run(runs)["lr"]])
+        (name, seed): Sweep(
+            partial(sweeps[name].make, seed=seed), [best_run(runs)["lr"]], unit=sweeps[name].unit
+        )
         for name, runs in swept.items()
         for seed in range(1, spec.moe_seeds)
     }

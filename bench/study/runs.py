@@ -344,11 +344,21 @@ def best_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 @dataclass
 class Sweep:
-    """An lr sweep: `make(lr)` builds a run's config; the grid grows at an edge."""
+    """An lr sweep: `make(lr)` builds a run's config; the grid grows at an edge.
+
+    `unit`: the grid is in units of another parametrization of the same update: each point
+    `lr` trains `make(lr * unit)` and reads back as `lr` (its summary's `run_lr` keeps the
+    lr it trained with). (f)'s width rule is read so (`bench.study.tuning.Tuned.width_rule`).
+    """
 
     make: Callable[[float], TrainConfig]
     grid: Sequence[float]
     max_extensions: int = 0
+    unit: float = 1.0
+
+    def read(self, lr: float, summary: dict[str, Any]) -> dict[str, Any]:
+        """`summary` of the run made for grid point `lr`, in the grid's units."""
+        return summary if self.unit == 1.0 else summary | {"lr": lr, "run_lr": summary["lr"]}
 
 
 def tune(
@@ -364,12 +374,12 @@ def tune(
     extensions = dict.fromkeys(sweeps, 0)
     pending = [(k, lr) for k, s in sweeps.items() for lr in sorted({round_lr(x) for x in s.grid})]
     while pending:
-        configs = [sweeps[k].make(lr) for k, lr in pending]
+        configs = [sweeps[k].make(round_lr(lr * sweeps[k].unit)) for k, lr in pending]
         unique = {c.out_dir: c for c in configs}  # two sweeps may share a run
         order = sorted(unique.values(), key=width_of, reverse=True)
         done = dict(zip((c.out_dir for c in order), runner(order)))
-        for (key, _), cfg in zip(pending, configs):
-            results[key].append(done[cfg.out_dir])
+        for (key, lr), cfg in zip(pending, configs):
+            results[key].append(sweeps[key].read(lr, done[cfg.out_dir]))
         pending = []
         for key, sweep in sweeps.items():
             if extensions[key] < sweep.max_extensions:

@@ -41,6 +41,8 @@ from bench.study.runs import (
     width_of,
 )
 from bench.study.stats import compare_seeds, seed_stats
+from dobb.optim.dobb_core import WIDTH_REFERENCE
+from dobb.registry import get_entry
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,17 @@ class Tuned:
     centre: str | None = None  # None: `optimizer`
     scale_rule: bool = False  # a width-aware update scale: run with `tuning_scale_rules`
     front: str | None = None  # its name on the front page's figure (README), if there
+    # the lab entry whose defaults apply update_scale="width" (alpha = 256/width) on top of
+    # `options` (alpha = 1): lr x of the rule at width w is lr x * 256/w at alpha = 1, the
+    # same computation (weight decay 0 and every hidden matrix of the study's GPT has the
+    # model's width as its narrowest input: alpha multiplies lr and nothing else), so the
+    # sweeps read those runs in the rule's units (`Sweep.unit`); one run of the entry itself
+    # per width, at the tuned lr, checks the identity (`rule_checks`)
+    width_rule: str | None = None
+
+    def unit(self, width: int) -> float:
+        """What an lr of this configuration's grid is worth in its runs' lr at ``width``."""
+        return WIDTH_REFERENCE / width if self.width_rule else 1.0
 
     def sharded(self) -> bool:
         """Whether its update depends on the number of row shards (it has row blocks)."""
@@ -72,6 +85,14 @@ class Variant:
     label: str
     of: str
     options: dict[str, Any]
+
+
+RECOMMENDED = (
+    "recommended Dobb (two-sided SOAP, one input block, one row block per shard, "
+    "update x 256/width)"
+)
+# the recommended configuration's options but for its width rule: alpha = 1 at every width
+UNSCALED = WHOLE | {"row_blocks": None, "coefficients": "adam", "update_scale": 1.0}
 
 
 def variants() -> list[Variant]:
@@ -125,15 +146,25 @@ def tuned(spec=None) -> list[Tuned]:
             lr_scale=2.0,
         ),
         # the library's default (the recommended configuration): two-sided SOAP with one input
-        # block and one row block of each rank's rows (in one process: all rows)
+        # block and one row block of each rank's rows (in one process: all rows), its update
+        # scaled by 256/width; its runs are the next configuration's (alpha = 1) read in the
+        # rule's lr (`width_rule`), and its grid at the first width maps onto that one's
         Tuned(
-            "recommended Dobb (two-sided SOAP, one input block, one row block per shard)",
+            RECOMMENDED,
             "dobb_sign",
-            WHOLE | {"row_blocks": None, "coefficients": "adam", "update_scale": 1.0},
+            UNSCALED,
+            True,
+            wide=True,
+            front="Dobb, recommended",
+            width_rule="dobb",
+        ),
+        Tuned(
+            "two-sided SOAP, one input block, one row block per shard (update not scaled by width)",
+            "dobb_sign",
+            UNSCALED,
             True,
             wide=True,
             lr_scale=2.0,
-            front="Dobb, recommended",
         ),
         Tuned("AdamW", "adamw", shard_local=True, front="AdamW"),
         *(rules if spec is not None and spec.tuning_scale_rules else []),
@@ -151,18 +182,17 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
     make = partial(run_config, base, out)
     width, configs = width_of(base), tuned(spec)
 
-    def maker(t: Tuned, w: int, **kw):
+    def sweep(t: Tuned, w: int, grid, extensions: int = 0, **kw) -> Sweep:
         kw = {"options": t.options} | kw
-        return partial(make, t.optimizer, width=None if w == width else w, **kw)
+        run = partial(make, t.optimizer, width=None if w == width else w, **kw)
+        return Sweep(run, grid, extensions, t.unit(w))
 
     centre = {i: best[t.centre or t.optimizer] * t.lr_scale for i, t in enumerate(configs)}
     sweeps: dict = {}
     for w in sorted({w for t in configs for w in widths_of(spec, t)}):
         round_ = {
-            (i, w): Sweep(
-                maker(t, w),
-                [centre[i] * f for f in spec.tuning_lr_factors],
-                spec.tuning_max_extensions,
+            (i, w): sweep(
+                t, w, [centre[i] * f for f in spec.tuning_lr_factors], spec.tuning_max_extensions
             )
             for i, t in enumerate(configs)
             if w in widths_of(spec, t)
@@ -173,7 +203,7 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
     chosen = _seeded(spec, configs, sweeps)
     seeded = {key: range(1, spec.tuning_seeds if key in chosen else 1) for key in sweeps}
     later = {
-        (key, seed): Sweep(maker(configs[key[0]], key[1], seed=seed), [best_run(runs)["lr"]])
+        (key, seed): sweep(configs[key[0]], key[1], [best_run(runs)["lr"]], seed=seed)
         for key, runs in sweeps.items()
         for seed in seeded[key]
     }
@@ -183,17 +213,22 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
             if t.sharded() and not t.scale_rule and (i, shard_width) in sweeps:
                 lr = best_run(sweeps[(i, shard_width)])["lr"]
                 rows = row_block_options(t.optimizer, n, t.options)  # its own: the sweep's
-                run = maker(t, shard_width, options=t.options | rows)
-                later[("shards", i, n)] = Sweep(run, [lr])
+                later[("shards", i, n)] = sweep(t, shard_width, [lr], options=t.options | rows)
     index = {t.label: i for i, t in enumerate(configs)}
     for v, variant in enumerate(variants()):  # at the tuned lrs of tuning_widths, seeded
         i = index[variant.of]
         for w in spec.tuning_widths:
             lr = best_run(sweeps[(i, w)])["lr"]
             for seed in range(spec.tuning_seeds):
-                run = maker(configs[i], w, options=configs[i].options | variant.options, seed=seed)
-                later[("variant", v, w, seed)] = Sweep(run, [lr])
-    log(f"(f) seeds, row shards and variants: {len(later)} runs")
+                options = configs[i].options | variant.options
+                later[("variant", v, w, seed)] = sweep(
+                    configs[i], w, [lr], options=options, seed=seed
+                )
+    for (i, w), runs in sweeps.items():  # the width rule's entry itself, at its tuned lr
+        if configs[i].width_rule:
+            rule = partial(make, configs[i].width_rule, width=None if w == width else w)
+            later[("rule", i, w)] = Sweep(rule, [best_run(runs)["lr"]])
+    log(f"(f) seeds, row shards, variants and rule checks: {len(later)} runs")
     done = tune(runner, later)
     seeds = {
         key: [best_run(runs)] + [done[(key, s)][0] for s in seeded[key]]
@@ -205,9 +240,11 @@ def run_tuning(spec, base, out: Path, runner, best: dict[str, float], log=print)
         for v, _ in enumerate(variants())
         for w in spec.tuning_widths
     }
+    checks = {(i, w): done[("rule", i, w)][0] for _, i, w in filter(_is_rule, later)}
     return {
         "sweeps": sweeps,
         "seeds": seeds,
+        "rule_checks": checks,
         "shards": shards,
         "shard_width": shard_width,
         "configs": configs,
@@ -231,12 +268,17 @@ def _is_shard(key) -> bool:
     return key[0] == "shards"
 
 
+def _is_rule(key) -> bool:
+    return key[0] == "rule"
+
+
 def all_runs(tuning: dict) -> list[list[dict]]:
     """Every summary of (f), for the study's compute total."""
     return [
         *tuning["sweeps"].values(),
         *tuning["seeds"].values(),
         [*tuning["shards"].values()],
+        [*tuning["rule_checks"].values()],
         *tuning["variants"].values(),
     ]
 
@@ -297,9 +339,38 @@ def analyse_tuning(tuning: dict) -> dict:
         "rows": rows,
         "widths": widths,
         "best_local": best_local,
+        "rule_checks": _rule_checks(tuning, rows),
         "shards": _shard_rows(tuning, rows),
         "variants": _variant_rows(tuning),
     }
+
+
+def _rule_checks(tuning: dict, rows: list[dict]) -> list[dict]:
+    """Per width rule (``Tuned.width_rule``) and width: its entry's own run at the tuned lr
+    against the run it was read from (``difference``: the largest of the final train and val
+    losses' differences; 0 is the same computation), and what the entry's default lr costs
+    there against the tuned loss."""
+    checks = []
+    for (i, w), run in sorted(tuning["rule_checks"].items()):
+        t, row = tuning["configs"][i], rows[i]
+        read = best_run(tuning["sweeps"][(i, w)])
+        entry = next(e for e in row["widths"] if e["n_embd"] == w)
+        default = get_entry(t.width_rule).lr
+        kept = dict(zip(entry["lrs"], entry["losses"])).get(default)
+        keys = ("final_val_loss", "final_train_loss")
+        checks.append(
+            {
+                "label": t.label,
+                "entry": t.width_rule,
+                "n_embd": w,
+                "lr": read["lr"],
+                "run_lr": read["run_lr"],
+                "difference": max(abs(run[k] - read[k]) for k in keys),
+                "default_lr": default,
+                "default_cost": None if kept is None else kept - min(entry["losses"]),
+            }
+        )
+    return checks
 
 
 def _variant_rows(tuning: dict) -> list[dict]:

@@ -110,6 +110,37 @@ def transfer_sentence(row: dict) -> str:
     return f"{row['label']}: " + ("; ".join(parts) if parts else "tuned at one width only")
 
 
+def _rule_lines(checks: list[dict]) -> list[str]:
+    """The width rule's reading checked at each width, and its default lr's cost there."""
+    if not checks:
+        return []
+    lines = [
+        "",
+        f"{checks[0]['label']}: its update is scaled by 256/width, so its lr x at "
+        "width w trains as x * 256/w does with the scale fixed at 1 (weight decay 0; the "
+        "narrowest input of every hidden matrix is the width); its grids read that "
+        f"configuration's runs so, and one run of `{checks[0]['entry']}` itself (the library's "
+        "default) at each tuned lr checks it:",
+        "",
+    ]
+    for c in checks:
+        same = (
+            "the same final losses"
+            if c["difference"] == 0
+            else (f"final losses differ by up to {c['difference']:.3g}")
+        )
+        cost = (
+            ""
+            if c["default_cost"] is None
+            else (f"; the default lr {_lr(c['default_lr'])} costs {c['default_cost']:+.4f} there")
+        )
+        lines.append(
+            f"- width {c['n_embd']}: `{c['entry']}` at lr {_lr(c['lr'])} against the scale-1 "
+            f"run at lr {_lr(c['run_lr'])}: {same}{cost}"
+        )
+    return lines
+
+
 def plot_tuning(out: Path, report: dict) -> str:
     """Final val loss against lr, a panel per configuration, a curve per width."""
     from matplotlib.figure import Figure
@@ -184,6 +215,7 @@ def tuning_section(report: dict, spec: dict, out: Path, link, table) -> list[str
         "the narrower width's tuned lr minus the tuned loss there.)",
         "",
         *[f"- {transfer_sentence(r)}" for r in rows],
+        *_rule_lines(report["rule_checks"]),
         "",
         f"![final loss against lr, one curve per width]({link(plot)})",
         "",

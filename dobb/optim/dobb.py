@@ -83,6 +83,7 @@ d368fca (``cov``, ``cov_tail``, ``row_basis``, ...: ``dobb_core.LEGACY_KEYS``) l
 ``Dobb.load_state_dict`` renames such keys itself.
 """
 
+import copy
 import tempfile
 import zlib
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ from dobb.stats import (
     tracked_layers,
 )
 
-UPDATE_SCALE_MODES = ("adamw", "lion", "muon")
+UPDATE_SCALE_MODES = ("adamw", "lion", "muon", "width")
 UPDATE_SCALE = Rule(
     lambda v: v in UPDATE_SCALE_MODES or (isinstance(v, float | int) and v > 0),
     f"a positive number or {one_of(*UPDATE_SCALE_MODES).want}",
@@ -304,6 +305,11 @@ class Layouts:
     def orient(self, param: Tensor, input_dim: int) -> None:
         self._input_dims[param] = input_dim
 
+    def input_width(self, param: Tensor) -> int:
+        """``d_in`` of ``param`` (a matrix, or a stack of experts ``(E, d_out, d_in)``) by its
+        recorded orientation, in the whole matrix."""
+        return param.shape[param.dim() - 2 + self._input_dims.get(param, 1)]
+
     def __call__(self, param: Tensor, config) -> MatrixLayout:
         expert = expert_of(param)  # an expert's layout is every expert's of its stack
         anchor = param if expert is None else expert.stack
@@ -361,10 +367,22 @@ class Dobb(MatrixOptimizer):
 
         renamed = {"coefficient_beta": "beta2"}  # NorMuon's name for a second moment's EMA
 
+        @classmethod
+        def upgrade_group(cls, group: dict[str, Any]) -> dict[str, Any]:
+            """``OptimizerConfig.upgrade_group``; a group saved before ``model_width``
+            existed, when ``update_scale=None`` with Adam coefficients meant 1.0, keeps 1.0:
+            a resumed run goes on with the update it started with."""
+            group = super().upgrade_group(group)
+            old = "model_width" not in group and group.get("update_scale", 0) is None
+            if old and group.get("coefficients") == "adam":
+                group["update_scale"] = 1.0
+            return group
+
         lr: float = inherit(OptimizerConfig, "lr", 4e-3)
         """Learning rate; the update's RMS is about ``alpha lr`` (``update_scale``). The
-        default is the recommended configuration's tuned rate at width 256; per width:
-        ``dobb.registry.recommended_lr``."""
+        default is the recommended configuration's tuned rate at width 256; with its width
+        rule (``update_scale="width"``) the same lr serves widths 128 to 512 (STUDY.md (f));
+        per width: ``dobb.registry.recommended_lr``."""
         momentum: float = option(0.95, UNIT, math=True)
         """``mu``, the momentum's EMA factor."""
         nesterov: bool = option(True, BOOL, math=True)
@@ -379,11 +397,18 @@ class Dobb(MatrixOptimizer):
         basis_interval: int = option(10, COUNT, math=True)
         """``k``: the eigenbases are refreshed every ``k`` steps."""
         update_scale: float | str | None = option(None, optional(UPDATE_SCALE), math=True)
-        """``alpha``: a number, ``"adamw"`` (0.2), ``"lion"`` (1.0) or ``"muon"``
+        """``alpha``: a number, ``"adamw"`` (0.2), ``"lion"`` (1.0), ``"muon"``
         (``1/sqrt(d_in)``, the RMS of Muon's spectrally scaled update; in STUDY.md (f) it
         keeps one-block Dobb's tuned lr from width 128 to 256, where 0.2 halves it, at the
-        same loss). None: 0.2 with the sign (the update's RMS is then AdamW's), 1.0 with
-        Adam coefficients (already scaled as Adam's update)."""
+        same loss) or ``"width"`` (``256 / model_width``: muP's rule for Adam, an lr
+        inversely proportional to the width, equal to 1.0 at width 256). None: 0.2 with the
+        sign (the update's RMS is then AdamW's), ``"width"`` with Adam coefficients (already
+        scaled as Adam's update, whose best lrs at ``alpha = 1`` fell as 1 / width, STUDY.md
+        (f)). Weight decay stays ``lr weight_decay``."""
+        model_width: int | None = option(None, optional(COUNT), math=True)
+        """The width ``update_scale="width"`` divides by; None: the narrowest input width of
+        the group's matrices (a GPT's ``n_embd``, as ``dobb.registry.model_width`` reads
+        it). One value per group, so a model's matrices keep one lr between them."""
         block_size: int | None = option(None, optional(COUNT), math=True, layout=True)
         """Input blocks of at most this many columns, near-equal, within each rank's
         columns (the paper's 100 and 400); None: ``BLOCK_WIDTH`` (1,024) unless
@@ -491,6 +516,18 @@ class Dobb(MatrixOptimizer):
         self.placements = (self.steps,)
         self._data_parallel_groups = data_groups
         super().__init__(params, config)
+
+    def configs(self) -> list[tuple[dict, Config]]:
+        """Each matrix group's options (``MatrixOptimizer.configs``), ``model_width`` None
+        read from the group: the narrowest input width of its matrices, this step's."""
+        configs = []
+        for group, config in super().configs():
+            if config.model_width is None:
+                config = copy.copy(config)  # as ``with_group``: a step's reading, not a new one
+                width = min(self.layouts.input_width(p) for p in group["params"])
+                object.__setattr__(config, "model_width", width)
+            configs.append((group, config))
+        return configs
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)

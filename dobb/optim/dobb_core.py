@@ -125,7 +125,7 @@ class DobbCore(Core):
             beta=config.momentum,
             nesterov=config.nesterov,
             weight_decay=config.weight_decay,
-            scale=update_alpha(scale, layout.width),
+            scale=update_alpha(scale, layout.width, config.model_width),
             beta2=config.beta2,
             row_stacks=layout.row.stacks,
             projection_dtype=rotation_dtype(config, params[0]),
@@ -430,18 +430,29 @@ def _rotated_update(
 
 def update_scale_of(scale: float | str | None, coefficients: str) -> float | str:
     """The option ``update_scale``, None resolved: ``"adamw"`` (0.2) with the sign, whose
-    update's RMS is then AdamW's; ``"lion"`` (1.0) with Adam coefficients, already scaled as
-    Adam's update."""
+    update's RMS is then AdamW's; ``"width"`` with Adam coefficients, whose best lrs at
+    ``alpha = 1`` fell as 1 / width (STUDY.md (f))."""
     if scale is not None:
         return scale
-    return "lion" if coefficients == "adam" else "adamw"
+    return "width" if coefficients == "adam" else "adamw"
 
 
-def update_alpha(scale: float | str, d_in: int) -> float:
+WIDTH_REFERENCE = 256  # update_scale="width": alpha = 1 at this width, where lr was tuned
+
+
+def update_alpha(scale: float | str, d_in: int, model_width: int | None = None) -> float:
     """``alpha`` of the option ``update_scale`` (``scale``) for a matrix with (global) input
-    width ``d_in``."""
+    width ``d_in`` in a group of width ``model_width`` (``Dobb.Config.model_width``)::
+
+        "muon": 1 / sqrt(d_in)      "width": 256 / model_width      "adamw": 0.2
+        "lion": 1.0                 a number: itself
+
+    ``"width"`` is muP's lr rule for Adam-like updates (hidden weights' lr ~ 1 / width); at
+    ``alpha = 1`` the recommended Dobb's best lrs fell as 1 / width (STUDY.md (f))."""
     if scale == "muon":
         return 1.0 / math.sqrt(d_in)
+    if scale == "width":
+        return WIDTH_REFERENCE / (model_width or d_in)
     return {"adamw": 0.2, "lion": 1.0}.get(scale, scale)
 
 

@@ -15,7 +15,10 @@ from dobb.registry import OPTIMIZERS, TUNED_LR, recommended_lr
 STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "study" / "study.json"
 # the (f) row of each entry's configuration
 ROWS = {
-    "dobb": "recommended Dobb (two-sided SOAP, one input block, one row block per shard)",
+    "dobb": (
+        "recommended Dobb (two-sided SOAP, one input block, one row block per shard, "
+        "update x 256/width)"
+    ),
     "dobb_paper": "Dobb, 16 blocks",
     "dobb_sign": "two-sided Dobb, one input block",
     "dion": "Dion",
