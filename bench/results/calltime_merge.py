@@ -51,6 +51,8 @@ def merge(parts: list[Path]) -> dict:
                     f"{setting(record, key)!r}: time every part on one machine"
                 )
         record["optimizers"].update(part.get("optimizers") or {})
+        if part.get("hooks_recommended"):  # measured by the part that times the recommended
+            record["hooks_recommended"] = part["hooks_recommended"]
     if record is None:
         raise ValueError(f"no readable call-time record among {[p.name for p in parts]}")
     optimizers = record["optimizers"]

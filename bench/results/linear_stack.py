@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from bench.model.workload import Matrix
 from bench.tools.timing import spread, timed
+from dobb.optim.dobb import BLOCK_WIDTH
 from dobb.stats import BlockStatistics, GramCache, block_stacks, statistics_hook
 
 Progress = Callable[[str], None]
@@ -77,21 +78,29 @@ def forward_backward(stack: LinearStack, autocast: bool) -> None:
     loss.backward()
 
 
+def input_blocks(width: int, num_blocks: int | None) -> tuple:
+    """The input blocks of a ``width``-column layer: ``num_blocks`` of them, or (None) as
+    the library's defaults cut them, near-equal blocks of at most ``BLOCK_WIDTH``."""
+    return block_stacks(width, num_blocks if num_blocks is not None else -(-width // BLOCK_WIDTH))
+
+
 def hook_overhead(
     stack: LinearStack,
     *,
-    num_blocks: int,
+    num_blocks: int | None,
     repeats: int,
     autocast: bool = False,
     progress: Progress = lambda _: None,
 ) -> dict:
     """Forward+backward of ``stack`` with and without statistics hooks, alternated, and
-    the hooks alone. Leaves the gradients of the last pass in ``.grad``."""
+    the hooks alone. Leaves the gradients of the last pass in ``.grad``. ``num_blocks``
+    input blocks per layer (the paper's 16), or None: blocks of at most ``BLOCK_WIDTH``
+    columns, as the library's defaults cut them (the recommended configuration)."""
     device = next(stack.parameters()).device
     cache = GramCache()  # as Dobb.track: layers fed one input (q, k, v) share X_bᵀ X_b
     stats = {
         key: BlockStatistics(
-            block_stacks(layer.in_features, num_blocks), torch.float32, device, cache=cache
+            input_blocks(layer.in_features, num_blocks), torch.float32, device, cache=cache
         )
         for key, layer in stack.layers.items()
     }

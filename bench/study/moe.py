@@ -181,6 +181,7 @@ def analyse_moe(moe: dict, spec, dense: dict) -> dict:
                 "optimizer": e.optimizer,
                 "options": with_options(e.optimizer, e.options),
                 "lrs": [s["lr"] for s in runs],
+                "run_lrs": [s.get("run_lr", s["lr"]) for s in runs],  # as trained (Sweep.unit)
                 "losses": [loss_of(s) for s in runs],
                 "runs": [s["run"] for s in runs],
                 "best_lr": best_run(runs)["lr"],

@@ -300,6 +300,7 @@ def analyse_tuning(tuning: dict) -> dict:
                 {
                     "n_embd": w,
                     "lrs": [s["lr"] for s in runs],
+                    "run_lrs": [s.get("run_lr", s["lr"]) for s in runs],  # as trained
                     "losses": [loss_of(s) for s in runs],
                     "best_lr": best_run(runs)["lr"],
                     "at_edge": at_edge(runs),

@@ -434,7 +434,7 @@ class Dobb(MatrixOptimizer):
         coefficients: str = option("adam", one_of(*COEFFICIENTS), math=True)
         """``"sign"``, or ``"adam"``: ``C / (sqrt(V_hat) + eps)`` with a SOAP-style second
         moment ``V`` of the coefficients, kept in the eigenbasis (+4 bytes per parameter;
-        use ``update_scale=1.0``)."""
+        ``update_scale=None`` then takes ``"width"``)."""
         beta2: float = option(0.95, UNIT, math=True)
         """The EMA factor of ``V`` (``coefficients="adam"``), as Adam's and NorMuon's
         ``beta2``."""

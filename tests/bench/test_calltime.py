@@ -16,6 +16,7 @@ from bench.results import calltime, linear_stack
 from bench.results import sections as results_sections
 from bench.results.calltime import OPTIMIZERS
 from bench.tools.timing import spread
+from dobb.stats import block_stacks
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +143,31 @@ def test_state_bytes_per_param_match_the_formulas(record):
     assert per_param["dion"] == pytest.approx(4 + dion / numel)
 
 
-def test_hook_overhead_is_recorded(record):
-    """The hooks' share is computed from the recorded medians (whatever they measured)."""
-    hooks = record["hooks"]
+@pytest.mark.parametrize("key", ["hooks", "hooks_recommended"])
+def test_hook_overhead_is_recorded(record, key):
+    """The hooks' share is computed from the recorded medians (whatever they measured), for
+    the paper's blocks and, since the recommended configuration is timed, for its blocks;
+    the table reports both."""
+    hooks = record[key]
     alone, plain = hooks["hooks_alone_s"]["median"], hooks["forward_backward_s"]["median"]
     assert alone > 0 and plain > 0
     assert hooks["share_hooks_alone"] == alone / (plain + alone)
     hooked = hooks["forward_backward_hooks_s"]["median"]
     assert hooks["share_difference"] == (hooked - plain) / hooked
+    which = "the paper's" if key == "hooks" else "the recommended"
+    assert f"Statistics hooks, 4 input blocks ({which})" in calltime.format_table(record) or (
+        key == "hooks_recommended"
+        and "Statistics hooks, input blocks of at most 1,024 columns (the recommended)"
+        in calltime.format_table(record)
+    )
+
+
+def test_the_recommended_hooks_cut_the_library_s_blocks():
+    """Blocks of at most BLOCK_WIDTH columns where no count is given, as Dobb's defaults:
+    1,600 columns make 2 blocks of 800, 6,400 make 7; a count is kept."""
+    for width, count in ((1600, 2), (6400, 7), (64, 1)):
+        assert linear_stack.input_blocks(width, None) == block_stacks(width, count)
+    assert linear_stack.input_blocks(1600, 16) == block_stacks(1600, 16)
 
 
 def test_json_is_written_complete(record):

@@ -327,9 +327,8 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
         for entry in row["widths"]:
             assert entry["best_lr"] == entry["lrs"][entry["losses"].index(min(entry["losses"]))]
             first = summary(entry["seeds"]["runs"][0])
-            assert first["lr"] == entry["best_lr"] and first["final_val_loss"] == min(
-                entry["losses"]
-            )
+            trained = entry["run_lrs"][entry["lrs"].index(entry["best_lr"])]  # the rule's: x unit
+            assert first["lr"] == trained and first["final_val_loss"] == min(entry["losses"])
             grid = ", ".join(f"{lr:.4g}" for lr in entry["lrs"])
             lr = f"{entry['best_lr']:.4g}"
             assert f"width {entry['n_embd']}: {row['label']} tuned lr {lr} (grid {grid})" in text
@@ -337,6 +336,7 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
             assert entry["seeds"]["n"] == (report["spec"]["tuning_seeds"] if seeded else 1)
         assert f"- {row['label']}: " in text  # does its lr transfer?
     assert any("Muon's RMS scale" in r["label"] for r in tuning["rows"])  # tuning_scale_rules
+    _check_width_rule(tuning, text, out, summary)
     for entry in tuning["best_local"]:
         assert f"width {entry['n_embd']}: best shard-local: {entry['label']}" in text
         local, muon = (_label_row(tuning, k) for k in (entry["label"], "Muon"))
@@ -424,7 +424,8 @@ def _check_moe(report: dict, text: str, out: Path, summary) -> None:
         assert grid <= set(row["lrs"])  # its own grid around its dense tuned lr
         losses = [summary(run)["final_val_loss"] for run in row["seeds"]["runs"]]
         assert row["seeds"]["n"] == spec["moe_seeds"] and row["seeds"]["losses"] == losses
-        assert summary(row["seeds"]["runs"][0])["lr"] == row["best_lr"]
+        trained = row["run_lrs"][row["lrs"].index(row["best_lr"])]  # the width rule's: x unit
+        assert summary(row["seeds"]["runs"][0])["lr"] == trained
         assert row["seeds"]["mean"] == pytest.approx(np.mean(losses))
         for run in row["runs"] + row["seeds"]["runs"]:
             config = json.loads((out / "runs" / run / "run.json").read_text())["config"]
@@ -460,6 +461,30 @@ def _check_moe(report: dict, text: str, out: Path, summary) -> None:
     for pair in moe["pairs"]:
         assert pair["moe"]["diff"] == pytest.approx(means[pair["a"]] - means[pair["b"]])
     assert len(moe["pairs"]) == math.comb(len(moe["rows"]), 2)
+
+
+def _check_width_rule(tuning, text, out, summary):
+    """(f)'s recommended Dobb reads the scale-1 runs at lr x 256/width (its grid's lrs map
+    onto that configuration's runs), and one run of the lab's `dobb` (the rule itself) per
+    width at the tuned lr trains to the same final losses: the same computation."""
+    rule = next(r for r in tuning["rows"] if r["label"].startswith("recommended Dobb"))
+    for entry in rule["widths"]:
+        unit = 256 / entry["n_embd"]
+        assert entry["run_lrs"] == [study_runs.round_lr(lr * unit) for lr in entry["lrs"]]
+        assert unit != 1  # the tiny widths: the reading is not the identity
+    checks = {c["n_embd"]: c for c in tuning["rule_checks"]}
+    assert sorted(checks) == sorted(e["n_embd"] for e in rule["widths"])
+    for w, c in checks.items():
+        (run,) = (out / "runs").glob(f"dobb-{'' if w == 64 else f'w{w}-'}lr{c['lr']:.4g}")
+        config = json.loads((run / "run.json").read_text())["config"]
+        assert config["optimizer"] == "dobb" and config["lr"] == c["lr"]
+        if math.log2(256 / w).is_integer():  # x unit is exact: bit for bit, alpha only scales lr
+            assert c["difference"] == 0, c
+        else:  # run names keep 4 digits of lr (round_lr): the read run's lr is 5e-5 off at most
+            assert 0 < c["difference"] < 1e-3, c
+        best = min(next(e for e in rule["widths"] if e["n_embd"] == w)["losses"])
+        assert summary(run.name)["final_val_loss"] == pytest.approx(best, abs=c["difference"])
+        assert f"- width {w}: `dobb` at lr {c['lr']:.4g} against the scale-1 run" in text
 
 
 def _label_row(tuning: dict, label: str) -> dict:
