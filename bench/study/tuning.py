@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import OPTIONS
+from bench.model.workload import transformer_matrices
 from bench.study.gap import WHOLE
 from bench.study.runs import (
     Sweep,
@@ -41,6 +42,7 @@ from bench.study.runs import (
     width_of,
 )
 from bench.study.stats import compare_seeds, seed_stats
+from dobb.optim.dobb import BLOCK_WIDTH
 from dobb.optim.dobb_core import WIDTH_REFERENCE
 from dobb.registry import get_entry
 
@@ -359,6 +361,7 @@ def _rule_checks(tuning: dict, rows: list[dict]) -> list[dict]:
         default = get_entry(t.width_rule).lr
         kept = dict(zip(entry["lrs"], entry["losses"])).get(default)
         keys = ("final_val_loss", "final_train_loss")
+        widest = max(m.d_in for m in transformer_matrices(w, 1))
         checks.append(
             {
                 "label": t.label,
@@ -367,6 +370,13 @@ def _rule_checks(tuning: dict, rows: list[dict]) -> list[dict]:
                 "lr": read["lr"],
                 "run_lr": read["run_lr"],
                 "difference": max(abs(run[k] - read[k]) for k in keys),
+                "loss": loss_of(run),
+                "read_loss": loss_of(read),
+                # the entry cuts inputs into blocks of at most BLOCK_WIDTH (the library's
+                # defaults), the read configuration keeps one block per matrix: one layout
+                # only while every hidden matrix is at most BLOCK_WIDTH wide
+                "widest_input": widest,
+                "same_blocks": widest <= BLOCK_WIDTH,
                 "default_lr": default,
                 "default_cost": None if kept is None else kept - min(entry["losses"]),
             }

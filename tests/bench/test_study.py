@@ -478,6 +478,7 @@ def _check_width_rule(tuning, text, out, summary):
         (run,) = (out / "runs").glob(f"dobb-{'' if w == 64 else f'w{w}-'}lr{c['lr']:.4g}")
         config = json.loads((run / "run.json").read_text())["config"]
         assert config["optimizer"] == "dobb" and config["lr"] == c["lr"]
+        assert c["same_blocks"]  # the tiny widths' matrices fit in one block of BLOCK_WIDTH
         if math.log2(256 / w).is_integer():  # x unit is exact: bit for bit, alpha only scales lr
             assert c["difference"] == 0, c
         else:  # run names keep 4 digits of lr (round_lr): the read run's lr is 5e-5 off at most
@@ -489,3 +490,20 @@ def _check_width_rule(tuning, text, out, summary):
 
 def _label_row(tuning: dict, label: str) -> dict:
     return next(r for r in tuning["rows"] if r["label"] == label)
+
+
+def test_a_rule_check_on_another_block_layout_is_reported_as_a_measurement():
+    """Where the library's defaults cut a matrix into blocks of BLOCK_WIDTH and the read
+    configuration keeps one (width 512's 2,048-column inputs), the check is not called one:
+    the sentence gives both losses and their difference."""
+    from bench.study import tuning, tuning_report
+
+    widest = max(m.d_in for m in tuning.transformer_matrices(512, 1))
+    check = {"same_blocks": widest <= 1024, "widest_input": widest, "loss": 1.64, "read_loss": 1.6}
+    assert not check["same_blocks"]
+    text = tuning_report._rule_outcome(check | {"difference": 0.04})
+    assert text.startswith("not the same computation: the library cuts the 2,048-column inputs")
+    assert "final val loss 1.6400 against 1.6000 (+0.0400, one seed)" in text
+    assert tuning_report._rule_outcome(check | {"same_blocks": True, "difference": 0}) == (
+        "the same final losses"
+    )
