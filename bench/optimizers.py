@@ -135,7 +135,7 @@ LAB: dict[str, LabEntry] = {
         # the library's default; (a) does not tune it: (f) does, as "recommended Dobb"
         LabEntry(
             "dobb",
-            "Dobb",
+            "Dobb (recommended)",
             tables=frozenset({"calltime"}),
             **_REFRESHES,
             calltime_settings=("basis_interval", "basis_method"),

@@ -115,7 +115,7 @@ def measure(
         "sharded": sharded,
         "wall_s": time.perf_counter() - started,
     }
-    (out_dir / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
+    (out_dir / RUN_FILE).write_text(json.dumps(stamped(run), indent=1) + "\n")  # its commands
     return run
 
 

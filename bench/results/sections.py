@@ -105,8 +105,16 @@ def state_section(record: dict) -> str:
     )
     rows = []
     for name, entry in record["optimizers"].items():
+        # the settings the run gave it (the recommended Dobb keeps its own blocks)
+        given = (
+            calltime.optimizer_overrides(
+                name, m["num_blocks"], m["basis_interval"], m["rank_fraction"], m["period"]
+            )
+            if name in LAB
+            else kw
+        )
         try:
-            expected = f"{sum(state_bytes(name, x, **kw) for x in matrices) / numel:.4f}"
+            expected = f"{sum(state_bytes(name, x, **given) for x in matrices) / numel:.4f}"
         except ValueError:  # an optimizer without a state formula (e.g. blockmuon)
             expected = "–"
         measured = f"{entry['state_bytes_per_param']:.4f}"

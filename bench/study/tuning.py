@@ -368,7 +368,7 @@ def _rule_checks(tuning: dict, rows: list[dict]) -> list[dict]:
                 "entry": t.width_rule,
                 "n_embd": w,
                 "lr": read["lr"],
-                "run_lr": read["run_lr"],
+                "run_lr": read.get("run_lr", read["lr"]),  # at width 256 the unit is 1
                 "difference": max(abs(run[k] - read[k]) for k in keys),
                 "loss": loss_of(run),
                 "read_loss": loss_of(read),

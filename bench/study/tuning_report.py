@@ -49,7 +49,37 @@ def tuning_findings(report: dict) -> list[str]:
         f"{in_words(GOAL_WIDTHS)} widths, or better): {goal}; within {GOAL_GAP:g} at width "
         f"{', '.join(map(str, close)) or 'none'}.",
         *[f"(f) {variant_sentence(rows)}" for rows in _by_variant(report["variants"])],
+        *_rule_findings(report),
     ]
+
+
+def _rule_findings(report: dict) -> list[str]:
+    """The width rule in the summary: what keeping the narrower width's tuned lr, and the
+    default lr, cost at each width, and each width where the library's layout differs."""
+    checks = report.get("rule_checks") or []
+    if not checks:
+        return []
+    label = checks[0]["label"]
+    row = next(r for r in report["rows"] if r["label"] == label)
+    kept = ", ".join(
+        f"{m['from']} to {m['to']} {m['cost']:+.4f}" for m in row["moves"] if m["cost"] is not None
+    )
+    default = ", ".join(
+        f"{c['default_cost']:+.4f} at width {c['n_embd']}"
+        for c in checks
+        if c["default_cost"] is not None
+    )
+    lines = [
+        f"(f) {label}: keeping the narrower width's tuned lr costs {kept}; the default lr "
+        f"{_lr(checks[0]['default_lr'])} costs {default} against the tuned one."
+    ]
+    lines += [
+        f"(f) At width {c['n_embd']}, `{c['entry']}` (the library's defaults) against the run "
+        f"read for it: {_rule_outcome(c)}."
+        for c in checks
+        if not c["same_blocks"]
+    ]
+    return lines
 
 
 def _by_variant(rows: list[dict]) -> list[list[dict]]:

@@ -176,7 +176,9 @@ def test_json_is_written_complete(record):
     assert saved["meta"]["dobb_sign_row_blocks"] == 32
     table = calltime.format_table(saved)
     assert "| dobb_paper |" in table and "| dobb_sign | 3 |" in table
-    assert "\nDobb: refresh call" in table and "\nTwo-sided Dobb: refresh call" in table
+    assert (
+        "\nDobb (recommended): refresh call" in table and "\nTwo-sided Dobb: refresh call" in table
+    )
 
 
 def test_results_tables_predict_dobb_sign_and_every_periodic_call(record):

@@ -10,6 +10,8 @@ from bench.model.workload import hidden_matrices
 from bench.results import calltime_sharded
 from bench.results.calltime import OPTIMIZERS
 from bench.results.linear_stack import LinearStack
+from bench.tools import launch
+from bench.tools.records import LAB_NAMES, read_record
 
 
 @pytest.mark.parametrize("layout, world", [("fsdp", 2), ("hsdp", 4), ("tp", 2)])
@@ -46,3 +48,23 @@ def test_tp_splits_rows_of_column_parallel_and_columns_of_row_parallel_layers():
 def test_hsdp_needs_an_even_world():
     with pytest.raises(ValueError, match="even --world"):
         calltime_sharded.main(["--layout", "hsdp", "--world", "3"])
+
+
+def test_a_sharded_record_is_stamped_with_todays_lab_names_whoever_writes_it(monkeypatch):
+    """``run``'s record carries ``lab_names``, so one that ``bench.results.measure`` writes
+    reads back its ``dobb`` (the recommended) as ``dobb``, not as an old record's paper's."""
+    monkeypatch.setattr(launch, "run_ranks", lambda *args, **kwargs: [{}])  # no ranks spawned
+    record = calltime_sharded.run("fsdp", 2, config="tiny", names=("dobb", "muon"))
+    assert record["lab_names"] == LAB_NAMES
+    assert "--optimizers dobb,muon " in lab_record(record)["command"]
+
+
+def lab_record(record):
+    """``record`` as the reports read a record from a file (``read_record``)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "record.json"
+        path.write_text(json.dumps(record))
+        return read_record(path)

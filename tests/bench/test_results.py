@@ -33,7 +33,7 @@ def test_render_writes_the_json_numbers_and_measures_nothing(tmp_path, monkeypat
     edit_json(tmp_path / CALIBRATION_FILE, lambda hw: hw["rates"].update(gemm_fp32=98765.4e9))
     edit_json(
         tmp_path / CALLTIME_FILE,
-        lambda r: r["optimizers"]["dobb"]["call_s"].update(median=0.4321),  # the paper's: unstamped
+        lambda r: r["optimizers"]["dobb_paper"]["call_s"].update(median=0.4321),
     )
     edit_json(tmp_path / run["sharded"][0], lambda r: r.update(command="sharded run 31337"))
 
@@ -42,7 +42,7 @@ def test_render_writes_the_json_numbers_and_measures_nothing(tmp_path, monkeypat
     text = (tmp_path / "RESULTS.md").read_text()
     assert "- Generated: 1999-12-31T23:59:59+00:00 by `python -m bench.results`" in text
     assert f"by `python -m bench.results --render --out-dir {tmp_path}`" in text
-    # as run, under today's names (the lab's "dobb" then is "dobb_paper" now)
+    # as run (the run's record names optimizers as the lab does today: lab_names)
     assert all(
         command in text for command in read_record(results.BENCHMARKS / RUN_FILE)["commands"]
     )
@@ -50,3 +50,18 @@ def test_render_writes_the_json_numbers_and_measures_nothing(tmp_path, monkeypat
     assert "| dobb_paper | 432.1 |" in text  # the cost-model check against the measured median
     assert "`sharded run 31337`" in text
     assert "## 7. GPU measurements\n\nNo `benchmarks/gpu/*.json` yet" in text
+
+
+def test_the_state_formula_of_each_timed_optimizer_is_its_measured_state():
+    """RESULTS.md section 3 prices each optimizer with the settings its run took (the
+    recommended Dobb its own blocks of at most 1,024, not the paper's 16 or dobb_sign's row
+    blocks): on the committed record the formula column equals the measured one."""
+    from bench.results.sections import state_section
+
+    record = read_record(results.BENCHMARKS / CALLTIME_FILE)
+    lines = [x for x in state_section(record).splitlines()[2:] if x.startswith("| ")]
+    rows = [line.split("|")[1:4] for line in lines]
+    rows = [(n.strip(), measured, formula) for n, measured, formula in rows if "–" not in formula]
+    assert "dobb" in {name for name, _, _ in rows}
+    for name, measured, formula in rows:
+        assert float(formula) == float(measured), name
