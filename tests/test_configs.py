@@ -56,6 +56,7 @@ OTHER = {
     "update_scale": lambda d: {"spectral": "adamw", "adamw": "spectral"}.get(d, 0.5),  # Dobb's
     "period": 1,
     "block_lr_ratio": 0.5,
+    "model_width": 64,
     "row_blocks": 2,
     "col_blocks": 2,
     "beta2": 0.5,
