@@ -54,7 +54,8 @@ from bench.study.gap import run_gap
 from bench.study.moe import check_moe_tuned, run_moe
 from bench.study.report import write_document
 from bench.study.runs import Runner, base_config, code_version, load_spec, run_study
-from bench.study.tuning import run_tuning
+from bench.study.shards import check_many_shards, run_many_shards
+from bench.study.tuning import run_tuning, tuned
 from bench.tools.records import stamped
 
 
@@ -76,6 +77,7 @@ def study(
     """
     spec = load_spec(config, tiny)
     check_moe_tuned(spec)
+    check_many_shards(spec, tuned(spec))
     if workers is not None:
         spec.workers = workers
     out = Path(out)
@@ -86,6 +88,7 @@ def study(
         results = run_study(spec, base, out, runner, log)
         results["gap"] = run_gap(spec, base, out, runner, results["best_lr"], log)
         results["tuning"] = run_tuning(spec, base, out, runner, results["best_lr"], log)
+        results["many_shards"] = run_many_shards(spec, base, out, runner, results["tuning"], log)
         results["moe"] = run_moe(
             spec, base, out, runner, results["best_lr"], results["tuning"], log
         )

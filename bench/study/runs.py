@@ -61,6 +61,12 @@ class StudySpec:
     tuning_wide_seeded: int = 0
     tuning_scale_rules: bool = False
     tuning_shard_counts: list[int] = field(default_factory=list)
+    many_shards_widths: list[int] = field(default_factory=list)
+    many_shards_counts: list[int] = field(default_factory=list)
+    many_shards_seeds: int = 3
+    many_shards_seeded: list[list[int]] = field(default_factory=list)
+    many_shards_lr_factors: list[float] = field(default_factory=list)
+    many_shards_retuned: list[list[int]] = field(default_factory=list)
     moe_optimizers: list[str] = field(default_factory=list)
     moe_tuned: list[str] = field(default_factory=list)
     moe_model: dict[str, Any] = field(default_factory=dict)
@@ -88,6 +94,9 @@ class StudySpec:
             "tuning_max_extensions": self.tuning_max_extensions >= 0,
             "tuning_seeds": self.tuning_seeds >= 2,
             "tuning_wide_seeded": self.tuning_wide_seeded >= 0,
+            "many_shards_counts": all(n >= 1 for n in self.many_shards_counts),
+            "many_shards_seeds": self.many_shards_seeds >= 2,
+            "many_shards_lr_factors": all(f > 0 and f != 1 for f in self.many_shards_lr_factors),
             "moe_optimizers": set(self.moe_optimizers) <= set(STUDIED),
             "moe_model": not (self.moe_optimizers or self.moe_tuned)
             or self.moe_model.get("n_experts", 0) > 0,
