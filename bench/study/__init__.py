@@ -27,7 +27,9 @@ name the commit that trained it):
     (block sizes, Adam coefficients, slower statistics, a weights EMA), the row-shard trend
     and the width trend of the best variants.
 (f) Every optimizer tuned at every width (``bench.study.tuning``): its own lr grid at each
-    width, seeds at each tuned lr, whether the tuned lr transfers across width.
+    width, seeds at each tuned lr, whether the tuned lr transfers across width; and the
+    recommended Dobb at many row shards (``bench.study.shards``): FSDP's rows per rank at
+    two widths, with seeds and a retuned lr.
 (g) A mixture of experts (``bench.study.moe``): the GPT of (a) with each MLP a mixture of
     experts, each optimizer of ``moe_optimizers`` and each configuration of (f) named in
     ``moe_tuned`` on its own lr grid with seeds, beside its dense numbers of (a) or (f):

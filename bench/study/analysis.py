@@ -13,6 +13,7 @@ from bench.compare import read_metrics
 from bench.optimizers import STUDIED
 from bench.study import gap as study_gap
 from bench.study import moe as study_moe
+from bench.study import shards as study_shards
 from bench.study import tuning as study_tuning
 from bench.study.runs import (
     WIDTH_PAIR,
@@ -101,6 +102,15 @@ def analyse(spec: StudySpec, base: TrainConfig, out: Path, results: dict) -> dic
         **(
             {"tuning": study_tuning.analyse_tuning(results["tuning"])}
             if "tuning" in results
+            else {}
+        ),
+        **(
+            {
+                "many_shards": study_shards.analyse_many_shards(
+                    results["many_shards"], results["tuning"]
+                )
+            }
+            if results.get("many_shards", {}).get("seeds")
             else {}
         ),
         **(
@@ -211,5 +221,6 @@ def _all_runs(results: dict) -> list[list[dict]]:
         *results["widths"].values(),
         *(study_gap.all_runs(results["gap"]) if "gap" in results else []),
         *(study_tuning.all_runs(results["tuning"]) if "tuning" in results else []),
+        *(study_shards.all_runs(results["many_shards"]) if "many_shards" in results else []),
         *(study_moe.all_runs(results["moe"]) if "moe" in results else []),
     ]

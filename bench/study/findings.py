@@ -9,6 +9,7 @@ from bench.study.format import NOISE, fmt_loss, label, title
 from bench.study.gap_report import gap_findings
 from bench.study.moe_report import moe_findings
 from bench.study.runs import base_alpha, is_one_column
+from bench.study.shards_report import many_shards_findings
 from bench.study.stats import NOISE_FACTOR
 from bench.study.tuning_report import tuning_findings
 from dobb.registry import get_entry
@@ -27,6 +28,7 @@ def findings(report: dict[str, Any]) -> list[str]:
         *_ablation_findings(report, "muonbp"),
         *(gap_findings(report["gap"]) if "gap" in report else []),
         *(tuning_findings(report["tuning"]) if "tuning" in report else []),
+        *(many_shards_findings(report["many_shards"]) if "many_shards" in report else []),
         *(moe_findings(report["moe"]) if "moe" in report else []),
         *_scope_findings(report),
     ]

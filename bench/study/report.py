@@ -16,6 +16,7 @@ from bench.study.gap_report import gap_section
 from bench.study.moe_report import moe_section
 from bench.study.plots import plot_ablations, plot_widths
 from bench.study.runs import defaults
+from bench.study.shards_report import many_shards_lines
 from bench.study.stats import NOISE_FACTOR
 from bench.study.tuning_report import tuning_section
 from dobb.train.model import gpt_config
@@ -168,6 +169,7 @@ def write_document(report: dict[str, Any], out: Path, doc: Path) -> None:
         *(gap_section(report["gap"], spec, out, link, table) if "gap" in report else []),
         "",
         *(tuning_section(report["tuning"], spec, out, link, table) if "tuning" in report else []),
+        *(many_shards_lines(report["many_shards"], table) if "many_shards" in report else []),
         *(
             ["", *moe_section(report["moe"], spec, report["info"], out, link, table)]
             if "moe" in report

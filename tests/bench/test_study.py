@@ -118,6 +118,26 @@ def test_spec_is_the_labs_and_a_missing_one_is_named(tmp_path):
         study_runs.load_spec(tmp_path / "nope.yaml")
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"many_shards_widths": [96]}, "does not tune the recommended Dobb at \\[96\\]"),
+        ({"many_shards_seeded": [[256, 3]]}, "\\[\\[256, 3\\]\\] is not a \\[width, count\\]"),
+        ({"many_shards_retuned": [[128, 4]]}, "many_shards_retuned: \\[\\[128, 4\\]\\]"),
+    ],
+)
+def test_many_shards_pairs_must_be_measured_widths_and_counts(change, message):
+    from bench.study.shards import check_many_shards
+    from bench.study.tuning import tuned
+
+    spec = study_runs.load_spec()
+    check_many_shards(spec, tuned(spec))  # the budget's own
+    for key, value in change.items():
+        setattr(spec, key, value)
+    with pytest.raises(ConfigError, match=message):
+        check_many_shards(spec, tuned(spec))
+
+
 def test_spec_rejects_per_run_keys(tmp_path):
     path = tmp_path / "s.yaml"
     spec = study_runs.load_spec().__dict__ | {"train": {"seed": 3}}
@@ -380,6 +400,7 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
         f"{pair['welch_t']:.2f}): {verdict} the noise."
     )
     assert f"- {sentence}" in text and f"- (f) {sentence}" in text  # section and summary
+    _check_many_shards(report, text, out, summary)
     # (g): the mixture of experts, each optimizer tuned on its own grid, beside (a)'s dense
     _check_moe(report, text, out, summary)
     assert report["compute"]["runs"] == report["new_runs"] == len(list((out / "runs").iterdir()))
@@ -397,6 +418,41 @@ def test_tiny_study_writes_the_document_from_the_runs_and_resumes(tmp_path):
     (out / "runs" / report["seeds"]["muon"]["runs"][1] / "summary.json").unlink()
     again = study.study(out, tiny=True, log=lambda *_: None)
     assert again["new_runs"] == 1 and len(again["invocations"]) == 3
+
+
+def _check_many_shards(report: dict, text: str, out: Path, summary) -> None:
+    """(f) at many row shards: the recommended Dobb at (f)'s tuned lr of each width, its
+    seeds and retuned grids where the spec asks, each loss from the runs' own JSON; Muon's
+    seeds of (f) beside it; at (f)'s own width the runs of the row-shard trend."""
+    many, spec, tuning = report["many_shards"], report["spec"], report["tuning"]
+    recommended = _label_row(tuning, many["label"])
+    assert recommended["label"].startswith("recommended Dobb")
+    pairs = [(w, n) for w in spec["many_shards_widths"] for n in spec["many_shards_counts"]]
+    assert sorted((r["n_embd"], r["row_shards"]) for r in many["rows"]) == sorted(pairs)
+    seeded = {tuple(p) for p in spec["many_shards_seeded"]}
+    retuned = {tuple(p) for p in spec["many_shards_retuned"]}
+    for r in many["rows"]:
+        w, n = r["n_embd"], r["row_shards"]
+        (at,) = [e for e in recommended["widths"] if e["n_embd"] == w]
+        assert r["tuned_lr"] == at["best_lr"]
+        assert r["seeds"]["n"] == (spec["many_shards_seeds"] if (w, n) in seeded else 1)
+        factors = [1.0, *spec["many_shards_lr_factors"]] if (w, n) in retuned else [1.0]
+        assert r["lrs"] == pytest.approx(sorted(at["best_lr"] * f for f in factors))
+        for run, loss in zip(r["seeds"]["runs"], r["seeds"]["losses"]):
+            config = json.loads((out / "runs" / run / "run.json").read_text())["config"]
+            assert config["optimizer_options"]["row_blocks"] == n
+            assert config["model_overrides"].get("n_embd", 64) == w
+            assert summary(run)["final_val_loss"] == loss
+        (muon,) = [e for e in _label_row(tuning, "Muon")["widths"] if e["n_embd"] == w]
+        assert r["muon"]["runs"] == muon["seeds"]["runs"]
+        assert r["gap"] == pytest.approx(r["seeds"]["mean"] - muon["seeds"]["mean"])
+        assert r["best_lr"] == r["lrs"][r["losses"].index(min(r["losses"]))]
+        if w == tuning["shards"]["n_embd"] and n in spec["tuning_shard_counts"]:  # shared
+            (trend,) = [x for x in tuning["shards"]["rows"] if x["row_shards"] == n]
+            assert trend["losses"][many["label"]] == r["seeds"]["losses"][0]
+    assert f"{many['label']} at many row shards" in text
+    for w in spec["many_shards_widths"]:
+        assert f"- (f) {many['label']} at width {w} over " in text
 
 
 def _check_moe(report: dict, text: str, out: Path, summary) -> None:
