@@ -2,6 +2,7 @@
 
     python -m bench compare [--quick] [--lr-sweep] ...   the optimizer comparison (the main job)
     python -m bench study [--tiny] [--out DIR]           tuned comparison, ablations -> STUDY.md
+    python -m bench plan CONFIG.yaml --world N           predicted per-rank costs (= dobb plan)
 
 Run from a clone (the lab is not part of the wheel). Errors the user can fix print one line,
 `bench: error: <what, and how to fix it>`, and exit with status 2, as `dobb train` does.
@@ -67,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides")
 
+    pl = sub.add_parser(
+        "plan", help="predicted per-rank state, bytes sent and call time at a layout"
+    )
+    pl.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m bench plan -h`")
     s = sub.add_parser(
         "study", parents=[common], help="seeds, lr sweeps, Dobb ablations, width trend -> STUDY.md"
     )
@@ -80,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # its own parser (bench.plan), shared with `dobb plan`
+        from bench.plan import main as plan
+
+        return plan(argv[1:])
     args = parser().parse_args(argv)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     command = f"{COMMAND} {shlex.join(argv)}"

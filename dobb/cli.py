@@ -1,8 +1,10 @@
 """The `dobb` command.
 
-`dobb train [CONFIG.yaml] [key=value ...]` (also `python -m dobb`). A failure the user can
-fix (a divergence too) prints one line, `dobb: error: <what, and how to fix it>`, and exits
-with status 2 (`--debug` or DOBB_DEBUG=1: its traceback too); any other error is a bug.
+`dobb train [CONFIG.yaml] [key=value ...]` (also `python -m dobb`); `dobb plan CONFIG.yaml
+--world N` prints each optimizer's predicted per-rank costs (the lab's ``bench.plan``). A
+failure the user can fix (a divergence too) prints one line, `dobb: error: <what, and how to
+fix it>`, and exits with status 2 (`--debug` or DOBB_DEBUG=1: its traceback too); any other
+error is a bug.
 The harness needs the train extra (numpy, pyyaml, tqdm), which the optimizers do not: without
 it `dobb train` is such a failure, naming `pip install 'dobb[train]'`.
 """
@@ -31,6 +33,10 @@ def parser() -> argparse.ArgumentParser:
         "train", parents=[common], help="train a GPT from a YAML config plus key=value overrides"
     )
     t.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    pl = sub.add_parser(
+        "plan", parents=[common], help="per-rank costs at a layout, predicted (needs a clone)"
+    )
+    pl.add_argument("args", nargs=argparse.REMAINDER, metavar="CONFIG.yaml --world N ...")
     return p
 
 
@@ -41,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():  # restores showwarning when main returns
         warnings.showwarning = _show_warning
         try:
-            return _train(args.args)
+            return _plan(args.args) if args.command == "plan" else _train(args.args)
         except (RunError, NonFiniteGradientError) as e:  # the input's fault, or a divergence
             if debug:
                 raise
@@ -73,6 +79,20 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
         print(f"dobb: warning: {one_line(message)}", file=sys.stderr if file is None else file)
     else:
         _default_show_warning(message, category, filename, lineno, file, line)
+
+
+def _plan(items: list[str]) -> int:
+    """The lab's ``bench.plan``, found in the working directory (a clone's root)."""
+    if os.path.isfile(os.path.join("bench", "plan.py")):
+        sys.path.insert(0, os.getcwd())
+    try:
+        from bench.plan import main
+    except ModuleNotFoundError as e:
+        raise RunError(
+            "`dobb plan` runs the lab's cost model (bench/), which the wheel does not ship: "
+            "run it from the root of a clone of the repository"
+        ) from e
+    return main(items)
 
 
 def _train(items: list[str]) -> int:

@@ -81,6 +81,25 @@ def state_bytes(name: str, matrix: Matrix, **options: Any) -> float:
     return with_options(cost_model(name).state_bytes, matrix, **entry_options(name, **options))
 
 
+def rank_state_bytes(
+    name: str, matrices: list[Matrix], layout: Layout = ONE_DEVICE, **options: Any
+) -> float:
+    """Bytes optimizer ``name`` keeps alive on the rank holding the largest piece of each
+    matrix under ``layout``: its cost module's ``rank_state_bytes`` (state replicated
+    across the ranks, e.g. Dobb's input bases, counted whole) or, for state that follows
+    the parameter's rows and columns, ``state_bytes`` of the local piece."""
+    model, options = cost_model(name), entry_options(name, **options)
+    total = 0.0
+    for m in matrices:
+        rows, columns = layout.local(m)
+        if hasattr(model, "rank_state_bytes"):
+            total += with_options(model.rank_state_bytes, m, rows, columns, **options)
+        else:
+            piece = Matrix(m.name, rows, columns, m.source)
+            total += with_options(model.state_bytes, piece, **options)
+    return total
+
+
 def state_formula(name: str, **options: Any) -> str:
     """``state_bytes`` of optimizer ``name`` per parameter, in words."""
     return with_options(cost_model(name).state_formula, **entry_options(name, **options))

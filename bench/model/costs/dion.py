@@ -33,6 +33,15 @@ def state_bytes(matrix: Matrix, *, rank_fraction: float = DEFAULTS.rank_fraction
     return (matrix.numel + matrix.d_in * dion_rank(matrix, rank_fraction) + 1) * FP32
 
 
+def rank_state_bytes(
+    matrix: Matrix, rows: int, columns: int, *, rank_fraction: float = DEFAULTS.rank_fraction
+) -> float:
+    """Bytes Dion keeps for ``matrix`` on a rank holding ``rows x columns`` of it: the
+    momentum of the local piece, ``Q`` (``columns x r``, ``r`` of the whole matrix: the
+    same on every rank splitting the rows) and ``step``."""
+    return (rows * columns + columns * dion_rank(matrix, rank_fraction) + 1) * FP32
+
+
 def work(
     matrices: list[Matrix],
     *,

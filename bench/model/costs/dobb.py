@@ -78,6 +78,34 @@ def state_bytes(
     return moments * matrix.numel * FP32 + 2 * blocks * FP32 + 2 * FP32
 
 
+def rank_state_bytes(
+    matrix: Matrix,
+    rows: int,
+    columns: int,
+    *,
+    num_blocks: int | None = DEFAULTS.num_blocks,
+    two_sided: bool = DEFAULTS.two_sided,
+    row_blocks: int | None = DEFAULTS.row_blocks,
+    coefficients: str = DEFAULTS.coefficients,
+) -> float:
+    """Bytes Dobb keeps alive for ``matrix`` on a rank holding ``rows x columns`` of it,
+    everything counted: the momentum (and ``V``) of the local piece; per input block of the
+    rank's columns ``C_b``, ``Q_b`` and the hooks' sum of ``X_bᵀ X_b`` (``s x s`` each, the
+    same on every data rank); two-sided, per row block of the rank's rows ``P_r`` and its
+    moments; two step counters (``bench.results.memory`` measures the same figure)."""
+    inputs = sum(s.count * s.size**2 for s in input_stacks(matrix, columns, num_blocks))
+    if two_sided and row_blocks is None:
+        rows_blocks = sum(s.count * s.size**2 for s in widest_blocks(rows, None))
+    elif two_sided:  # row_blocks blocks of all d_out rows, the rank's among them
+        whole = block_stacks(matrix.d_out, row_blocks)
+        local = local_block_stacks(whole, 0, rows, matrix.name)
+        rows_blocks = sum(s.count * s.size**2 for s in local)
+    else:
+        rows_blocks = 0
+    moments = 2 if coefficients == "adam" else 1
+    return (moments * rows * columns + 3 * inputs + 2 * rows_blocks + 2) * FP32
+
+
 def work(
     matrices: list[Matrix],
     *,
