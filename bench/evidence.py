@@ -234,6 +234,15 @@ COMM_BULLET = """\
   collectives and bytes per step for each optimizer and layout, measured with
   `CommRecorder` beside the analytic formula."""
 
+MEMORY_BULLET = """\
+- [benchmarks/memory.json](../benchmarks/memory.json) (`python -m bench.results.memory
+  --config gpt2-xl --worlds 1 2 4`): each optimizer's bytes alive per rank under FSDP2 on
+  gloo (every tensor that is not a parameter: state, statistics sums, caches, bases), the
+  record `dobb plan` sets its per-rank state model against;
+  [benchmarks/plan/](../benchmarks/plan) (`dobb plan CONFIG.yaml --world N`): each
+  optimizer's predicted per-rank state, bytes sent and call time at a layout, beside the
+  model's measured errors."""
+
 
 def names(labels: list[str]) -> str:
     """Configuration labels in a list (their own commas kept apart by semicolons)."""
@@ -316,7 +325,13 @@ def study_bullet(bench: Path) -> str:
 def render(bench: Path = BENCHMARKS) -> str:
     """The rendered part of docs/evidence.md, markers included: one list item per bullet,
     wrapped at ``WIDTH``."""
-    bullets = [results_bullet(bench), gpu_bullet(bench), COMM_BULLET, study_bullet(bench)]
+    bullets = [
+        results_bullet(bench),
+        gpu_bullet(bench),
+        COMM_BULLET,
+        MEMORY_BULLET,
+        study_bullet(bench),
+    ]
     items = [
         textwrap.fill(
             # a number ending in "." or ")" never starts a line (Markdown would list it)

@@ -28,6 +28,7 @@ the call time against the CPU call-time record with the CPU profile calibrated h
 import argparse
 import json
 import math
+import shlex
 from pathlib import Path
 
 from bench.model.costmodel import build_work, predict, rank_state_bytes
@@ -188,11 +189,12 @@ def render(config: str, layout_name: str, layout: Layout, result: dict, errors: 
     return "\n".join(lines)
 
 
-def matrices_of(config_path: str) -> tuple[str, list[Matrix], dict]:
-    """The config's GPT (name and width), its hidden matrices, and its optimizer's options."""
+def matrices_of(config_path: str, overrides: list[str]) -> tuple[str, list[Matrix], dict]:
+    """The config's GPT (name and width), its hidden matrices, and its optimizer's options
+    (``overrides``: ``key=value`` on top of the file, as ``dobb train`` takes them)."""
     from dobb.train.config import load_config
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, overrides)
     gpt = gpt_config(cfg.model, **cfg.model_overrides)
     name = f"{cfg.model} (width {gpt.n_embd}, {gpt.n_layer} layers)"
     options = {cfg.optimizer: dict(cfg.optimizer_options)} if cfg.optimizer in MODELS else {}
@@ -202,19 +204,27 @@ def matrices_of(config_path: str) -> tuple[str, list[Matrix], dict]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dobb plan", description=__doc__.splitlines()[0])
     p.add_argument("config", help="a `dobb train` YAML config (its model and optimizer)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model=gpt2-xl")
     p.add_argument("--world", type=int, required=True, help="ranks in all")
     p.add_argument("--layout", choices=("fsdp", "hsdp", "tp", "ddp"), default="fsdp")
     p.add_argument("--shard", type=int, default=8, help="hsdp: ranks per replica")
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    p.add_argument("--out", type=Path, default=None, help="also write the text here")
     args = p.parse_args(argv)
-    name, matrices, options = matrices_of(args.config)
+    name, matrices, options = matrices_of(args.config, args.overrides)
     layout = layout_of(args.layout, args.world, shard=args.shard)
     result = plan(matrices, layout, options=options)
     errors = measured_errors()
-    print(render(name, args.layout, layout, result, errors))
+    text = render(name, args.layout, layout, result, errors)
+    print(text)
+    if args.out:
+        command = shlex.join(["dobb", "plan", *argv])
+        args.out.write_text(f"Written by `{command}`.\n\n{text}\n")
     if args.json:
         record = {
+            "command": shlex.join(["dobb", "plan", *argv]),
             "config": args.config,
+            "overrides": args.overrides,
             "model": name,
             "layout": {"name": args.layout, **vars(layout)},
             "prediction": result,

@@ -11,6 +11,7 @@ it `dobb train` is such a failure, naming `pip install 'dobb[train]'`.
 
 import argparse
 import os
+import subprocess
 import sys
 import warnings
 
@@ -82,17 +83,13 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def _plan(items: list[str]) -> int:
-    """The lab's ``bench.plan``, found in the working directory (a clone's root)."""
-    if os.path.isfile(os.path.join("bench", "plan.py")):
-        sys.path.insert(0, os.getcwd())
-    try:
-        from bench.plan import main
-    except ModuleNotFoundError as e:
+    """``python -m bench plan``: the lab's cost model (not in the wheel), in a clone's root."""
+    if not os.path.isfile(os.path.join("bench", "plan.py")):
         raise RunError(
             "`dobb plan` runs the lab's cost model (bench/), which the wheel does not ship: "
             "run it from the root of a clone of the repository"
-        ) from e
-    return main(items)
+        )
+    return subprocess.call([sys.executable, "-m", "bench", "plan", *items])
 
 
 def _train(items: list[str]) -> int:

@@ -17,7 +17,7 @@ distributed form (``OptimizerEntry.distributed_options``):
   keeps it (state, statistics sums, caches, bases), counted once per storage.
 
 ``python -m bench plan`` prints the cost model's prediction of the same figure
-(``bench.model.memory``) beside its error against these records.
+(``bench.model.costmodel.rank_state_bytes``) beside its error against these records.
 """
 
 import argparse
@@ -54,7 +54,7 @@ def live_bytes(model: nn.Module) -> int:
                 skip.add(_local(t).untyped_storage().data_ptr())
     seen, total = set(), 0
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.is_meta:
+        if not issubclass(type(obj), torch.Tensor) or obj.is_meta:  # type(): no attribute reads
             continue
         t = _local(obj)
         storage = t.untyped_storage()
@@ -79,7 +79,7 @@ def rank_memory(rank: int, world: int, options: dict) -> dict:
         stack.zero_grad(set_to_none=True)
         before = live_bytes(stack)
         entry = get_entry(name)
-        opt = build_optimizer(name, stack, **entry.distributed_options(mesh))
+        opt = build_optimizer(name, stack, entry.lr, **entry.distributed_options(mesh))
         for _ in range(options["steps"]):
             forward_backward(stack, autocast=False)
             opt.step()

@@ -43,7 +43,7 @@ LAYERS: dict[str, list[list[str]]] = {
         ["bench.optimizers"],
         ["bench.compare", "bench.results", "bench.gpu", "bench.timebudget"],
         ["bench.study"],
-        ["bench.evidence"],
+        ["bench.evidence", "bench.plan"],
         ["bench.cli", "bench.__main__", "bench"],
     ],
 }

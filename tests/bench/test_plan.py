@@ -2,9 +2,12 @@
 rank sends, the command and its record."""
 
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 
+from bench import cli as lab
 from bench import plan as study_plan
 from bench.model.costmodel import rank_state_bytes
 from bench.model.hardware import Collective
@@ -75,15 +78,28 @@ def test_the_plan_under_fsdp():
     assert ratio["muon"] == pytest.approx(small["optimizers"]["muon"]["state_per_local_param"])
 
 
-def test_dobb_plan_prints_predictions_and_writes_its_record(tmp_path, capsys, monkeypatch):
+def test_dobb_plan_prints_predictions_and_writes_its_record(tmp_path, capfd, monkeypatch):
     out = tmp_path / "plan.json"
     assert cli.main(["plan", "configs/tiny.yaml", "--world", "4", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+    text = capfd.readouterr().out  # `dobb plan` runs `python -m bench plan`
     assert "PREDICTION" in text and "| dobb |" in text and "| adamw |" in text
     record = json.loads(out.read_text())
     assert record["layout"]["shard"] == 4 and "dobb" in record["prediction"]["optimizers"]
     assert set(record["measured_errors"]) >= {"state", "call"}
+    assert cli.main(["plan", "configs/tiny.yaml"]) == 2  # argparse: --world is required
+    assert "--world" in capfd.readouterr().err
     monkeypatch.chdir(tmp_path)  # no clone here: a clear error, no traceback
-    monkeypatch.setitem(__import__("sys").modules, "bench.plan", None)
     assert cli.main(["plan", "x.yaml", "--world", "2"]) == 2
-    assert "run it from the root of a clone" in capsys.readouterr().err
+    assert "run it from the root of a clone" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted(Path("benchmarks/plan").glob("*.md")), ids=str)
+def test_a_committed_plan_is_what_its_command_prints(path, capsys):
+    """The files the README quotes: their first line names the command; it prints the rest
+    (pure arithmetic on the cost model and the committed records, the same on any machine)."""
+    first, _, text = path.read_text().partition("\n\n")
+    command = shlex.split(first.removeprefix("Written by `").removesuffix("`."))
+    assert command[:2] == ["dobb", "plan"] and "--out" in command
+    at = command.index("--out")
+    assert lab.main(command[1:at] + command[at + 2 :]) == 0  # python -m bench plan ...
+    assert capsys.readouterr().out == text
