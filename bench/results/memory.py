@@ -1,6 +1,6 @@
 """Optimizer memory per rank: every live tensor that is not a parameter, measured under FSDP2.
 
-    python -m bench.results.memory --config gpt2 --layers 1 --worlds 1 2 4
+    python -m bench.results.memory --config gpt2 --layers 1 --worlds 1 2 4 --timeout 1800
 
 Spawns each world size's ranks on this machine (gloo, ``bench.tools.launch``). Each rank
 builds the call-time benchmarks' ``LinearStack`` (a model's hidden matrices), shards every
@@ -123,8 +123,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=RECORD)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
     args = parser.parse_args(argv)
-    record = run(args.config, args.layers, tuple(args.worlds), tokens=args.tokens)
+    worlds = tuple(args.worlds)
+    record = run(args.config, args.layers, worlds, tokens=args.tokens, timeout=args.timeout)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     for world, row in record["worlds"].items():
         cells = ", ".join(f"{n} {r['bytes'] / r['local_params']:.2f}" for n, r in row.items())

@@ -34,7 +34,7 @@ def test_the_committed_page_is_the_rendered_one(rendered):
 def test_no_continuation_line_starts_a_markdown_list(rendered):
     lines = rendered.splitlines()[1:-1]  # between the markers
     items = [line for line in lines if not line.startswith("  ")]
-    assert len(items) == 4 and all(line.startswith("- [benchmarks/") for line in items)
+    assert len(items) == 5 and all(line.startswith("- [benchmarks/") for line in items)
     assert not [line for line in lines if re.match(r"  (\d+[.)]|[-*+]) ", line)]
 
 

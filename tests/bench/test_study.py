@@ -253,6 +253,7 @@ def test_an_invocation_records_the_code_it_started_with(tmp_path, monkeypatch):
     monkeypatch.setattr(study, "run_study", lambda *a: {"best_lr": {}})
     monkeypatch.setattr(study, "run_gap", lambda *a: {})
     monkeypatch.setattr(study, "run_tuning", lambda *a: stages.append("trained") or {})
+    monkeypatch.setattr(study, "run_many_shards", lambda *a: {})
     monkeypatch.setattr(study, "run_moe", lambda *a: {})
     monkeypatch.setattr(study, "analyse", lambda *a: {})
     monkeypatch.setattr(study, "write_document", lambda *a: None)
