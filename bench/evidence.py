@@ -236,8 +236,8 @@ COMM_BULLET = """\
 
 MEMORY_BULLET = """\
 - [benchmarks/memory.json](../benchmarks/memory.json) (`python -m bench.results.memory
-  --config gpt2 --worlds 1 2 4 --timeout 1800`): each optimizer's bytes alive per rank
-  under FSDP2 on gloo (every tensor that is not a parameter: state, statistics sums,
+  --config gpt2 --worlds 1 2 4`): each optimizer's bytes alive per rank under FSDP2 on
+  gloo (every tensor that is not a parameter: state, statistics sums,
   caches, bases), the record `dobb plan` sets its per-rank state model against;
   [benchmarks/plan/](../benchmarks/plan) (`dobb plan CONFIG.yaml --world N`): each
   optimizer's predicted per-rank state, bytes sent and call time at a layout, beside the

@@ -122,6 +122,10 @@ def measured_errors(root: Path = Path(".")) -> dict:
         record = json.loads((root / MEMORY_RECORD).read_text())
         out["state"] = state_errors(record)
         out["state_source"] = _memory_source(record)
+        out["state_measured"] = {
+            world: {n: r["bytes"] / r["local_params"] for n, r in row.items()}
+            for world, row in record["worlds"].items()
+        }
     if (root / CALLTIME_RECORD).exists() and (root / CPU_PROFILE).exists():
         profile = Hardware.from_json(json.loads((root / CPU_PROFILE).read_text()))
         out["call"] = call_errors(json.loads((root / CALLTIME_RECORD).read_text()), profile)
@@ -185,8 +189,30 @@ def render(config: str, layout_name: str, layout: Layout, result: dict, errors: 
         "Bytes sent are not checked against a measurement here. Periodic call: Dobb's "
         "refresh, MuonBP's full step. Dobb's statistics hooks run in the forward pass, "
         "outside the call.",
+        *_measured_lines(errors.get("state_measured")),
     ]
     return "\n".join(lines)
+
+
+def _measured_lines(measured: dict | None) -> list[str]:
+    """The memory record the state error is taken against: bytes per local parameter by
+    world size, measured."""
+    if not measured:
+        return []
+    worlds = list(measured)
+    names = list(measured[worlds[0]])
+    rows = [[n, *(f"{measured[w][n]:.2f}" for w in worlds)] for n in names]
+    return [
+        "",
+        "Measured (the memory record above), bytes per local parameter:",
+        "",
+        markdown_table(
+            ["optimizer", *(f"{w} rank{'' if w == '1' else 's'}" for w in worlds)],
+            rows,
+            "l" + "r" * len(worlds),
+            pad=False,
+        ),
+    ]
 
 
 def matrices_of(config_path: str, overrides: list[str]) -> tuple[str, list[Matrix], dict]:

@@ -1,6 +1,6 @@
 """Optimizer memory per rank: every live tensor that is not a parameter, measured under FSDP2.
 
-    python -m bench.results.memory --config gpt2 --layers 1 --worlds 1 2 4 --timeout 1800
+    python -m bench.results.memory --config gpt2 --layers 1 --worlds 1 2 4
 
 Spawns each world size's ranks on this machine (gloo, ``bench.tools.launch``). Each rank
 builds the call-time benchmarks' ``LinearStack`` (a model's hidden matrices), shards every
@@ -23,7 +23,10 @@ distributed form (``OptimizerEntry.distributed_options``):
 import argparse
 import gc
 import json
+import platform
+import shlex
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -112,8 +115,18 @@ def run(
         per_world[str(world)] = {
             name: max((r[name] for r in ranks), key=lambda x: x["bytes"]) for name in names
         }
-    meta = dict(options, names=list(names), worlds=list(worlds), layout="fsdp")
+    meta = dict(options, names=list(names), worlds=list(worlds), layout="fsdp") | where()
     return stamped({"meta": meta, "worlds": per_world})
+
+
+def where() -> dict:
+    """The command, machine, torch and date a record was measured with."""
+    return {
+        "command": shlex.join(["python", "-m", "bench.results.memory", *sys.argv[1:]]),
+        "machine": platform.platform(),
+        "torch": torch.__version__,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -123,7 +136,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=RECORD)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
     args = parser.parse_args(argv)
     worlds = tuple(args.worlds)
     record = run(args.config, args.layers, worlds, tokens=args.tokens, timeout=args.timeout)
