@@ -118,6 +118,7 @@ def work(
     two_sided: bool = DEFAULTS.two_sided,
     row_blocks: int | None = DEFAULTS.row_blocks,
     coefficients: str = DEFAULTS.coefficients,
+    stats_sync: str = DEFAULTS.stats_sync,
 ) -> Work:
     """Dobb's call: the statistics fold, ``dobb_update_batched`` per batch of same-shape
     matrices, and a refresh on the calls ``refresh_due`` marks (one in ``k``).
@@ -127,9 +128,11 @@ def work(
     launches once per shape (``launches="per_matrix"``: the unbatched implementation, one
     launch per op and matrix). Batching stacks the direction and copies it into block order,
     two passes more than the per-matrix ops. The statistics are all-reduced over the data
-    ranks at a refresh. ``refresh="sharded"`` is our default (``shard_refresh=True``): each
-    of the ``p`` ranks of the innermost data axis refreshes ``1/p`` of the blocks of each
-    size, then one all-gather per block size shares the bases; ``"replicated"``
+    ranks at a refresh (on every step with ``stats_sync="step"``, or ``"auto"`` where the
+    parameters are plain tensors, as under DDP). ``refresh="sharded"`` is our default
+    (``shard_refresh=True``): each of the ``p`` ranks of the innermost data axis refreshes
+    ``1/p`` of the blocks of each size, then one all-gather per block size shares the
+    bases; ``"replicated"``
     (``shard_refresh=False``): every rank refreshes every block it holds. ``solver``:
     ``"eigh"`` (``torch.linalg.eigh``: one fitted cost per block), ``"jacobi"``
     (``dobb.eigensolve.jacobi_basis``: batched kernels, ``jacobi_kernels``) or another
@@ -189,8 +192,11 @@ def work(
         work.step += [Kernel("elementwise", count=4)]  # step counters: add, stack (twice)
     work.step += finite_check(checked)
     group = layout.refresh_split if refresh == "sharded" else 1
-    if layout.data > 1:
-        work.refresh_comm.append(Collective("all_reduce", cov_bytes, layout.data))
+    if layout.data > 1:  # every step for plain parameters (DDP) under "auto", as comm_bytes
+        plain = layout.shard == 1 and layout.tensor == 1
+        every = stats_sync == "step" or (stats_sync == "auto" and plain)
+        comm = work.step_comm if every else work.refresh_comm
+        comm.append(Collective("all_reduce", cov_bytes, layout.data))
     for size, count in sorted(eigh_blocks.items()):
         blocks = math.ceil(count / group)
         work.refresh += refresh_kernels(size, count, blocks, solver)
