@@ -85,12 +85,19 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug_env = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     if argv[:1] == ["plan"]:  # its own parser (bench.plan), shared with `dobb plan`
         from bench.plan import main as plan
 
-        return plan(argv[1:])
+        try:
+            return plan(argv[1:])
+        except RunError as e:  # e.g. a config that does not load
+            if debug_env:
+                raise
+            print(f"dobb plan: error: {one_line(e)}", file=sys.stderr)
+            return 2
     args = parser().parse_args(argv)
-    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    debug = args.debug or debug_env
     command = f"{COMMAND} {shlex.join(argv)}"
     try:
         if importlib.util.find_spec("matplotlib") is None:  # the plots: found now, not after runs

@@ -243,12 +243,12 @@ def main(argv: list[str]) -> int:
     errors = measured_errors()
     text = render(name, args.layout, layout, result, errors)
     print(text)
+    command = shlex.join(["dobb", "plan", *argv])
     if args.out:
-        command = shlex.join(["dobb", "plan", *argv])
         args.out.write_text(f"Written by `{command}`.\n\n{text}\n")
     if args.json:
         record = {
-            "command": shlex.join(["dobb", "plan", *argv]),
+            "command": command,
             "config": args.config,
             "overrides": args.overrides,
             "model": name,

@@ -88,6 +88,9 @@ def test_dobb_plan_prints_predictions_and_writes_its_record(tmp_path, capfd, mon
     assert set(record["measured_errors"]) >= {"state", "call"}
     assert cli.main(["plan", "configs/tiny.yaml"]) == 2  # argparse: --world is required
     assert "--world" in capfd.readouterr().err
+    assert cli.main(["plan", "nope.yaml", "--world", "2"]) == 2  # one line, no traceback
+    err = capfd.readouterr().err
+    assert err.startswith("dobb plan: error: no config file 'nope.yaml'") and "Traceback" not in err
     monkeypatch.chdir(tmp_path)  # no clone here: a clear error, no traceback
     assert cli.main(["plan", "x.yaml", "--world", "2"]) == 2
     assert "run it from the root of a clone" in capfd.readouterr().err
