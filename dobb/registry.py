@@ -126,9 +126,7 @@ class OptimizerEntry:
         ``data_parallel`` (a ProcessGroup or a mesh of data axes; None: one process): the
         group, under the class's ``data_parallel_option`` name, if it has one."""
         option = getattr(self.cls, "data_parallel_option", None)
-        if option is None or data_parallel is None:
-            return {}
-        return {option: data_parallel}
+        return {} if option is None or data_parallel is None else {option: data_parallel}
 
 
 OPTIMIZERS: dict[str, OptimizerEntry] = {

@@ -107,9 +107,7 @@ def check_stats_group(stats_groups: tuple, param: Tensor, dim: int, name: str) -
 
 def one_group(value):
     """One process group over every rank of ``value`` (a mesh is flattened); None for None."""
-    if isinstance(value, DeviceMesh):
-        return mesh_group(value)
-    return value
+    return mesh_group(value) if isinstance(value, DeviceMesh) else value
 
 
 def mesh_group(mesh: "DeviceMesh"):

@@ -97,9 +97,7 @@ from dobb.optim.parts import (
 
 def holders(param: Tensor, replica_group):
     """The process group whose ranks share ``param``'s update, None for a local update."""
-    if isinstance(param, DTensor):
-        return mesh_group(param.device_mesh)
-    return one_group(replica_group)
+    return mesh_group(param.device_mesh) if isinstance(param, DTensor) else one_group(replica_group)
 
 
 def shared_buckets(params: list[Tensor], replica_group) -> list[tuple[Any, list[Tensor]]]:

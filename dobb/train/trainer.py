@@ -149,9 +149,7 @@ def optimizer_state_bytes_per_param(opt: torch.optim.Optimizer, num_params: int)
 
 
 def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
